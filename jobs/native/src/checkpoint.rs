@@ -1,0 +1,313 @@
+//! Checkpoints in the object store: `runs/<run>/checkpoints/step=<n>/` holds
+//! `model.safetensors` (HF tensor names, float32; with `config.json` and, when known,
+//! `tokenizer.json` beside it, so the folder loads in transformers and vLLM as it is),
+//! `optimizer.safetensors` (AdamW moments, step in its metadata) and `manifest.json`
+//! ([`CheckpointManifest`]: step, parent, data cursor, RNG state, metrics, file sizes and
+//! SHA-256) — written LAST. A folder without a manifest is half-written: [`latest`] never
+//! takes it, [`load`] refuses it by name.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use tch::{Device, Tensor};
+
+use crate::hf::{read_safetensors, write_safetensors};
+use crate::learner::{AdamW, AdamWConfig, Learner, LearnerConfig};
+use crate::model::{Llama, LlamaConfig};
+use crate::tokenizer::Tokenizer;
+use crate::NativeError;
+use infra::store::ObjectStore;
+use schemas::{decode_document, encode_document, keys, CheckpointManifest, Document, FileEntry};
+
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const CONFIG_FILE: &str = "config.json";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// What a checkpoint records besides the weights.
+#[derive(Debug, Clone, Default)]
+pub struct SaveInfo {
+    pub run_id: String,
+    pub step: u32,
+    /// Manifest key of the checkpoint the update started from.
+    pub parent: Option<String>,
+    pub data_cursor: u64,
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Key of a checkpoint's manifest.
+pub fn manifest_key(run_id: &str, step: u32) -> String {
+    format!("{}{MANIFEST_FILE}", keys::checkpoint_dir(run_id, step))
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+fn ckpt_err(location: impl Into<String>, detail: impl Into<String>) -> NativeError {
+    NativeError::Checkpoint { location: location.into(), detail: detail.into() }
+}
+
+/// Serialises the AdamW moments (`exp_avg.<param>`, `exp_avg_sq.<param>`) with the step
+/// count and hyper-parameters in the file's metadata.
+fn optimizer_bytes(optim: &AdamW) -> Result<Vec<u8>, NativeError> {
+    let mut tensors: Vec<(String, Tensor)> = vec![];
+    for (n, t) in &optim.exp_avg {
+        tensors.push((format!("exp_avg.{n}"), t.shallow_clone()));
+    }
+    for (n, t) in &optim.exp_avg_sq {
+        tensors.push((format!("exp_avg_sq.{n}"), t.shallow_clone()));
+    }
+    let mut bytes = write_safetensors(&tensors)?;
+    // The step and hyper-parameters ride in the safetensors header's `__metadata__`.
+    let meta = HashMap::from([("step".to_string(), optim.step.to_string()), ("config".to_string(), serde_json::to_string(&optim.config).expect("serialises"))]);
+    if !tensors.is_empty() || optim.step > 0 {
+        bytes = with_metadata(&bytes, meta)?;
+    }
+    Ok(bytes)
+}
+
+/// Rewrites a safetensors buffer with header metadata.
+fn with_metadata(bytes: &[u8], meta: HashMap<String, String>) -> Result<Vec<u8>, NativeError> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| ckpt_err("<memory>", format!("{e:?}")))?;
+    let views = st.tensors();
+    safetensors::serialize(views, &Some(meta)).map_err(|e| ckpt_err("<memory>", format!("{e:?}")))
+}
+
+fn restore_optimizer(bytes: &[u8], location: &str, device: Device) -> Result<AdamW, NativeError> {
+    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| ckpt_err(location, format!("not a safetensors file: {e:?}")))?;
+    let meta = meta.metadata().clone().unwrap_or_default();
+    let step: u64 = meta.get("step").and_then(|s| s.parse().ok()).unwrap_or(0);
+    let config: AdamWConfig = match meta.get("config") {
+        Some(c) => serde_json::from_str(c).map_err(|e| ckpt_err(location, format!("optimizer config: {e}")))?,
+        None => AdamWConfig::default(),
+    };
+    let mut optim = AdamW::new(config);
+    optim.step = step;
+    for (name, t) in read_safetensors(bytes, &PathBuf::from(location))? {
+        let t = t.to_device(device);
+        if let Some(p) = name.strip_prefix("exp_avg_sq.") {
+            optim.exp_avg_sq.insert(p.to_string(), t);
+        } else if let Some(p) = name.strip_prefix("exp_avg.") {
+            optim.exp_avg.insert(p.to_string(), t);
+        } else {
+            return Err(ckpt_err(location, format!("unexpected tensor `{name}`")));
+        }
+    }
+    Ok(optim)
+}
+
+/// Writes a checkpoint of `learner` (files first, manifest last); returns the manifest key.
+pub async fn save(store: &dyn ObjectStore, learner: &Learner, tokenizer: Option<&Tokenizer>, info: &SaveInfo) -> Result<String, NativeError> {
+    let dir = keys::checkpoint_dir(&info.run_id, info.step);
+    let mut files: Vec<(&str, Vec<u8>)> = vec![
+        (MODEL_FILE, write_safetensors(&learner.model.named_tensors())?),
+        (OPTIMIZER_FILE, optimizer_bytes(&learner.optim)?),
+        (CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config.to_hf_json()).expect("serialises")),
+    ];
+    if let Some(tok) = tokenizer {
+        files.push((TOKENIZER_FILE, tok.to_json()?.into_bytes()));
+        files.push(("tokenizer_config.json", serde_json::to_vec_pretty(&tok.hf_config()).expect("serialises")));
+    }
+    let mut entries = vec![];
+    for (name, bytes) in files {
+        entries.push(FileEntry { name: name.to_string(), size: bytes.len() as u64, sha256: sha256(&bytes) });
+        store.put(&format!("{dir}{name}"), Bytes::from(bytes)).await?;
+    }
+    let manifest = CheckpointManifest {
+        schema_version: CheckpointManifest::VERSION,
+        run_id: info.run_id.clone(),
+        step: info.step,
+        parent: info.parent.clone(),
+        architecture: learner.model.config.model_type.clone(),
+        files: entries,
+        data_cursor: info.data_cursor,
+        rng_state: learner.rng_state(),
+        metrics: info.metrics.clone(),
+        created_at_ms: schemas::now_unix_ms(),
+    };
+    let key = manifest_key(&info.run_id, info.step);
+    store.put(&key, Bytes::from(encode_document(&manifest))).await?;
+    tracing::info!(key = %key, "checkpoint written");
+    Ok(key)
+}
+
+/// The newest complete checkpoint of a run: the highest step whose manifest exists, parses
+/// and lists files that are all present with their recorded sizes.
+pub async fn latest(store: &dyn ObjectStore, run_id: &str) -> Result<Option<CheckpointManifest>, NativeError> {
+    let prefix = format!("{}/checkpoints/", keys::run_prefix(run_id));
+    let mut steps: Vec<u32> = store
+        .list(&prefix)
+        .await?
+        .iter()
+        .filter_map(|m| m.key.strip_prefix(&prefix)?.strip_suffix(&format!("/{MANIFEST_FILE}"))?.strip_prefix("step=")?.parse().ok())
+        .collect();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    for step in steps {
+        let key = manifest_key(run_id, step);
+        let manifest = match read_manifest(store, &key).await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(key = %key, error = %e, "skipping an unreadable checkpoint manifest");
+                continue;
+            }
+        };
+        let dir = keys::checkpoint_dir(run_id, step);
+        let mut complete = true;
+        for f in &manifest.files {
+            match store.head(&format!("{dir}{}", f.name)).await? {
+                Some(meta) if meta.size == f.size => {}
+                _ => {
+                    tracing::warn!(key = %key, file = %f.name, "skipping a checkpoint whose files do not match its manifest");
+                    complete = false;
+                    break;
+                }
+            }
+        }
+        if complete {
+            return Ok(Some(manifest));
+        }
+    }
+    Ok(None)
+}
+
+async fn read_manifest(store: &dyn ObjectStore, key: &str) -> Result<CheckpointManifest, NativeError> {
+    let bytes = match store.get(key).await {
+        Ok(b) => b,
+        Err(infra::store::StoreError::NotFound { .. }) => {
+            return Err(ckpt_err(
+                store.object_url(key),
+                "manifest.json is absent: the checkpoint is half-written (its manifest is written last) or was never made; load the latest complete checkpoint instead",
+            ))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    Ok(decode_document::<CheckpointManifest>(&store.object_url(key), &bytes)?)
+}
+
+async fn read_file(store: &dyn ObjectStore, dir: &str, manifest: &CheckpointManifest, name: &str) -> Result<Option<Vec<u8>>, NativeError> {
+    let Some(entry) = manifest.files.iter().find(|f| f.name == name) else { return Ok(None) };
+    let key = format!("{dir}{name}");
+    let bytes = store.get(&key).await?;
+    if bytes.len() as u64 != entry.size || sha256(&bytes) != entry.sha256 {
+        return Err(ckpt_err(store.object_url(&key), "size or SHA-256 differs from the manifest (corrupt or overwritten file)"));
+    }
+    Ok(Some(bytes.to_vec()))
+}
+
+/// A loaded checkpoint.
+pub struct Loaded {
+    pub manifest: CheckpointManifest,
+    pub learner: Learner,
+    /// The tokenizer saved with it, if any.
+    pub tokenizer: Option<Tokenizer>,
+}
+
+/// Loads the checkpoint of `step`: weights, optimizer moments and RNG state.
+pub async fn load(store: &dyn ObjectStore, run_id: &str, step: u32, device: Device, config: LearnerConfig) -> Result<Loaded, NativeError> {
+    let manifest = read_manifest(store, &manifest_key(run_id, step)).await?;
+    let dir = keys::checkpoint_dir(run_id, step);
+    let url = |name: &str| store.object_url(&format!("{dir}{name}"));
+    let missing = |name: &str| ckpt_err(url(name), format!("listed file `{name}` is missing from the manifest"));
+    let cfg_bytes = read_file(store, &dir, &manifest, CONFIG_FILE).await?.ok_or_else(|| missing(CONFIG_FILE))?;
+    let cfg = LlamaConfig::from_hf_json(&PathBuf::from(url(CONFIG_FILE)), &String::from_utf8_lossy(&cfg_bytes))?;
+    let model_bytes = read_file(store, &dir, &manifest, MODEL_FILE).await?.ok_or_else(|| missing(MODEL_FILE))?;
+    let model_path = PathBuf::from(url(MODEL_FILE));
+    let tensors = read_safetensors(&model_bytes, &model_path)?;
+    let tensors: HashMap<String, Tensor> = tensors.into_iter().map(|(k, v)| (k, v.to_device(device))).collect();
+    let model = Llama::from_tensors(cfg, &tensors, device, &model_path)?;
+    let mut learner = Learner::new(model, config);
+    if let Some(bytes) = read_file(store, &dir, &manifest, OPTIMIZER_FILE).await? {
+        let mut optim = restore_optimizer(&bytes, &url(OPTIMIZER_FILE), device)?;
+        // The run's settings win over the saved ones; the moments and step carry over.
+        optim.config = learner.config.optimizer.clone();
+        learner.optim = optim;
+    }
+    learner.set_rng_state(&manifest.rng_state)?;
+    let tokenizer = match read_file(store, &dir, &manifest, TOKENIZER_FILE).await? {
+        Some(bytes) => {
+            let cfg = read_file(store, &dir, &manifest, "tokenizer_config.json").await?;
+            Some(Tokenizer::from_hf_bytes(&bytes, cfg.as_deref(), &PathBuf::from(url(TOKENIZER_FILE)))?)
+        }
+        None => None,
+    };
+    Ok(Loaded { manifest, learner, tokenizer })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::learner::{Batch, Sample};
+    use infra::store::LocalStore;
+
+    fn learner(seed: i64) -> Learner {
+        tch::manual_seed(seed);
+        let m = Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu).unwrap();
+        Learner::new(m, LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, micro_batch_tokens: 8, seed: 3, ..Default::default() })
+    }
+
+    fn batch() -> Batch {
+        Batch {
+            tasks: vec!["a".into()],
+            samples: vec![
+                Sample { task: 0, context: vec![1, 2], completion: vec![3, 4], mask: vec![true, true], logq: vec![], advantage: 1.0 },
+                Sample { task: 0, context: vec![1, 2], completion: vec![5], mask: vec![true], logq: vec![], advantage: -1.0 },
+            ],
+        }
+    }
+
+    fn store() -> (tempfile::TempDir, LocalStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(dir.path()).unwrap();
+        (dir, store)
+    }
+
+    fn logits(l: &Learner) -> Tensor {
+        let _g = tch::no_grad_guard();
+        l.model.forward(&Tensor::from_slice(&[1i64, 2, 3, 4, 5]).view([1, 5]), None)
+    }
+
+    #[tokio::test]
+    async fn save_then_load_gives_identical_logits_and_resumes_bit_identically() {
+        let (_d, store) = store();
+        let mut a = learner(1);
+        a.update(&batch()).unwrap();
+        let info = SaveInfo { run_id: "r".into(), step: 1, data_cursor: 8, ..Default::default() };
+        let key = save(&store, &a, None, &info).await.unwrap();
+        assert_eq!(key, "runs/r/checkpoints/step=1/manifest.json");
+        let cfg = a.config.clone();
+        let loaded = load(&store, "r", 1, Device::Cpu, cfg.clone()).await.unwrap();
+        assert_eq!(loaded.manifest.data_cursor, 8);
+        assert!(logits(&a).equal(&logits(&loaded.learner)), "logits differ after save → load");
+        // two runs from the same checkpoint and seed: bit-identical weights after an update
+        let mut b = load(&store, "r", 1, Device::Cpu, cfg.clone()).await.unwrap().learner;
+        let mut c = load(&store, "r", 1, Device::Cpu, cfg).await.unwrap().learner;
+        b.update(&batch()).unwrap();
+        c.update(&batch()).unwrap();
+        a.update(&batch()).unwrap();
+        for (((n, x), (_, y)), (_, z)) in b.model.named_tensors().iter().zip(c.model.named_tensors()).zip(a.model.named_tensors()) {
+            assert!(x.equal(&y), "{n} differs between two resumed runs");
+            assert!(x.equal(&z), "{n} differs from the uninterrupted run");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_half_written_checkpoint_is_never_the_latest() {
+        let (_d, store) = store();
+        let a = learner(2);
+        save(&store, &a, None, &SaveInfo { run_id: "r".into(), step: 1, ..Default::default() }).await.unwrap();
+        // step 2: files written, manifest missing (the writer died before the last put)
+        save(&store, &a, None, &SaveInfo { run_id: "r".into(), step: 2, ..Default::default() }).await.unwrap();
+        store.delete(&manifest_key("r", 2)).await.unwrap();
+        // step 3: manifest present but the model file was lost
+        save(&store, &a, None, &SaveInfo { run_id: "r".into(), step: 3, ..Default::default() }).await.unwrap();
+        store.delete("runs/r/checkpoints/step=3/model.safetensors").await.unwrap();
+        assert_eq!(latest(&store, "r").await.unwrap().map(|m| m.step), Some(1));
+        let err = load(&store, "r", 2, Device::Cpu, LearnerConfig::default()).await.err().unwrap().to_string();
+        assert!(err.contains("step=2/manifest.json") && err.contains("manifest.json is absent"), "{err}");
+        assert!(latest(&store, "other").await.unwrap().is_none());
+    }
+}

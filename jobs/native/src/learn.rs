@@ -1,0 +1,257 @@
+//! The learn job: one GRPO update of a run's policy from the retained groups of a step.
+//!
+//! 1. If step n's checkpoint is already complete, the job is a redelivery: return it.
+//! 2. Start from the run's latest complete checkpoint, or from the base model when the run
+//!    has none yet.
+//! 3. Read `groups/step=<n>/` and `trajectories/step=<n>/`, keep the retained groups, and
+//!    turn their trajectories into samples (each policy turn in its own harness context).
+//! 4. Update (Appendix B) and write `checkpoints/step=<n>/` with the manifest last.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use tch::Device;
+
+use crate::checkpoint::{self, SaveInfo};
+use crate::learner::{data, Learner, LearnerConfig, StepMetrics};
+use crate::NativeError;
+use infra::store::ObjectStore;
+use infra::table::read_prefix;
+use schemas::{Group, Trajectory};
+
+/// Input of a learn job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LearnInput {
+    pub run_id: String,
+    /// The step whose retained groups are trained on; the checkpoint gets this step.
+    pub step: u32,
+    /// GGUF file or HF directory of the starting policy (used while the run has no
+    /// checkpoint yet).
+    pub base_model: PathBuf,
+    #[serde(default)]
+    pub learner: LearnerConfig,
+    /// Position in the task stream after this step, recorded in the manifest.
+    #[serde(default)]
+    pub data_cursor: u64,
+    /// `cpu` or `cuda` (`cuda:N` for a given GPU).
+    #[serde(default = "default_device")]
+    pub device: String,
+}
+
+fn default_device() -> String {
+    "cpu".into()
+}
+
+/// Result of a learn job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LearnOutput {
+    pub manifest_key: String,
+    /// Manifest key of the checkpoint the update started from (None: the base model).
+    pub parent: Option<String>,
+    pub metrics: StepMetrics,
+    /// True when the checkpoint already existed (redelivered job): nothing was trained.
+    pub already_done: bool,
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<Device, NativeError> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Ok(Device::Cuda(n)),
+            None => Err(NativeError::Config { field: "device".into(), detail: format!("`{other}` is not `cpu`, `cuda` or `cuda:N`") }),
+        },
+    }
+}
+
+pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOutput, NativeError> {
+    let device = parse_device(&input.device)?;
+    if device.is_cuda() && !tch::Cuda::is_available() {
+        return Err(NativeError::Config { field: "device".into(), detail: "CUDA is not available to libtorch; build with `--features cuda` against a CUDA libtorch, or use `cpu`".into() });
+    }
+    let latest = checkpoint::latest(store, &input.run_id).await?;
+    if let Some(m) = &latest {
+        if m.step == input.step {
+            return Ok(LearnOutput {
+                manifest_key: checkpoint::manifest_key(&input.run_id, m.step),
+                parent: m.parent.clone(),
+                metrics: StepMetrics::default(),
+                already_done: true,
+            });
+        }
+        if m.step > input.step {
+            return Err(NativeError::Input(format!(
+                "run `{}` already has a checkpoint at step {}, after the requested step {}; learn jobs must run in step order",
+                input.run_id, m.step, input.step
+            )));
+        }
+    }
+
+    let (mut learner, tokenizer, parent) = match &latest {
+        Some(m) => {
+            let loaded = checkpoint::load(store, &input.run_id, m.step, device, input.learner.clone()).await?;
+            let tok = match loaded.tokenizer {
+                Some(t) => t,
+                None => crate::loader::load(&input.base_model, Device::Cpu)?.1,
+            };
+            (loaded.learner, tok, Some(checkpoint::manifest_key(&input.run_id, m.step)))
+        }
+        None => {
+            let (model, tok) = crate::loader::load(&input.base_model, device)?;
+            (Learner::new(model, input.learner.clone()), tok, None)
+        }
+    };
+
+    let groups: Vec<Group> = read_prefix(store, &format!("runs/{}/groups/step={}/", input.run_id, input.step)).await?;
+    let trajectories: Vec<Trajectory> = read_prefix(store, &format!("runs/{}/trajectories/step={}/", input.run_id, input.step)).await?;
+    let batch = data::batch_from_groups(&groups, &trajectories, &tokenizer)?;
+    tracing::info!(run = %input.run_id, step = input.step, tasks = batch.tasks.len(), samples = batch.samples.len(), "learn job: training on retained groups");
+    let metrics = learner.update(&batch)?;
+
+    let info = SaveInfo { run_id: input.run_id.clone(), step: input.step, parent: parent.clone(), data_cursor: input.data_cursor, metrics: metrics.to_map() };
+    let manifest_key = checkpoint::save(store, &learner, Some(&tokenizer), &info).await?;
+    Ok(LearnOutput { manifest_key, parent, metrics, already_done: false })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Llama, LlamaConfig};
+    use crate::tokenizer::word_level;
+    use infra::store::LocalStore;
+    use infra::table::write_records;
+    use schemas::{RetainedKind, Role, RolloutKind, Split, Termination, Turn, TurnSource};
+
+    const WORDS: [&str; 8] = ["user", "assistant", "system", "count", "rows", "answer", "yes", "no"];
+
+    fn turn(index: u32, role: Role, source: TurnSource, text: &str, ids: Vec<u32>) -> Turn {
+        let n = ids.len();
+        Turn {
+            index,
+            role,
+            source,
+            text: text.into(),
+            logprobs: if source == TurnSource::Policy { vec![-2.0; n] } else { vec![] },
+            loss_mask: vec![source == TurnSource::Policy; n],
+            token_ids: ids,
+            tool_name: None,
+            tool_args: None,
+            hook_id: None,
+        }
+    }
+
+    fn trajectory(id: &str, reward: f64, answer: u32) -> Trajectory {
+        Trajectory {
+            trajectory_id: id.into(),
+            run_id: "r".into(),
+            job_id: "j".into(),
+            step: 1,
+            kind: RolloutKind::Rescue,
+            split: Split::Train,
+            task_id: "t1".into(),
+            task_type: "counting".into(),
+            group_id: "g1".into(),
+            attempt: 0,
+            harness_id: "h1".into(),
+            harness_version: "v".into(),
+            policy_checkpoint: "base".into(),
+            seed: 0,
+            reward,
+            success: reward > 0.0,
+            termination: Termination::Committed,
+            error_class: None,
+            error_message: None,
+            advantage: None,
+            retained: true,
+            retained_reason: None,
+            prompt_tokens: 0,
+            completion_tokens: 1,
+            harness_tokens: 2,
+            model_calls: 1,
+            env_actions: 0,
+            started_at_ms: 0,
+            duration_ms: 0,
+            policy_ms: 0,
+            env_ms: 0,
+            turns: vec![
+                turn(0, Role::System, TurnSource::Harness, "answer yes or no", vec![]),
+                turn(1, Role::User, TurnSource::Env, "count rows", vec![]),
+                turn(2, Role::Assistant, TurnSource::Policy, if answer == 10 { "yes" } else { "no" }, vec![answer]),
+            ],
+        }
+    }
+
+    /// A learn job reads the retained group of a step, trains, writes a complete
+    /// checkpoint, raises the rewarded answer's probability, and is a no-op when redelivered.
+    #[tokio::test]
+    async fn learn_job_trains_on_retained_groups_and_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(dir.path().join("store")).unwrap();
+        // base model: a tiny random llama saved as an HF directory
+        tch::manual_seed(4);
+        let tok = word_level(&WORDS);
+        let model = Llama::new(LlamaConfig::tiny(tok.vocab_size() as i64, 64, 2), Device::Cpu).unwrap();
+        let base = dir.path().join("base");
+        std::fs::create_dir_all(&base).unwrap();
+        std::fs::write(base.join("config.json"), model.config.to_hf_json().to_string()).unwrap();
+        std::fs::write(base.join("model.safetensors"), crate::hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
+        std::fs::write(base.join("tokenizer.json"), tok.to_json().unwrap()).unwrap();
+
+        // "yes" (id 10) succeeds, "no" (id 11) fails; a dropped group must be ignored
+        let trajs = vec![trajectory("a", 1.0, 10), trajectory("b", 0.0, 11), trajectory("c", 0.0, 11), trajectory("d", 0.0, 11)];
+        write_records(&store, "runs/r/trajectories/step=1/kind=rescue/part-x.parquet", &trajs).await.unwrap();
+        let group = |id: &str, retained: bool, ids: Vec<&str>| Group {
+            run_id: "r".into(),
+            step: 1,
+            group_id: id.into(),
+            task_id: "t1".into(),
+            split: Split::Train,
+            k: ids.len() as u32,
+            base_successes: 0,
+            rescue_fired: true,
+            rescue_strategy: "router".into(),
+            harnesses: vec!["h1".into(); ids.len()],
+            rescue_successes: 1,
+            retained,
+            retained_kind: if retained { RetainedKind::Rescue } else { RetainedKind::None },
+            filter_reason: None,
+            mean_reward: 0.25,
+            reward_std: 0.433,
+            advantages: vec![],
+            trajectory_ids: ids.into_iter().map(String::from).collect(),
+            policy_tokens: 3,
+        };
+        let groups = vec![group("g1", true, vec!["a", "b", "c"]), group("g2", false, vec!["missing"])];
+        write_records(&store, "runs/r/groups/step=1/part-x.parquet", &groups).await.unwrap();
+
+        let input = LearnInput {
+            run_id: "r".into(),
+            step: 1,
+            base_model: base.clone(),
+            learner: LearnerConfig { optimizer: crate::learner::AdamWConfig { lr: 1e-2, ..Default::default() }, ..Default::default() },
+            data_cursor: 4,
+            device: "cpu".into(),
+        };
+        let out = run(&store, &input).await.unwrap();
+        assert_eq!(out.manifest_key, "runs/r/checkpoints/step=1/manifest.json");
+        assert_eq!(out.metrics.policy_tokens, 3);
+        assert_eq!(out.metrics.tasks, 1);
+        assert!(!out.already_done);
+
+        let loaded = checkpoint::load(&store, "r", 1, Device::Cpu, LearnerConfig::default()).await.unwrap();
+        assert_eq!(loaded.manifest.data_cursor, 4);
+        assert!(loaded.manifest.metrics.contains_key("loss"));
+        let ctx = tok.encode_chat(&[jobs::policy::Message::new(Role::System, "answer yes or no"), jobs::policy::Message::new(Role::User, "count rows")]).unwrap();
+        let before = Learner::new(crate::hf::load_model(&base, Device::Cpu).unwrap(), LearnerConfig::default());
+        let (p0, p1) = (before.sequence_logprob(&ctx, &[10]), loaded.learner.sequence_logprob(&ctx, &[10]));
+        assert!(p1 > p0, "log p(yes) should rise: {p0} → {p1}");
+        // the checkpoint folder is an HF model directory
+        let reloaded = crate::loader::load(&dir.path().join("store/runs/r/checkpoints/step=1"), Device::Cpu).unwrap();
+        assert_eq!(reloaded.1.encode_chat(&[jobs::policy::Message::new(Role::User, "count rows")]).unwrap(), tok.encode_chat(&[jobs::policy::Message::new(Role::User, "count rows")]).unwrap());
+
+        let again = run(&store, &input).await.unwrap();
+        assert!(again.already_done);
+    }
+}

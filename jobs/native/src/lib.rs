@@ -1,0 +1,80 @@
+//! The native tch backend of harness-s: the policy being trained, in-process.
+//!
+//! It owns a llama-family decoder ([`model::Llama`]: RMSNorm, RoPE in both layouts,
+//! grouped-query attention, SwiGLU, tied or untied embeddings, optional q/k/v bias for
+//! qwen2, KV cache), its loaders ([`gguf`] with dequantisation of F32/F16/BF16/Q8_0/Q4_0/
+//! Q4_1/Q4_K/Q6_K, and [`hf`] for safetensors + `config.json`), the tokenizer with the
+//! ChatML template ([`tokenizer`]), the sampler that records each token's log-probability
+//! ([`sampler`]), the `native` [`jobs::policy::Policy`] backend ([`policy::NativePolicy`]),
+//! the GRPO learner of the paper's Appendix B ([`learner`]) and checkpoints ([`checkpoint`]).
+//!
+//! Only crates that need libtorch depend on this one. Build with `LIBTORCH` pointing at a
+//! libtorch 2.13.0 (`infra/deploy/libtorch.sh` assembles a CPU one); the `cuda` feature
+//! links `torch_cuda` for GPU learners.
+//!
+//! ```no_run
+//! use native::{loader, sampler::{generate, GenerateOptions}};
+//! let (model, tok) = loader::load(std::path::Path::new("model.gguf"), tch::Device::Cpu)?;
+//! let prompt = tok.encode("The capital of France is")?;
+//! let out = generate(&model, &prompt, &GenerateOptions::greedy(20), &tok.stop_ids())?;
+//! println!("{}", tok.decode(&out.tokens)?);
+//! # Ok::<(), native::NativeError>(())
+//! ```
+
+use std::path::{Path, PathBuf};
+
+pub mod checkpoint;
+pub mod gguf;
+pub mod hf;
+pub mod learner;
+pub mod loader;
+pub mod model;
+pub mod policy;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use model::{Llama, LlamaConfig};
+pub use policy::NativePolicy;
+pub use tokenizer::Tokenizer;
+
+/// Failures of the native backend. Each names the file, tensor or setting involved.
+#[derive(Debug, thiserror::Error)]
+pub enum NativeError {
+    #[error("cannot read {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {detail}")]
+    Format { path: PathBuf, detail: String },
+    #[error("{path}: metadata key `{key}` is missing")]
+    MissingMetadata { path: PathBuf, key: String },
+    #[error("{path}: tensor `{tensor}` is missing")]
+    MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: tensor `{tensor}` has shape {got:?}, the model expects {expected:?}")]
+    Shape { path: PathBuf, tensor: String, expected: Vec<i64>, got: Vec<i64> },
+    #[error("{path}: tensor `{tensor}` uses quantization {kind}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); re-quantize the model to one of these")]
+    UnsupportedQuant { path: PathBuf, tensor: String, kind: String },
+    #[error("{path}: architecture `{arch}` is not supported (llama and qwen2 are)")]
+    UnsupportedArchitecture { path: PathBuf, arch: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("checkpoint {location}: {detail}")]
+    Checkpoint { location: String, detail: String },
+    #[error("invalid setting `{field}`: {detail}")]
+    Config { field: String, detail: String },
+    #[error("learner input: {0}")]
+    Input(String),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    #[error(transparent)]
+    Store(#[from] infra::store::StoreError),
+    #[error(transparent)]
+    Table(#[from] infra::table::TableError),
+    #[error(transparent)]
+    Schema(#[from] schemas::SchemaError),
+}
+
+impl NativeError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        NativeError::Io { path: path.to_path_buf(), source }
+    }
+}
+pub mod learn;

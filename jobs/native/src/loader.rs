@@ -1,0 +1,122 @@
+//! One entry point for "a model path": a `.gguf` file, or a Hugging Face directory
+//! (`config.json` + safetensors + `tokenizer.json`), including our own checkpoints.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::gguf::{GgufFile, Value};
+use crate::model::{unpermute_qk, Llama, LlamaConfig};
+use crate::tokenizer::Tokenizer;
+use crate::{hf, NativeError};
+
+/// Loads the model and its tokenizer from `path` (GGUF file or HF directory).
+pub fn load(path: &Path, device: Device) -> Result<(Llama, Tokenizer), NativeError> {
+    if path.is_dir() {
+        let model = hf::load_model(path, device)?;
+        let tok = Tokenizer::from_hf_dir(path)?;
+        Ok((model, tok))
+    } else if path.extension().is_some_and(|e| e == "gguf") {
+        let f = GgufFile::open(path)?;
+        let tok = Tokenizer::from_gguf(&f)?;
+        let model = model_from_gguf(&f, device)?;
+        Ok((model, tok))
+    } else if !path.exists() {
+        Err(NativeError::Io { path: path.into(), source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory") })
+    } else {
+        Err(NativeError::Format { path: path.into(), detail: "expected a .gguf file or a directory with config.json and *.safetensors".into() })
+    }
+}
+
+/// The architecture described by a GGUF's `<arch>.*` metadata.
+pub fn config_from_gguf(f: &GgufFile) -> Result<LlamaConfig, NativeError> {
+    let path = f.path.as_path();
+    let arch = f.require("general.architecture")?.as_str().unwrap_or_default().to_string();
+    if !matches!(arch.as_str(), "llama" | "qwen2") {
+        return Err(NativeError::UnsupportedArchitecture { path: path.into(), arch });
+    }
+    let int = |k: &str| -> Result<i64, NativeError> {
+        let key = format!("{arch}.{k}");
+        f.require(&key)?.as_u64().map(|v| v as i64).ok_or_else(|| NativeError::Format { path: path.into(), detail: format!("`{key}` is not an integer") })
+    };
+    let heads = int("attention.head_count")?;
+    let vocab = match f.get(&format!("{arch}.vocab_size")).and_then(Value::as_u64) {
+        Some(v) => v as i64,
+        None => f.require("tokenizer.ggml.tokens")?.as_array().map(|a| a.len() as i64).unwrap_or(0),
+    };
+    let cfg = LlamaConfig {
+        model_type: arch.clone(),
+        vocab_size: vocab,
+        hidden_size: int("embedding_length")?,
+        intermediate_size: int("feed_forward_length")?,
+        num_hidden_layers: int("block_count")?,
+        num_attention_heads: heads,
+        num_key_value_heads: f.get(&format!("{arch}.attention.head_count_kv")).and_then(Value::as_u64).map(|v| v as i64).unwrap_or(heads),
+        rms_norm_eps: f.get(&format!("{arch}.attention.layer_norm_rms_epsilon")).and_then(Value::as_f64).unwrap_or(1e-5),
+        rope_theta: f.get(&format!("{arch}.rope.freq_base")).and_then(Value::as_f64).unwrap_or(10000.0),
+        max_position_embeddings: int("context_length").unwrap_or(2048),
+        tie_word_embeddings: !f.tensors.contains_key("output.weight"),
+        attention_bias: f.tensors.contains_key("blk.0.attn_q.bias"),
+        rope_interleaved: false,
+        bos_token_id: f.get("tokenizer.ggml.bos_token_id").and_then(Value::as_u64).map(|v| v as i64),
+        eos_token_id: f.get("tokenizer.ggml.eos_token_id").and_then(Value::as_u64).map(|v| v as i64),
+    };
+    cfg.validate().map_err(|e| NativeError::Format { path: path.into(), detail: e.to_string() })?;
+    Ok(cfg)
+}
+
+/// HF parameter name of a GGUF tensor name.
+fn hf_name(gguf: &str) -> Option<String> {
+    let top = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some(t.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (module, kind) = rest.rsplit_once('.')?;
+    let hf = match module {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{kind}"))
+}
+
+/// Dequantises every tensor of a GGUF into a model with HF-layout weights.
+pub fn model_from_gguf(f: &GgufFile, device: Device) -> Result<Llama, NativeError> {
+    let cfg = config_from_gguf(f)?;
+    let started = std::time::Instant::now();
+    let mut tensors = HashMap::new();
+    for name in f.tensors.keys() {
+        let Some(hf) = hf_name(name) else { continue };
+        let (shape, values) = f.dequantize(name)?;
+        let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let mut t = Tensor::from_slice(&values).view(shape.as_slice());
+        // llama.cpp's converter permutes llama q/k rows for its interleaved RoPE; undo it so
+        // the weights are in HF layout (qwen2 GGUFs use the half-rotation layout already).
+        if cfg.model_type == "llama" {
+            if hf.ends_with("q_proj.weight") || hf.ends_with("q_proj.bias") {
+                t = unpermute_qk(&t, cfg.num_attention_heads);
+            } else if hf.ends_with("k_proj.weight") || hf.ends_with("k_proj.bias") {
+                t = unpermute_qk(&t, cfg.num_key_value_heads);
+            }
+        }
+        tensors.insert(hf, t.to_kind(Kind::Float));
+    }
+    let model = Llama::from_tensors(cfg, &tensors, device, &f.path)?;
+    tracing::debug!(path = %f.path.display(), tensors = tensors.len(), seconds = started.elapsed().as_secs_f64(), "loaded GGUF");
+    Ok(model)
+}

@@ -1,0 +1,461 @@
+//! The llama-family decoder: RMSNorm, RoPE (half-rotation or interleaved layout),
+//! grouped-query attention with an optional q/k/v bias (qwen2), SwiGLU, tied or untied
+//! embeddings, and a KV cache for incremental decoding.
+//!
+//! Parameters live in a [`tch::nn::VarStore`] under their Hugging Face names
+//! (`model.layers.0.self_attn.q_proj.weight`, ...), so checkpoints are loadable by
+//! transformers and vLLM as they are, and the learner trains the same variables.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tch::{nn, Device, Kind, Tensor};
+
+use crate::NativeError;
+
+/// Architecture hyper-parameters, in `config.json` terms.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    /// `llama` or `qwen2`.
+    pub model_type: String,
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    pub num_key_value_heads: i64,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: i64,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry a bias (qwen2).
+    pub attention_bias: bool,
+    /// RoPE rotates adjacent pairs (ggml's llama layout) instead of the two halves of each
+    /// head (Hugging Face layout). Loaders convert weights to the HF layout, so this is
+    /// false for every loaded model; it exists for weights kept in the ggml layout.
+    #[serde(default)]
+    pub rope_interleaved: bool,
+    pub bos_token_id: Option<i64>,
+    pub eos_token_id: Option<i64>,
+}
+
+impl LlamaConfig {
+    pub fn head_dim(&self) -> i64 {
+        self.hidden_size / self.num_attention_heads
+    }
+
+    /// A small random-initialisable configuration for tests and benchmarks.
+    pub fn tiny(vocab_size: i64, hidden_size: i64, layers: i64) -> Self {
+        LlamaConfig {
+            model_type: "llama".into(),
+            vocab_size,
+            hidden_size,
+            intermediate_size: hidden_size * 2,
+            num_hidden_layers: layers,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            max_position_embeddings: 2048,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            rope_interleaved: false,
+            bos_token_id: None,
+            eos_token_id: None,
+        }
+    }
+
+    /// Checks the hyper-parameters fit together; errors name the field.
+    pub fn validate(&self) -> Result<(), NativeError> {
+        let bad = |field: &str, detail: String| Err(NativeError::Config { field: field.into(), detail });
+        if !matches!(self.model_type.as_str(), "llama" | "qwen2") {
+            return bad("model_type", format!("`{}` is not supported (llama, qwen2)", self.model_type));
+        }
+        for (f, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+        ] {
+            if v <= 0 {
+                return bad(f, format!("must be positive, is {v}"));
+            }
+        }
+        if self.hidden_size % self.num_attention_heads != 0 || self.head_dim() % 2 != 0 {
+            return bad("num_attention_heads", format!("hidden_size {} must split into heads of even size", self.hidden_size));
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return bad("num_key_value_heads", format!("{} does not divide num_attention_heads {}", self.num_key_value_heads, self.num_attention_heads));
+        }
+        Ok(())
+    }
+
+    /// The Hugging Face `config.json` of this model (float32 weights).
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        let arch = if self.model_type == "qwen2" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" };
+        let mut v = serde_json::to_value(self).expect("config serialises");
+        let o = v.as_object_mut().expect("object");
+        o.remove("rope_interleaved");
+        o.insert("architectures".into(), serde_json::json!([arch]));
+        o.insert("hidden_act".into(), "silu".into());
+        o.insert("torch_dtype".into(), "float32".into());
+        o.insert("head_dim".into(), self.head_dim().into());
+        if self.model_type == "qwen2" {
+            o.remove("attention_bias");
+        }
+        v
+    }
+
+    /// Reads a Hugging Face `config.json` (llama or qwen2).
+    pub fn from_hf_json(path: &Path, text: &str) -> Result<Self, NativeError> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| NativeError::Format { path: path.into(), detail: format!("not JSON: {e}") })?;
+        let field = |k: &str| v.get(k).ok_or_else(|| NativeError::MissingMetadata { path: path.into(), key: k.into() });
+        let int = |k: &str| -> Result<i64, NativeError> {
+            field(k)?.as_i64().ok_or_else(|| NativeError::Format { path: path.into(), detail: format!("`{k}` must be an integer") })
+        };
+        let model_type = field("model_type")?.as_str().unwrap_or_default().to_string();
+        if !matches!(model_type.as_str(), "llama" | "qwen2") {
+            return Err(NativeError::UnsupportedArchitecture { path: path.into(), arch: model_type });
+        }
+        let heads = int("num_attention_heads")?;
+        let first_id = |k: &str| v.get(k).and_then(|x| x.as_i64().or_else(|| x.as_array().and_then(|a| a.first()).and_then(|y| y.as_i64())));
+        let cfg = LlamaConfig {
+            vocab_size: int("vocab_size")?,
+            hidden_size: int("hidden_size")?,
+            intermediate_size: int("intermediate_size")?,
+            num_hidden_layers: int("num_hidden_layers")?,
+            num_attention_heads: heads,
+            num_key_value_heads: v.get("num_key_value_heads").and_then(|x| x.as_i64()).unwrap_or(heads),
+            rms_norm_eps: v.get("rms_norm_eps").and_then(|x| x.as_f64()).unwrap_or(1e-6),
+            rope_theta: v.get("rope_theta").and_then(|x| x.as_f64()).unwrap_or(10000.0),
+            max_position_embeddings: v.get("max_position_embeddings").and_then(|x| x.as_i64()).unwrap_or(2048),
+            tie_word_embeddings: v.get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
+            attention_bias: model_type == "qwen2" || v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(false),
+            rope_interleaved: false,
+            bos_token_id: first_id("bos_token_id"),
+            eos_token_id: first_id("eos_token_id"),
+            model_type,
+        };
+        cfg.validate().map_err(|e| NativeError::Format { path: path.into(), detail: e.to_string() })?;
+        Ok(cfg)
+    }
+}
+
+struct Layer {
+    input_norm: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    o: Tensor,
+    post_norm: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+/// Keys and values of past positions, one pair per layer, `[B, kv_heads, T, head_dim]`.
+#[derive(Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    /// Positions held.
+    pub fn len(&self) -> i64 {
+        self.layers.first().and_then(|l| l.as_ref()).map(|(k, _)| k.size()[2]).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A llama-family causal language model.
+pub struct Llama {
+    pub config: LlamaConfig,
+    pub vs: nn::VarStore,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Option<Tensor>,
+}
+
+impl Llama {
+    /// Builds the model with randomly initialised parameters (normal, σ = 0.02; norms at 1),
+    /// drawn from libtorch's generator (seed it with `tch::manual_seed`).
+    pub fn new(config: LlamaConfig, device: Device) -> Result<Self, NativeError> {
+        config.validate()?;
+        let vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let c = &config;
+        let hd = c.head_dim();
+        let init = nn::Init::Randn { mean: 0.0, stdev: 0.02 };
+        let m = &root / "model";
+        let embed = (&m / "embed_tokens").var("weight", &[c.vocab_size, c.hidden_size], init);
+        let mut layers = Vec::new();
+        for i in 0..c.num_hidden_layers {
+            let l = &(&m / "layers") / i;
+            let a = &l / "self_attn";
+            let mlp = &l / "mlp";
+            let bias = |name: &str, n: i64| c.attention_bias.then(|| (&a / name).var("bias", &[n], nn::Init::Const(0.0)));
+            layers.push(Layer {
+                input_norm: (&l / "input_layernorm").var("weight", &[c.hidden_size], nn::Init::Const(1.0)),
+                q: (&a / "q_proj").var("weight", &[c.num_attention_heads * hd, c.hidden_size], init),
+                k: (&a / "k_proj").var("weight", &[c.num_key_value_heads * hd, c.hidden_size], init),
+                v: (&a / "v_proj").var("weight", &[c.num_key_value_heads * hd, c.hidden_size], init),
+                q_bias: bias("q_proj", c.num_attention_heads * hd),
+                k_bias: bias("k_proj", c.num_key_value_heads * hd),
+                v_bias: bias("v_proj", c.num_key_value_heads * hd),
+                o: (&a / "o_proj").var("weight", &[c.hidden_size, c.num_attention_heads * hd], init),
+                post_norm: (&l / "post_attention_layernorm").var("weight", &[c.hidden_size], nn::Init::Const(1.0)),
+                gate: (&mlp / "gate_proj").var("weight", &[c.intermediate_size, c.hidden_size], init),
+                up: (&mlp / "up_proj").var("weight", &[c.intermediate_size, c.hidden_size], init),
+                down: (&mlp / "down_proj").var("weight", &[c.hidden_size, c.intermediate_size], init),
+            });
+        }
+        let norm = (&m / "norm").var("weight", &[c.hidden_size], nn::Init::Const(1.0));
+        let lm_head = (!c.tie_word_embeddings).then(|| (&root / "lm_head").var("weight", &[c.vocab_size, c.hidden_size], init));
+        Ok(Llama { config, vs, embed, layers, norm, lm_head })
+    }
+
+    /// Builds the model and copies every parameter from `tensors` (HF names, any float
+    /// kind). A missing tensor or a shape mismatch is an error naming `source` and the
+    /// tensor; tensors the model does not use (e.g. a tied `lm_head.weight`) are ignored.
+    pub fn from_tensors(config: LlamaConfig, tensors: &HashMap<String, Tensor>, device: Device, source: &Path) -> Result<Self, NativeError> {
+        let model = Llama::new(config, device)?;
+        model.copy_from(tensors, source)?;
+        Ok(model)
+    }
+
+    /// Overwrites every parameter from `tensors` (see [`Llama::from_tensors`]).
+    pub fn copy_from(&self, tensors: &HashMap<String, Tensor>, source: &Path) -> Result<(), NativeError> {
+        let _guard = tch::no_grad_guard();
+        for (name, mut var) in self.vs.variables() {
+            let src = tensors.get(&name).ok_or_else(|| NativeError::MissingTensor { path: source.into(), tensor: name.clone() })?;
+            if src.size() != var.size() {
+                return Err(NativeError::Shape { path: source.into(), tensor: name, expected: var.size(), got: src.size() });
+            }
+            var.f_copy_(&src.to_kind(Kind::Float))?;
+        }
+        Ok(())
+    }
+
+    /// Parameters by HF name (shared storage, float32).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut v: Vec<_> = self.vs.variables().into_iter().collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    pub fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    /// Logits `[B, T, vocab]` of `tokens` `[B, T]` (i64) placed after the positions already in
+    /// `cache` (which is extended). Without a cache the tokens start at position 0.
+    pub fn forward(&self, tokens: &Tensor, cache: Option<&mut KvCache>) -> Tensor {
+        let h = self.hidden(tokens, cache);
+        match &self.lm_head {
+            Some(w) => h.matmul(&w.tr()),
+            None => h.matmul(&self.embed.tr()),
+        }
+    }
+
+    /// Final-norm hidden states `[B, T, hidden]`.
+    fn hidden(&self, tokens: &Tensor, mut cache: Option<&mut KvCache>) -> Tensor {
+        let c = &self.config;
+        let (b, t) = tokens.size2().expect("tokens must be [B, T]");
+        let start = cache.as_ref().map(|c| c.len()).unwrap_or(0);
+        if let Some(cache) = cache.as_mut() {
+            cache.layers.resize_with(self.layers.len(), || None);
+        }
+        let hd = c.head_dim();
+        let (cos, sin) = self.rope_tables(start, t);
+        let mask = (t > 1).then(|| {
+            let q_pos = Tensor::arange_start(start, start + t, (Kind::Int64, self.device())).unsqueeze(1);
+            let k_pos = Tensor::arange(start + t, (Kind::Int64, self.device())).unsqueeze(0);
+            k_pos.le_tensor(&q_pos)
+        });
+        let n_rep = c.num_attention_heads / c.num_key_value_heads;
+        let mut x = Tensor::embedding(&self.embed, tokens, -1, false, false);
+        for (i, l) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &l.input_norm, c.rms_norm_eps);
+            let q = linear(&h, &l.q, l.q_bias.as_ref()).view([b, t, c.num_attention_heads, hd]).transpose(1, 2);
+            let k = linear(&h, &l.k, l.k_bias.as_ref()).view([b, t, c.num_key_value_heads, hd]).transpose(1, 2);
+            let v = linear(&h, &l.v, l.v_bias.as_ref()).view([b, t, c.num_key_value_heads, hd]).transpose(1, 2);
+            let q = self.rope(&q, &cos, &sin);
+            let mut k = self.rope(&k, &cos, &sin);
+            let mut v = v;
+            if let Some(cache) = cache.as_mut() {
+                if let Some((pk, pv)) = &cache.layers[i] {
+                    k = Tensor::cat(&[pk, &k], 2);
+                    v = Tensor::cat(&[pv, &v], 2);
+                }
+                cache.layers[i] = Some((k.shallow_clone(), v.shallow_clone()));
+            }
+            let (k, v) = if n_rep > 1 {
+                (k.repeat_interleave_self_int(n_rep, 1, None), v.repeat_interleave_self_int(n_rep, 1, None))
+            } else {
+                (k, v)
+            };
+            let att = Tensor::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, None, false);
+            let att = att.transpose(1, 2).contiguous().view([b, t, c.num_attention_heads * hd]);
+            x = x + att.matmul(&l.o.tr());
+            let h = rms_norm(&x, &l.post_norm, c.rms_norm_eps);
+            let mlp = (h.matmul(&l.gate.tr()).silu() * h.matmul(&l.up.tr())).matmul(&l.down.tr());
+            x = x + mlp;
+        }
+        rms_norm(&x, &self.norm, c.rms_norm_eps)
+    }
+
+    /// cos/sin of positions `start..start+t`: `[t, head_dim]` for the half-rotation layout,
+    /// `[t, head_dim/2]` for the interleaved one.
+    fn rope_tables(&self, start: i64, t: i64) -> (Tensor, Tensor) {
+        let hd = self.config.head_dim();
+        let dev = self.device();
+        let exponent = Tensor::arange_start_step(0, hd, 2, (Kind::Float, dev)) / hd as f64;
+        let inv_freq = Tensor::from(self.config.rope_theta as f32).to_device(dev).pow(&exponent).reciprocal();
+        let pos = Tensor::arange_start(start, start + t, (Kind::Float, dev));
+        let freqs = pos.outer(&inv_freq);
+        let freqs = if self.config.rope_interleaved { freqs } else { Tensor::cat(&[&freqs, &freqs], -1) };
+        (freqs.cos(), freqs.sin())
+    }
+
+    /// Rotary position embedding of `x` `[B, heads, T, head_dim]`.
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let hd = self.config.head_dim();
+        if self.config.rope_interleaved {
+            // ggml layout: rotate adjacent pairs (x0, x1) by the pair's frequency.
+            let s = x.size();
+            let pairs = x.view([s[0], s[1], s[2], hd / 2, 2]);
+            let x0 = pairs.select(-1, 0);
+            let x1 = pairs.select(-1, 1);
+            let r0 = &x0 * cos - &x1 * sin;
+            let r1 = &x0 * sin + &x1 * cos;
+            Tensor::stack(&[r0, r1], -1).view([s[0], s[1], s[2], hd])
+        } else {
+            // HF layout: rotate the first half of each head against the second.
+            let x1 = x.narrow(-1, 0, hd / 2);
+            let x2 = x.narrow(-1, hd / 2, hd / 2);
+            let rotated = Tensor::cat(&[-x2, x1], -1);
+            x * cos + rotated * sin
+        }
+    }
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let var = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    x * (var + eps).rsqrt() * w
+}
+
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
+    let y = x.matmul(&w.tr());
+    match b {
+        Some(b) => y + b,
+        None => y,
+    }
+}
+
+/// ggml's llama q/k row order → HF's: ggml stores each head's rows as interleaved
+/// (re, im) pairs, HF as two halves (the inverse of the converter's `permute`).
+pub fn unpermute_qk(w: &Tensor, heads: i64) -> Tensor {
+    let s = w.size();
+    let rows = s[0];
+    let rest: Vec<i64> = s[1..].to_vec();
+    let mut shape = vec![heads, rows / heads / 2, 2];
+    shape.extend(&rest);
+    w.reshape(&shape).transpose(1, 2).reshape(&s)
+}
+
+/// HF's q/k row order → ggml's (the converter's `permute`).
+pub fn permute_qk(w: &Tensor, heads: i64) -> Tensor {
+    let s = w.size();
+    let rows = s[0];
+    let rest: Vec<i64> = s[1..].to_vec();
+    let mut shape = vec![heads, 2, rows / heads / 2];
+    shape.extend(&rest);
+    w.reshape(&shape).transpose(1, 2).reshape(&s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> Llama {
+        tch::manual_seed(7);
+        Llama::new(LlamaConfig::tiny(50, 32, 2), Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn kv_cache_gives_the_same_logits_as_a_full_pass() {
+        let m = tiny();
+        let toks = Tensor::from_slice(&[1i64, 5, 9, 3, 7]).view([1, 5]);
+        let full = m.forward(&toks, None);
+        let mut cache = KvCache::default();
+        let a = m.forward(&toks.narrow(1, 0, 3), Some(&mut cache));
+        let b = m.forward(&toks.narrow(1, 3, 1), Some(&mut cache));
+        let c = m.forward(&toks.narrow(1, 4, 1), Some(&mut cache));
+        let inc = Tensor::cat(&[a, b, c], 1);
+        assert_eq!(cache.len(), 5);
+        let diff = (full - inc).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "max diff {diff}");
+    }
+
+    #[test]
+    fn causal_mask_hides_future_tokens() {
+        let m = tiny();
+        let a = m.forward(&Tensor::from_slice(&[1i64, 2, 3, 4]).view([1, 4]), None);
+        let b = m.forward(&Tensor::from_slice(&[1i64, 2, 3, 40]).view([1, 4]), None);
+        let same = (a.narrow(1, 0, 3) - b.narrow(1, 0, 3)).abs().max().double_value(&[]);
+        let last = (a.narrow(1, 3, 1) - b.narrow(1, 3, 1)).abs().max().double_value(&[]);
+        assert!(same < 1e-6 && last > 1e-4, "prefix diff {same}, last diff {last}");
+    }
+
+    #[test]
+    fn interleaved_rope_on_permuted_weights_equals_half_rotation() {
+        let m = tiny();
+        let mut cfg = m.config.clone();
+        cfg.rope_interleaved = true;
+        let mut tensors: HashMap<String, Tensor> = m.named_tensors().into_iter().collect();
+        for (name, t) in tensors.iter_mut() {
+            if name.ends_with("q_proj.weight") {
+                *t = permute_qk(t, cfg.num_attention_heads);
+            } else if name.ends_with("k_proj.weight") {
+                *t = permute_qk(t, cfg.num_key_value_heads);
+            }
+        }
+        let ggml = Llama::from_tensors(cfg, &tensors, Device::Cpu, Path::new("test")).unwrap();
+        let toks = Tensor::from_slice(&[4i64, 8, 15, 16, 23, 42]).view([1, 6]);
+        let diff = (m.forward(&toks, None) - ggml.forward(&toks, None)).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "max diff {diff}");
+        let w = Tensor::randn([8, 3], (Kind::Float, Device::Cpu));
+        assert!(unpermute_qk(&permute_qk(&w, 2), 2).equal(&w));
+    }
+
+    #[test]
+    fn missing_tensor_is_named() {
+        let m = tiny();
+        let mut tensors: HashMap<String, Tensor> = m.named_tensors().into_iter().collect();
+        tensors.remove("model.layers.1.mlp.up_proj.weight");
+        let err = Llama::from_tensors(m.config.clone(), &tensors, Device::Cpu, Path::new("w.safetensors")).err().unwrap().to_string();
+        assert!(err.contains("w.safetensors") && err.contains("model.layers.1.mlp.up_proj.weight"), "{err}");
+    }
+
+    #[test]
+    fn config_round_trips_through_hf_json() {
+        let mut cfg = LlamaConfig::tiny(50, 32, 2);
+        cfg.model_type = "qwen2".into();
+        cfg.attention_bias = true;
+        let text = cfg.to_hf_json().to_string();
+        let back = LlamaConfig::from_hf_json(Path::new("config.json"), &text).unwrap();
+        assert_eq!(back, cfg);
+        let err = LlamaConfig::from_hf_json(Path::new("config.json"), r#"{"model_type":"gpt2"}"#).unwrap_err().to_string();
+        assert!(err.contains("gpt2"), "{err}");
+    }
+}

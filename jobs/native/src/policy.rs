@@ -1,0 +1,125 @@
+//! The `native` policy backend: a [`Llama`] + [`Tokenizer`] in this process behind the
+//! [`Policy`] trait. Generation runs on a blocking thread; one call at a time per model.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use tch::Device;
+
+use crate::model::Llama;
+use crate::sampler::{generate_with, Finish, GenerateOptions};
+use crate::tokenizer::Tokenizer;
+use crate::NativeError;
+use jobs::env::ToolSpec;
+use jobs::policy::{FinishReason, Message, Policy, PolicyError, PolicyOutput, SamplingParams};
+use schemas::Role;
+
+struct Inner {
+    model: Llama,
+    tokenizer: Tokenizer,
+}
+
+/// The native backend. Cheap to clone (shares the model).
+#[derive(Clone)]
+pub struct NativePolicy {
+    inner: Arc<Mutex<Inner>>,
+    checkpoint: String,
+}
+
+impl NativePolicy {
+    /// Loads a GGUF file or HF directory; `checkpoint` is recorded on trajectory rows.
+    pub fn load(path: &Path, device: Device) -> Result<Self, NativeError> {
+        let (model, tokenizer) = crate::loader::load(path, device)?;
+        Ok(Self::new(model, tokenizer, path.display().to_string()))
+    }
+
+    pub fn new(model: Llama, tokenizer: Tokenizer, checkpoint: String) -> Self {
+        NativePolicy { inner: Arc::new(Mutex::new(Inner { model, tokenizer })), checkpoint }
+    }
+
+    /// Runs `f` with the model and tokenizer (e.g. to load new weights after an update).
+    pub fn with_model<R>(&self, f: impl FnOnce(&mut Llama, &Tokenizer) -> R) -> R {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let Inner { model, tokenizer } = &mut *g;
+        f(model, tokenizer)
+    }
+}
+
+/// Describes the tools in the system message: the native backend has no structured
+/// tool-call channel, so the harness's text protocol carries the calls.
+fn with_tools(messages: &[Message], tools: &[ToolSpec]) -> Vec<Message> {
+    if tools.is_empty() {
+        return messages.to_vec();
+    }
+    let mut text = String::from("You can use these tools:\n");
+    for t in tools {
+        text.push_str(&format!("- {}: {} Arguments: {}\n", t.name, t.description, t.parameters));
+    }
+    let mut out = messages.to_vec();
+    match out.first_mut() {
+        Some(m) if m.role == Role::System => {
+            m.content = format!("{}\n\n{}", m.content, text.trim_end());
+        }
+        _ => out.insert(0, Message::new(Role::System, text.trim_end())),
+    }
+    out
+}
+
+fn native_err(e: NativeError) -> PolicyError {
+    match e {
+        NativeError::Config { field, detail } if field == "prompt" && detail.contains("context") => PolicyError::InvalidOutput { detail },
+        other => PolicyError::Native(other.to_string()),
+    }
+}
+
+#[async_trait]
+impl Policy for NativePolicy {
+    fn checkpoint(&self) -> String {
+        self.checkpoint.clone()
+    }
+
+    async fn chat(&self, messages: &[Message], tools: &[ToolSpec], sampling: &SamplingParams) -> Result<PolicyOutput, PolicyError> {
+        let messages = with_tools(messages, tools);
+        let sampling = sampling.clone();
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || {
+            let g = inner.lock().unwrap_or_else(|p| p.into_inner());
+            let prompt = g.tokenizer.encode_chat(&messages).map_err(native_err)?;
+            let limit = g.model.config.max_position_embeddings as u64;
+            if prompt.len() as u64 >= limit {
+                return Err(PolicyError::ContextLength { tokens: prompt.len() as u64, limit });
+            }
+            let opts = GenerateOptions {
+                max_tokens: sampling.max_tokens as usize,
+                temperature: sampling.temperature.max(0.0) as f64,
+                top_p: sampling.top_p as f64,
+                seed: sampling.seed.unwrap_or(0),
+            };
+            let stops = sampling.stop.clone();
+            let tok = &g.tokenizer;
+            let gen = generate_with(&g.model, &prompt, &opts, &tok.stop_ids(), |ids| {
+                !stops.is_empty() && tok.decode(ids).map(|t| stops.iter().any(|s| t.contains(s.as_str()))).unwrap_or(false)
+            })
+            .map_err(native_err)?;
+            let mut text = tok.decode(&gen.tokens).map_err(native_err)?;
+            if let Some(cut) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+                text.truncate(cut);
+            }
+            Ok(PolicyOutput {
+                text,
+                tool_calls: vec![],
+                prompt_tokens: prompt.len() as u32,
+                completion_tokens: gen.tokens.len() as u32,
+                token_ids: gen.tokens,
+                logprobs: gen.logprobs,
+                finish_reason: match gen.finish {
+                    Finish::Stop => FinishReason::Stop,
+                    Finish::Length => FinishReason::Length,
+                },
+            })
+        })
+        .await
+        .map_err(|e| PolicyError::Native(format!("generation thread failed: {e}")))?
+    }
+}

@@ -1,0 +1,111 @@
+//! `harness-s harness validate|diff`: static checks of a harness spec, and the edits
+//! between two specs.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use jobs::harness::{diff_values, validate_value, ValidateOptions};
+use schemas::HarnessSpec;
+use serde_json::Value;
+
+use crate::exit;
+
+#[derive(Debug, Subcommand)]
+pub enum HarnessCommand {
+    /// Check a spec; prints one line `path: message` per problem and exits non-zero if any.
+    Validate(ValidateArgs),
+    /// Show the edits that turn spec A into spec B.
+    Diff(DiffArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// The harness spec (JSON).
+    pub file: PathBuf,
+    /// Tool names the target environment offers (comma-separated); when given, tool views
+    /// and hook actions must use them. DBBench: execute_sql,commit_final_answer
+    #[arg(long, value_delimiter = ',')]
+    pub tools: Option<Vec<String>>,
+}
+
+#[derive(Debug, Args)]
+pub struct DiffArgs {
+    /// The old spec (JSON).
+    pub a: PathBuf,
+    /// The new spec (JSON).
+    pub b: PathBuf,
+}
+
+pub async fn run(cmd: HarnessCommand) -> anyhow::Result<u8> {
+    match cmd {
+        HarnessCommand::Validate(a) => validate(a),
+        HarnessCommand::Diff(a) => diff(a),
+    }
+}
+
+fn read_json(path: &Path) -> anyhow::Result<Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read harness spec {}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| {
+        anyhow::anyhow!("{}:{}:{}: not valid JSON: {e}", path.display(), e.line(), e.column())
+    })
+}
+
+fn validate(args: ValidateArgs) -> anyhow::Result<u8> {
+    let value = read_json(&args.file)?;
+    let problems = validate_value(&value, &ValidateOptions { tools: args.tools });
+    let mut out = std::io::stdout().lock();
+    if problems.is_empty() {
+        let spec: HarnessSpec = serde_json::from_value(value)
+            .with_context(|| format!("{}: passes validation but does not parse", args.file.display()))?;
+        writeln!(
+            out,
+            "{}: valid harness `{}` (parent {}, generation {}): {} prompt rules, {} skills, {} context items, {} memory items, {} hooks{}",
+            args.file.display(),
+            spec.id,
+            spec.parent.as_deref().unwrap_or("none"),
+            spec.generation,
+            spec.prompt_rules.len(),
+            spec.skills.len(),
+            spec.context.len(),
+            spec.memory.len(),
+            spec.hooks.len(),
+            if spec.tool_view.is_some() { ", a tool view" } else { "" },
+        )?;
+        return Ok(exit::OK);
+    }
+    for p in &problems {
+        writeln!(out, "{p}")?;
+    }
+    out.flush()?;
+    eprintln!("{}: {} problem(s); the spec was not accepted", args.file.display(), problems.len());
+    Ok(exit::FAILED)
+}
+
+/// Specs that parse are normalised through the spec type (defaults filled, empty lists
+/// dropped) so that only real edits show; others are compared as raw JSON.
+fn normalised(path: &Path) -> anyhow::Result<Value> {
+    let raw = read_json(path)?;
+    Ok(match serde_json::from_value::<HarnessSpec>(raw.clone()) {
+        Ok(spec) => serde_json::to_value(spec)?,
+        Err(e) => {
+            eprintln!("note: {} is not a valid spec ({e}); comparing it as raw JSON", path.display());
+            raw
+        }
+    })
+}
+
+fn diff(args: DiffArgs) -> anyhow::Result<u8> {
+    let a = normalised(&args.a)?;
+    let b = normalised(&args.b)?;
+    let edits = diff_values(&a, &b);
+    let mut out = std::io::stdout().lock();
+    if edits.is_empty() {
+        writeln!(out, "no edits")?;
+    }
+    for e in &edits {
+        writeln!(out, "{e}")?;
+    }
+    Ok(exit::OK)
+}

@@ -1,0 +1,167 @@
+use serde::{Deserialize, Serialize};
+
+use crate::Record;
+
+/// Why a rollout was run (Algorithm 1 of the Harness-S paper).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutKind {
+    /// One of the K rollouts of a task under the base harness H0.
+    Base,
+    /// A rescue rollout under an auxiliary sibling harness (Eq. 5).
+    Rescue,
+    /// A paired validation rollout used to re-anchor behavior profiles (§3.4).
+    Calibration,
+    /// An evaluation rollout (baseline or final, Pass@k / Avg@k).
+    Eval,
+}
+
+impl RolloutKind {
+    pub const ALL: [RolloutKind; 4] = [Self::Base, Self::Rescue, Self::Calibration, Self::Eval];
+
+    /// The value used in object names (`kind=<value>`) and in the `kind` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Base => "base",
+            Self::Rescue => "rescue",
+            Self::Calibration => "calibration",
+            Self::Eval => "eval",
+        }
+    }
+}
+
+impl std::fmt::Display for RolloutKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Which part of the task data a task comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Split {
+    Train,
+    Validation,
+    Test,
+}
+
+/// How an episode ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Termination {
+    /// The agent committed a final answer.
+    Committed,
+    /// The environment's round limit was reached without a commit.
+    RoundLimit,
+    /// A harness execution budget (model calls, actions, tokens) ran out.
+    BudgetExhausted,
+    /// The context no longer fit the model.
+    ContextLimit,
+    /// The episode was aborted by an error; see `error_class`.
+    Error,
+}
+
+/// Typed failure classes; each has a policy and a budget in the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    Infra,
+    Env,
+    Policy,
+    Timeout,
+    ContextLength,
+    InvalidOutput,
+}
+
+/// Chat role of a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+/// Who produced a turn's text. Only `policy` tokens are ever trained on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnSource {
+    Policy,
+    Harness,
+    Env,
+    System,
+}
+
+/// One message of an episode, stored nested inside its [`Trajectory`] row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Turn {
+    /// Position in the episode, from 0.
+    pub index: u32,
+    pub role: Role,
+    pub source: TurnSource,
+    pub text: String,
+    /// Token ids of `text` as the policy saw or produced them (empty when unknown).
+    pub token_ids: Vec<u32>,
+    /// Rollout-time log-probability of each sampled token (policy turns; else empty).
+    pub logprobs: Vec<f32>,
+    /// Per-token loss mask: true only for policy-sampled tokens (Appendix B).
+    pub loss_mask: Vec<bool>,
+    /// Tool called by this turn, if any.
+    pub tool_name: Option<String>,
+    /// Tool arguments as JSON text.
+    pub tool_args: Option<String>,
+    /// Id of the hook that injected or rewrote this turn, if any.
+    pub hook_id: Option<String>,
+}
+
+/// One rollout: a policy acting in an environment through a harness. One row per rollout,
+/// its turns nested, with full provenance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trajectory {
+    pub trajectory_id: String,
+    pub run_id: String,
+    /// The job that produced this row.
+    pub job_id: String,
+    /// Training update index (0 for stages before the first update).
+    pub step: u32,
+    pub kind: RolloutKind,
+    pub split: Split,
+    pub task_id: String,
+    /// Task category, e.g. `counting`, `INSERT`.
+    pub task_type: String,
+    pub group_id: String,
+    /// Index of this rollout within its group.
+    pub attempt: u32,
+    pub harness_id: String,
+    /// Content hash of the harness spec used.
+    pub harness_version: String,
+    pub policy_checkpoint: String,
+    pub seed: u64,
+    pub reward: f64,
+    pub success: bool,
+    pub termination: Termination,
+    pub error_class: Option<ErrorClass>,
+    pub error_message: Option<String>,
+    /// GRPO advantage (Appendix B), filled when the group is formed.
+    pub advantage: Option<f64>,
+    /// Whether the row is in a group the learner trains on.
+    pub retained: bool,
+    pub retained_reason: Option<String>,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// Tokens injected by the harness (never trained on).
+    pub harness_tokens: u64,
+    pub model_calls: u32,
+    pub env_actions: u32,
+    pub started_at_ms: i64,
+    pub duration_ms: u64,
+    pub policy_ms: u64,
+    pub env_ms: u64,
+    pub turns: Vec<Turn>,
+}
+
+impl Record for Trajectory {
+    const NAME: &'static str = "trajectory";
+    const VERSION: u32 = 1;
+}

@@ -1,0 +1,75 @@
+//! Shared fixtures of the end-to-end tests: where the real services are, unique names so
+//! that concurrent tests (and concurrent users of one broker or server) never collide, and
+//! the path of the built `harness-s` binary.
+//!
+//! Services are never mocked and never skipped: a test that needs one fails with the
+//! command that starts it. `infra/deploy/test.sh` (the README's test command) starts all
+//! of them.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// S3 endpoint of the test server, from `HARNESS_S_TEST_S3_ENDPOINT`.
+pub fn s3_endpoint() -> String {
+    std::env::var("HARNESS_S_TEST_S3_ENDPOINT").unwrap_or_else(|_| {
+        panic!(
+            "HARNESS_S_TEST_S3_ENDPOINT is not set: S3 tests need the real S3 server. \
+             Run the tests with `bash infra/deploy/test.sh`, or start SeaweedFS with \
+             `bash infra/deploy/seaweedfs.sh start` and export the variables it prints."
+        )
+    })
+}
+
+/// Bucket the test server was prepared with, from `HARNESS_S_TEST_S3_BUCKET`.
+pub fn s3_bucket() -> String {
+    std::env::var("HARNESS_S_TEST_S3_BUCKET").unwrap_or_else(|_| "harness-s-test".to_string())
+}
+
+/// An `s3://` store URL under a fresh prefix of the test bucket.
+pub fn s3_store_url(test: &str) -> String {
+    format!("s3://{}/{}?endpoint={}", s3_bucket(), unique(test), s3_endpoint())
+}
+
+/// RabbitMQ URL for tests (`HARNESS_S_TEST_AMQP`, default the local broker).
+pub fn amqp_url() -> String {
+    std::env::var("HARNESS_S_TEST_AMQP").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_string())
+}
+
+/// A name no other test, process or earlier run uses: `<base>-<pid>-<nanos>-<n>`.
+pub fn unique(base: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{base}-{}-{}-{}", std::process::id(), nanos % 1_000_000_000, N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Path of the `harness-s` binary built next to this test binary.
+pub fn harness_s_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    // target/<profile>/deps/e2e-<hash> → target/<profile>/harness-s
+    let dir = exe.parent().and_then(|p| p.parent()).expect("target profile folder");
+    let bin = dir.join("harness-s");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first with `cargo build -p harness-s` (infra/deploy/test.sh does)",
+        bin.display()
+    );
+    bin
+}
+
+/// Base URL (with `/v1`) of the real OpenAI-compatible policy server, from
+/// `HARNESS_S_TEST_OPENAI_URL` (llama-cpp-python's server with SmolLM2-135M-Instruct).
+pub fn openai_url() -> String {
+    std::env::var("HARNESS_S_TEST_OPENAI_URL").unwrap_or_else(|_| {
+        panic!(
+            "HARNESS_S_TEST_OPENAI_URL is not set: policy tests need the real llama.cpp server. \
+             Run the tests with `bash infra/deploy/test.sh`, or start it with \
+             `eval \"$(bash infra/deploy/llama-server.sh start)\"`."
+        )
+    })
+}
+
+/// Model name the policy server serves, from `HARNESS_S_TEST_OPENAI_MODEL` (the alias
+/// `infra/deploy/llama-server.sh` gives SmolLM2).
+pub fn openai_model() -> String {
+    std::env::var("HARNESS_S_TEST_OPENAI_MODEL").unwrap_or_else(|_| "smollm2-135m-instruct".to_string())
+}

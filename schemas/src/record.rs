@@ -1,4 +1,6 @@
-use arrow_schema::FieldRef;
+use std::sync::Arc;
+
+use arrow_schema::{DataType, Field, FieldRef};
 use serde::{de::DeserializeOwned, Serialize};
 use serde_arrow::schema::{SchemaLike, TracingOptions};
 
@@ -17,7 +19,10 @@ pub trait Record: Serialize + DeserializeOwned + Send + Sync + 'static {
     const VERSION: u32;
 
     /// Arrow fields of this record, derived from its serde shape. Enums without data are
-    /// stored as dictionary-encoded strings so that Arrow tools see `"rescue"`, not a union.
+    /// stored as plain strings so that Arrow tools see `"rescue"`, not a union, and the
+    /// Hive partition columns stored in files (`step`, `kind`) get the types that Hive
+    /// partition discovery infers from object names (int32, string), so that pyarrow,
+    /// DuckDB and Polars merge path and file columns without a schema of their own.
     fn fields() -> Vec<FieldRef> {
         Self::try_fields().expect("record types are plain structs with a derivable schema")
     }
@@ -28,11 +33,33 @@ pub trait Record: Serialize + DeserializeOwned + Send + Sync + 'static {
             .enums_without_data_as_strings(true)
             .strings_as_large_utf8(false)
             .sequence_as_large_list(false);
-        Vec::<FieldRef>::from_type::<Self>(options).map_err(|e| SchemaError::ArrowSchema {
+        let traced = Vec::<FieldRef>::from_type::<Self>(options).map_err(|e| SchemaError::ArrowSchema {
             record: Self::NAME.to_string(),
             message: e.to_string(),
-        })
+        })?;
+        Ok(traced.into_iter().map(|f| Arc::new(tool_friendly(&f))).collect())
     }
+}
+
+/// Rewrites a traced top-level field for Arrow tools: a `step` column becomes int32
+/// (what Hive partition discovery infers), and [`plain_strings`] applies below.
+fn tool_friendly(f: &Field) -> Field {
+    if f.name() == "step" && f.data_type() == &DataType::UInt32 {
+        return f.clone().with_data_type(DataType::Int32);
+    }
+    plain_strings(f)
+}
+
+/// Replaces dictionary-encoded strings (serde_arrow's choice for unit enums) with plain
+/// strings, recursively through structs and lists.
+fn plain_strings(f: &Field) -> Field {
+    let data_type = match f.data_type() {
+        DataType::Dictionary(_, value) => value.as_ref().clone(),
+        DataType::Struct(children) => DataType::Struct(children.iter().map(|c| Arc::new(plain_strings(c))).collect()),
+        DataType::List(child) => DataType::List(Arc::new(plain_strings(child))),
+        other => other.clone(),
+    };
+    f.clone().with_data_type(data_type)
 }
 
 /// A JSON document with a `schema_version` field (manifests, envelopes, markers, state).

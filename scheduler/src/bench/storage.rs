@@ -151,8 +151,10 @@ fn synthetic_rollout(rng: &mut ChaCha8Rng, i: usize, kind: RolloutKind, step: u3
     }
 }
 
-/// Writes the synthetic data set; returns what was written.
-async fn write_all(store: &dyn ObjectStore, args: &StorageArgs) -> anyhow::Result<WrittenSummary> {
+/// Writes the synthetic data set; returns what was written and the seconds spent in the
+/// Parquet writer and the store (generating rows and measuring JSON size excluded).
+async fn write_all(store: &dyn ObjectStore, args: &StorageArgs) -> anyhow::Result<(WrittenSummary, f64)> {
+    let mut io = std::time::Duration::ZERO;
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let per_part = args.rollouts_per_part.max(1);
     let parts = args.rollouts.div_ceil(per_part);
@@ -163,7 +165,9 @@ async fn write_all(store: &dyn ObjectStore, args: &StorageArgs) -> anyhow::Resul
         let step = (p / 8) as u32;
         let job_id = format!("bench{p:05}");
         let key = keys::trajectory_part(RUN_ID, step, kind, &job_id);
+        let t = Instant::now();
         let mut writer = PartWriter::<Trajectory>::create(store, &key).await?;
+        io += t.elapsed();
         let start = p * per_part;
         let end = ((p + 1) * per_part).min(args.rollouts);
         let mut i = start;
@@ -177,17 +181,23 @@ async fn write_all(store: &dyn ObjectStore, args: &StorageArgs) -> anyhow::Resul
                 *summary.success_by_harness.entry(r.harness_id.clone()).or_default() += r.success as u64;
                 summary.turns += r.turns.len() as u64;
             }
+            let t = Instant::now();
             writer.write(&rows).await?;
+            io += t.elapsed();
             i += n;
         }
+        let t = Instant::now();
         let entry = writer.finish().await?;
+        io += t.elapsed();
         summary.parquet_bytes += entry.size;
         summary.rollouts += (end - start) as u64;
         *summary.rows_by_kind.entry(kind.to_string()).or_default() += (end - start) as u64;
         summary.files.push(entry.key);
-        tracing::debug!(part = p, parts, "part written");
+        if (p + 1) % 5 == 0 || p + 1 == parts {
+            tracing::info!(part = p + 1, parts, rollouts = summary.rollouts, "parts written");
+        }
     }
-    Ok(summary)
+    Ok((summary, io.as_secs_f64()))
 }
 
 /// Reads every part back into typed rows; returns (rows, turns, reward sum).
@@ -216,9 +226,7 @@ pub async fn run(args: StorageArgs) -> anyhow::Result<u8> {
     let store = open_store(&url).await?;
     tracing::info!(store = %store.url(), rollouts = args.rollouts, turns = args.turns, "writing synthetic trajectories");
 
-    let t0 = Instant::now();
-    let summary = write_all(store.as_ref(), &args).await?;
-    let write_s = t0.elapsed().as_secs_f64();
+    let (summary, write_s) = write_all(store.as_ref(), &args).await?;
     tracing::info!(seconds = write_s, "written; reading back");
 
     let t1 = Instant::now();

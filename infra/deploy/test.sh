@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The test command (README): installs and starts everything the tests need, then runs the
+# whole suite — Rust unit and end-to-end tests, then the Python reader tests.
+#
+#   bash infra/deploy/test.sh
+#
+# Services: RabbitMQ (127.0.0.1:5672) and MariaDB (127.0.0.1:3306) are expected on the
+# machine and started if down; a SeaweedFS S3 server is started here on 127.0.0.1 with a
+# fresh data folder and stopped at exit.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/harness-s-target}
+
+step() { echo; echo "== $* =="; }
+
+port_open() { timeout 2 bash -c "</dev/tcp/127.0.0.1/$1" 2>/dev/null; }
+
+step "python packages"
+python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+
+step "services"
+if ! port_open 5672; then
+  echo "RabbitMQ is down; starting it"
+  rabbitmq-server -detached
+  for _ in $(seq 1 60); do port_open 5672 && break; sleep 1; done
+fi
+if ! port_open 3306; then
+  echo "MariaDB is down; starting it"
+  start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
+  for _ in $(seq 1 60); do port_open 3306 && break; sleep 1; done
+fi
+export HARNESS_S_S3_DIR
+HARNESS_S_S3_DIR=$(mktemp -d /var/tmp/harness-s-s3.XXXXXX)
+cleanup() {
+  bash infra/deploy/seaweedfs.sh stop || true
+  rm -rf "$HARNESS_S_S3_DIR"
+}
+trap cleanup EXIT
+eval "$(bash infra/deploy/seaweedfs.sh start)"
+echo "S3 test server: $HARNESS_S_TEST_S3_ENDPOINT (bucket $HARNESS_S_TEST_S3_BUCKET)"
+
+step "build"
+cargo build --workspace --bins
+
+step "rust tests"
+cargo test --workspace --no-fail-fast
+
+step "python reader tests"
+HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" python3 -m pytest -v tests/python

@@ -84,6 +84,10 @@ impl ObjectStore for LocalStore {
         format!("file://{}", self.root.display())
     }
 
+    fn object_url(&self, key: &str) -> String {
+        format!("file://{}", self.root.join(key).display())
+    }
+
     async fn put(&self, key: &str, bytes: Bytes) -> Result<()> {
         let path = self.path(key)?;
         blocking(move || {

@@ -78,7 +78,13 @@ pub trait ObjectStore: Send + Sync + fmt::Debug {
 
     /// Full URL of an object, safe to print.
     fn object_url(&self, key: &str) -> String {
-        format!("{}/{}", self.url().trim_end_matches('/'), key)
+        let base = self.url();
+        let base = base.trim_end_matches('/');
+        if key.is_empty() {
+            base.to_string()
+        } else {
+            format!("{base}/{key}")
+        }
     }
 
     /// Writes an object atomically, replacing any previous one.

@@ -23,7 +23,7 @@ use aws_config::retry::RetryConfig;
 use aws_config::timeout::TimeoutConfig;
 use aws_config::BehaviorVersion;
 use aws_credential_types::provider::ProvideCredentials;
-use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use aws_sdk_s3::Client;
@@ -191,7 +191,7 @@ where
         SdkError::DispatchFailure(_) | SdkError::TimeoutError(_) => {
             let detail = match &err {
                 SdkError::TimeoutError(_) => "timed out".to_string(),
-                _ => first_cause_line(&DisplayErrorContext(&err).to_string()),
+                _ => innermost_cause(&err),
             };
             StoreError::Unreachable { endpoint: endpoint.to_string(), detail }
         }
@@ -211,7 +211,7 @@ where
                     detail: match (status, code) {
                         (Some(s), Some(c)) => format!("HTTP {s} {c}: {}", err.message().unwrap_or("")),
                         (Some(s), None) => format!("HTTP {s}"),
-                        _ => first_cause_line(&DisplayErrorContext(&err).to_string()),
+                        _ => innermost_cause(&err),
                     },
                 },
             }
@@ -219,9 +219,19 @@ where
     }
 }
 
-/// The SDK's error context is long; keep the most specific cause.
-fn first_cause_line(s: &str) -> String {
-    s.rsplit(": ").next().unwrap_or(s).trim().to_string()
+/// The SDK's error chain is long; the innermost cause is the specific one
+/// (e.g. "Connection refused (os error 111)").
+fn innermost_cause(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut current = err;
+    let mut message = err.to_string();
+    while let Some(next) = current.source() {
+        let text = next.to_string();
+        if !text.trim().is_empty() {
+            message = text;
+        }
+        current = next;
+    }
+    message
 }
 
 #[async_trait]

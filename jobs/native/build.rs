@@ -7,7 +7,9 @@
 //! * `cuda`: libtorch registers its CUDA backend from static initialisers in
 //!   `libtorch_cuda.so`; nothing references a symbol of it, so the default `--as-needed`
 //!   linking drops it and `Device::Cuda` then reports no GPU (tch-rs issues #907, #980).
-//!   Linking it with `-as-needed` turned off keeps it, for every binary that links us.
+//!   `-Wl,--no-as-needed -ltorch_cuda` keeps it. Like the rpath, this reaches only this
+//!   crate's own test binaries; the `harness-s` binary's build script (scheduler, feature
+//!   `cuda`) adds the same.
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
@@ -15,11 +17,8 @@ fn main() {
     if let Ok(dir) = std::env::var("LIBTORCH") {
         let lib = std::path::Path::new(&dir).join("lib");
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
-        if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
-            println!("cargo:rustc-link-search=native={}", lib.display());
-        }
     }
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        println!("cargo:rustc-link-lib=dylib:-as-needed=torch_cuda");
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
     }
 }

@@ -10,7 +10,12 @@
 //! `harness-s bench queue`.
 
 pub mod env;
+pub mod evolve;
 pub mod harness;
 pub mod policy;
+pub mod profile;
+pub mod reanchor;
+pub mod rescue;
 pub mod rollout;
+pub mod router;
 pub mod sleep;

@@ -143,17 +143,18 @@ pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Rollo
     }
 
     let started = Instant::now();
-    let plan: Vec<(usize, &str, u32)> = input
+    // Owned task ids keep the stream's futures `Send` for any caller lifetime.
+    let plan: Vec<(usize, String, u32)> = input
         .task_ids
         .iter()
         .enumerate()
-        .flat_map(|(ti, task)| (0..input.attempts).map(move |a| (ti, task.as_str(), a)))
+        .flat_map(|(ti, task)| (0..input.attempts).map(move |a| (ti, task.clone(), a)))
         .collect();
     let total = plan.len();
     tracing::info!(job = ctx.job_id, harness = %input.harness.id, episodes = total, "rollout job started");
     let mut rows: Vec<(usize, u32, Trajectory)> = stream::iter(plan)
         .map(|(ti, task, attempt)| async move {
-            let row = rollout_one(ctx, input, task, attempt).await;
+            let row = rollout_one(ctx, input, &task, attempt).await;
             (ti, attempt, row)
         })
         .buffer_unordered(input.concurrency)
@@ -347,7 +348,7 @@ pub async fn run_episode(
 
     let mut error: Option<(ErrorClass, String)> = None;
     let termination = 'episode: loop {
-        let call = match session.next() {
+        let call = match session.next_step() {
             Next::Stop(t) => break t,
             Next::Act(call) => call,
             Next::Ask(req) => {
@@ -619,6 +620,21 @@ mod tests {
         let seen = policy.seen.lock().unwrap();
         let second = &seen[1];
         assert_eq!(second.last().unwrap().content, "If this answers the question, call commit_final_answer now.");
+    }
+
+    #[test]
+    fn job_and_episode_futures_can_be_spawned() {
+        fn assert_send<T: Send>(_: &T) {}
+        let policy = prose_policy();
+        let factory = Factory { fail_step: false };
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(dir.path()).unwrap();
+        let ctx = RolloutContext { store: &store, policy: &policy, envs: &factory, job_id: "j", delivery_attempt: 0 };
+        let inp = input(HarnessSpec::h0(), &["t1"], 1);
+        assert_send(&run(&ctx, &inp));
+        let mut env = Counting { rounds: 0, max_rounds: 5, answer: None, fail_step: false };
+        let spec = HarnessSpec::h0();
+        assert_send(&run_episode(&policy, &mut env, &spec, Budgets::default(), &SamplingParams::default(), "t1", 1));
     }
 
     #[tokio::test]

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use infra::store::{ObjectStore, StoreError};
-use schemas::{JobEnvelope, OutputEntry};
+use schemas::{Document, JobEnvelope, JobIdParts, JobKind, OutputEntry};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -67,6 +67,25 @@ pub fn output_key(run_id: &str, job_id: &str) -> String {
     format!("runs/{run_id}/diagnostics/sleep/{job_id}.json")
 }
 
+/// The envelope of the `index`-th sleep job of a run. Its id is deterministic
+/// ([`schemas::job_id`] over run, stage `diag-sleep` and the index), so enqueuing the same
+/// job twice yields one job.
+pub fn envelope(run_id: &str, index: u64, input: &SleepInput) -> JobEnvelope {
+    let task = index.to_string();
+    let job_id = schemas::job_id(&JobIdParts { run_id, stage: "diag-sleep", task_id: &task, ..Default::default() });
+    JobEnvelope {
+        schema_version: <JobEnvelope as Document>::VERSION,
+        job_id,
+        run_id: run_id.to_string(),
+        kind: JobKind::Sleep,
+        attempt: 0,
+        payload: serde_json::to_value(input).expect("plain struct serialises"),
+        created_at_ms: schemas::now_unix_ms(),
+        not_before_ms: None,
+        deadline_ms: None,
+    }
+}
+
 /// Parses and checks the payload of a sleep job.
 pub fn parse_input(job: &JobEnvelope) -> Result<SleepInput, SleepError> {
     serde_json::from_value(job.payload.clone()).map_err(|e| SleepError::Input(e.to_string()))
@@ -95,7 +114,6 @@ pub async fn run(store: &dyn ObjectStore, job: &JobEnvelope) -> Result<Vec<Outpu
 mod tests {
     use super::*;
     use infra::store::LocalStore;
-    use schemas::JobKind;
 
     fn job(payload: serde_json::Value, attempt: u32) -> JobEnvelope {
         JobEnvelope {
@@ -123,6 +141,16 @@ mod tests {
         let bytes = store.get(&first[0].key).await.unwrap();
         assert_eq!(bytes.len() as u64, first[0].size);
         assert_eq!(hex::encode(Sha256::digest(&bytes)), first[0].sha256);
+    }
+
+    #[test]
+    fn envelopes_have_stable_distinct_ids() {
+        let input = SleepInput { millis: 0, fail: false, fail_attempts: 0 };
+        let a = envelope("r", 1, &input);
+        assert_eq!(a.job_id, envelope("r", 1, &input).job_id);
+        assert_ne!(a.job_id, envelope("r", 2, &input).job_id);
+        assert_ne!(a.job_id, envelope("r2", 1, &input).job_id);
+        assert_eq!(parse_input(&a).unwrap(), input);
     }
 
     #[tokio::test]

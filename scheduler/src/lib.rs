@@ -6,6 +6,8 @@
 
 pub mod bench;
 pub mod cli;
+pub mod report;
+pub mod run;
 
 /// Process exit codes, so that CI and cron can tell outcomes apart.
 pub mod exit {

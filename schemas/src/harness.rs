@@ -61,7 +61,8 @@ impl HarnessSpec {
     }
 }
 
-/// Text placed into a named prompt slot (`system`, `action_guidance`, `answer_format`, ...).
+/// Text placed into a named prompt slot: `system`, `action_guidance`, `answer_format` and
+/// `error_recovery` go into the system prompt, `task_preamble` before the task.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PromptRule {
@@ -167,9 +168,17 @@ pub enum Expr {
 }
 
 /// `{event, condition, action, message, parameters}` (Appendix D, Table 7).
+///
+/// `parameters` holds the values the condition and action read: `threshold`
+/// (`remaining_steps_lte`), `times` (`repeated_action`), `tool` and `args` (the call a
+/// `rewrite_action` / `force_action` builds; string values may contain `{{path}}`
+/// placeholders, filled by substitution, never evaluated), and `max_fires` (how often the
+/// hook may fire per episode). `jobs::harness::validate` checks all of them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Hook {
+    /// Names the hook on the turns it injects (`Turn::hook_id`) and in diffs; hooks
+    /// without one are named by position (`hooks[2]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
     pub event: HookEvent,

@@ -37,7 +37,7 @@ impl std::fmt::Display for RolloutKind {
 }
 
 /// Which part of the task data a task comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Split {
     Train,

@@ -73,3 +73,17 @@ pub fn openai_url() -> String {
 pub fn openai_model() -> String {
     std::env::var("HARNESS_S_TEST_OPENAI_MODEL").unwrap_or_else(|_| "smollm2-135m-instruct".to_string())
 }
+
+/// Tests that use the shared RabbitMQ hold this lock shared; the one test that restarts
+/// the broker (`rabbitmqctl stop_app` / `start_app`) holds it exclusively, so no other
+/// test in this binary runs into the restart.
+pub fn broker_shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    BROKER.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// See [`broker_shared`].
+pub fn broker_exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
+    BROKER.write().unwrap_or_else(|p| p.into_inner())
+}
+
+static BROKER: std::sync::RwLock<()> = std::sync::RwLock::new(());

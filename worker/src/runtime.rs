@@ -243,6 +243,9 @@ impl Worker {
         if let Err(e) = consumer.cancel().await {
             tracing::warn!(error = %e, "cancelling the consumer failed; the queue reclaims its deliveries when the connection closes");
         }
+        while let Some(done) = tasks.try_join_next() {
+            summary.add(&joined(done));
+        }
         if !tasks.is_empty() {
             tracing::info!(in_flight = tasks.len(), grace_secs = cfg.grace.as_secs_f64(), "stopping: letting in-flight jobs finish");
         }

@@ -241,6 +241,17 @@ impl Publisher {
         }
     }
 
+    /// A new channel on the live publishing connection (re-established if needed), for
+    /// questions that may close their channel.
+    async fn side_channel(&self) -> Result<Channel> {
+        let mut guard = self.live.lock().await;
+        if !guard.as_ref().is_some_and(|l| l.conn.status().connected()) {
+            *guard = Some(self.link(self.target.options.reconnect_timeout).await?);
+        }
+        let link = guard.as_ref().expect("link was just set");
+        link.conn.create_channel().await.map_err(|e| self.target.classify(&e, None))
+    }
+
     /// Publishes persistent messages and waits for every confirmation.
     async fn send(&self, batch: Vec<Outgoing>) -> Result<()> {
         let mut kinds: Vec<JobKind> = batch.iter().map(|m| m.kind).collect();
@@ -362,28 +373,36 @@ impl Queue for AmqpQueue {
     }
 
     async fn stats(&self, kind: JobKind) -> Result<QueueStats> {
-        let target = self.target.clone();
-        self.publisher
-            .with_channel(&[], move |channel| {
-                let target = target.clone();
-                Box::pin(async move { target.declare_kind(channel, kind).await })
-            })
-            .await
+        let o = &self.target.options;
+        let mut probe = Probe { target: &self.target, publisher: &self.publisher, channel: None };
+        let mut delayed = 0;
+        for delay in o.retry_delays() {
+            delayed += probe.count(&o.delay_queue(kind, delay)).await?;
+        }
+        let stats = QueueStats {
+            ready: probe.count(&o.work_queue(kind)).await?,
+            delayed,
+            dead: probe.count(&o.dead_queue(kind)).await?,
+        };
+        probe.close().await;
+        Ok(stats)
     }
 
     async fn dead_letters(&self, kind: JobKind, limit: usize) -> Result<Vec<DeadLetter>> {
         let target = self.target.clone();
-        let mut guard = self.publisher.live.lock().await;
-        if guard.is_none() {
-            *guard = Some(self.publisher.link(target.options.connect_timeout).await?);
-        }
-        let link = guard.as_ref().expect("link was just set");
         // A channel of its own: messages fetched without ack go back to the queue, in
         // order, when it closes, so reading leaves the letters in place.
-        let channel = link.conn.create_channel().await.map_err(|e| target.classify(&e, None))?;
+        let channel = self.publisher.side_channel().await?;
         let queue = target.options.dead_queue(kind);
-        target.declare_kind(&channel, kind).await?;
         let mut out = Vec::new();
+        // Reading never creates queues: a missing dead-letter queue has no letters.
+        let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+        if let Err(e) = channel.queue_declare(queue.as_str().into(), passive, FieldTable::default()).await {
+            if is_not_found(&e) {
+                return Ok(out);
+            }
+            return Err(target.classify(&e, Some(&queue)));
+        }
         while out.len() < limit {
             let got = channel
                 .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
@@ -441,6 +460,42 @@ impl Queue for AmqpQueue {
             link.declared.clear();
         }
         Ok(())
+    }
+}
+
+fn is_not_found(e: &lapin::Error) -> bool {
+    matches!(e.kind(), ErrorKind::ProtocolError(a) if matches!(a.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)))
+}
+
+/// Counts messages with passive declares, which create nothing. A missing queue closes
+/// the channel (404), so a fresh one is opened for the next question.
+struct Probe<'a> {
+    target: &'a Target,
+    publisher: &'a Publisher,
+    channel: Option<Channel>,
+}
+
+impl Probe<'_> {
+    async fn count(&mut self, queue: &str) -> Result<u64> {
+        if self.channel.is_none() {
+            self.channel = Some(self.publisher.side_channel().await?);
+        }
+        let channel = self.channel.as_ref().expect("channel was just set");
+        let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+        match channel.queue_declare(queue.into(), passive, FieldTable::default()).await {
+            Ok(q) => Ok(u64::from(q.message_count())),
+            Err(e) if is_not_found(&e) => {
+                self.channel = None;
+                Ok(0)
+            }
+            Err(e) => Err(self.target.classify(&e, Some(queue))),
+        }
+    }
+
+    async fn close(self) {
+        if let Some(c) = self.channel {
+            let _ = c.close(200, "counted".into()).await;
+        }
     }
 }
 

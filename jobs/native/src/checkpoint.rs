@@ -243,9 +243,8 @@ mod tests {
     use crate::learner::{Batch, Sample};
     use infra::store::LocalStore;
 
-    fn learner(seed: i64) -> Learner {
-        tch::manual_seed(seed);
-        let m = Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu).unwrap();
+    fn learner(seed: u64) -> Learner {
+        let m = Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu, seed).unwrap();
         Learner::new(m, LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, micro_batch_tokens: 8, seed: 3, ..Default::default() })
     }
 

@@ -190,9 +190,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path().join("store")).unwrap();
         // base model: a tiny random llama saved as an HF directory
-        tch::manual_seed(4);
         let tok = word_level(&WORDS);
-        let model = Llama::new(LlamaConfig::tiny(tok.vocab_size() as i64, 64, 2), Device::Cpu).unwrap();
+        let model = Llama::new(LlamaConfig::tiny(tok.vocab_size() as i64, 64, 2), Device::Cpu, 4).unwrap();
         let base = dir.path().join("base");
         std::fs::create_dir_all(&base).unwrap();
         std::fs::write(base.join("config.json"), model.config.to_hf_json().to_string()).unwrap();

@@ -40,8 +40,8 @@ pub use tokenizer::Tokenizer;
 /// Failures of the native backend. Each names the file, tensor or setting involved.
 #[derive(Debug, thiserror::Error)]
 pub enum NativeError {
-    #[error("cannot read {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("cannot read {path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: {detail}")]
     Format { path: PathBuf, detail: String },
     #[error("{path}: metadata key `{key}` is missing")]
@@ -73,8 +73,8 @@ pub enum NativeError {
 }
 
 impl NativeError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
-        NativeError::Io { path: path.to_path_buf(), source }
+    pub(crate) fn io(path: &Path, error: std::io::Error) -> Self {
+        NativeError::Io { path: path.to_path_buf(), error }
     }
 }
 pub mod learn;

@@ -23,7 +23,7 @@ pub fn load(path: &Path, device: Device) -> Result<(Llama, Tokenizer), NativeErr
         let model = model_from_gguf(&f, device)?;
         Ok((model, tok))
     } else if !path.exists() {
-        Err(NativeError::Io { path: path.into(), source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory") })
+        Err(NativeError::Io { path: path.into(), error: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory") })
     } else {
         Err(NativeError::Format { path: path.into(), detail: "expected a .gguf file or a directory with config.json and *.safetensors".into() })
     }

@@ -9,7 +9,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::NativeError;
@@ -187,15 +190,38 @@ pub struct Llama {
 }
 
 impl Llama {
-    /// Builds the model with randomly initialised parameters (normal, σ = 0.02; norms at 1),
-    /// drawn from libtorch's generator (seed it with `tch::manual_seed`).
-    pub fn new(config: LlamaConfig, device: Device) -> Result<Self, NativeError> {
+    /// Builds the model with randomly initialised parameters: weights uniform with
+    /// σ = 0.02, norms at 1. Drawn from a generator seeded by `seed` and the parameter's
+    /// name, not from libtorch's global one, so the same seed gives the same model even
+    /// while other threads draw random numbers.
+    pub fn new(config: LlamaConfig, device: Device, seed: u64) -> Result<Self, NativeError> {
+        let model = Self::zeros(config, device)?;
+        let _guard = tch::no_grad_guard();
+        for (name, mut var) in model.named_tensors() {
+            if name.ends_with("norm.weight") {
+                let _ = var.fill_(1.0);
+                continue;
+            }
+            let mut h = Sha256::new();
+            h.update(seed.to_le_bytes());
+            h.update(name.as_bytes());
+            let mut rng = ChaCha8Rng::from_seed(h.finalize().into());
+            // uniform on [−a, a] has σ = a/√3
+            let a = 0.02f32 * 3f32.sqrt();
+            let values: Vec<f32> = (0..var.numel()).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * a).collect();
+            var.copy_(&Tensor::from_slice(&values).view(var.size().as_slice()).to_device(device));
+        }
+        Ok(model)
+    }
+
+    /// Builds the model with every parameter zero (to be overwritten by a loader).
+    fn zeros(config: LlamaConfig, device: Device) -> Result<Self, NativeError> {
         config.validate()?;
         let vs = nn::VarStore::new(device);
         let root = vs.root();
         let c = &config;
         let hd = c.head_dim();
-        let init = nn::Init::Randn { mean: 0.0, stdev: 0.02 };
+        let init = nn::Init::Const(0.0);
         let m = &root / "model";
         let embed = (&m / "embed_tokens").var("weight", &[c.vocab_size, c.hidden_size], init);
         let mut layers = Vec::new();
@@ -228,7 +254,7 @@ impl Llama {
     /// kind). A missing tensor or a shape mismatch is an error naming `source` and the
     /// tensor; tensors the model does not use (e.g. a tied `lm_head.weight`) are ignored.
     pub fn from_tensors(config: LlamaConfig, tensors: &HashMap<String, Tensor>, device: Device, source: &Path) -> Result<Self, NativeError> {
-        let model = Llama::new(config, device)?;
+        let model = Llama::zeros(config, device)?;
         model.copy_from(tensors, source)?;
         Ok(model)
     }
@@ -388,8 +414,7 @@ mod tests {
     use super::*;
 
     fn tiny() -> Llama {
-        tch::manual_seed(7);
-        Llama::new(LlamaConfig::tiny(50, 32, 2), Device::Cpu).unwrap()
+        Llama::new(LlamaConfig::tiny(50, 32, 2), Device::Cpu, 7).unwrap()
     }
 
     #[test]
@@ -434,7 +459,7 @@ mod tests {
         let toks = Tensor::from_slice(&[4i64, 8, 15, 16, 23, 42]).view([1, 6]);
         let diff = (m.forward(&toks, None) - ggml.forward(&toks, None)).abs().max().double_value(&[]);
         assert!(diff < 1e-5, "max diff {diff}");
-        let w = Tensor::randn([8, 3], (Kind::Float, Device::Cpu));
+        let w = Tensor::arange(24, (Kind::Float, Device::Cpu)).view([8, 3]);
         assert!(unpermute_qk(&permute_qk(&w, 2), 2).equal(&w));
     }
 

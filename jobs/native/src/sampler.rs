@@ -165,8 +165,7 @@ mod tests {
 
     #[test]
     fn seeded_sampling_repeats_and_logprobs_are_consistent() {
-        tch::manual_seed(3);
-        let m = Llama::new(LlamaConfig::tiny(40, 32, 2), Device::Cpu).unwrap();
+        let m = Llama::new(LlamaConfig::tiny(40, 32, 2), Device::Cpu, 3).unwrap();
         let opts = GenerateOptions { max_tokens: 12, temperature: 1.0, top_p: 0.9, seed: 11 };
         let a = generate(&m, &[1, 2, 3], &opts, &[]).unwrap();
         let b = generate(&m, &[1, 2, 3], &opts, &[]).unwrap();
@@ -186,8 +185,7 @@ mod tests {
 
     #[test]
     fn greedy_stops_on_a_stop_token() {
-        tch::manual_seed(3);
-        let m = Llama::new(LlamaConfig::tiny(40, 32, 2), Device::Cpu).unwrap();
+        let m = Llama::new(LlamaConfig::tiny(40, 32, 2), Device::Cpu, 3).unwrap();
         let free = generate(&m, &[5, 6], &GenerateOptions::greedy(5), &[]).unwrap();
         let stop = free.tokens[2];
         let g = generate(&m, &[5, 6], &GenerateOptions::greedy(5), &[stop]).unwrap();

@@ -67,8 +67,12 @@ fn walk(path: &str, a: &Value, b: &Value, out: &mut Vec<Edit>) {
             let keys: std::collections::BTreeSet<&String> = ma.keys().chain(mb.keys()).collect();
             for k in keys {
                 let p = join(path, k);
+                let empty = Value::Array(vec![]);
                 match (ma.get(k), mb.get(k)) {
                     (Some(va), Some(vb)) => walk(&p, va, vb, out),
+                    // A component list that appears or disappears shows entry by entry.
+                    (Some(va @ Value::Array(_)), None) => walk(&p, va, &empty, out),
+                    (None, Some(vb @ Value::Array(_))) => walk(&p, &empty, vb, out),
                     (Some(va), None) => out.push(Edit { kind: EditKind::Removed, path: p, old: Some(va.clone()), new: None }),
                     (None, Some(vb)) => out.push(Edit { kind: EditKind::Added, path: p, old: None, new: Some(vb.clone()) }),
                     (None, None) => {}
@@ -163,6 +167,19 @@ mod tests {
             "~ parent: \"h0\" -> \"s1\"",
             "+ prompt_rules[1]: {\"slot\":\"action_guidance\",\"text\":\"b\"}",
         ]);
+    }
+
+    #[test]
+    fn a_new_component_list_shows_each_entry() {
+        let a = spec(json!({"id": "h0"}));
+        let b = spec(json!({"id": "h0", "hooks": [
+            {"id": "x", "event": "after_tool", "condition": "always", "action": "warn", "message": "1"},
+            {"id": "y", "event": "after_tool", "condition": "always", "action": "warn", "message": "2"}
+        ]}));
+        let paths: Vec<String> = diff_specs(&a, &b).iter().map(|e| format!("{:?} {}", e.kind, e.path)).collect();
+        assert_eq!(paths, vec!["Added hooks[id=x]", "Added hooks[id=y]"]);
+        let back: Vec<String> = diff_specs(&b, &a).iter().map(|e| format!("{:?} {}", e.kind, e.path)).collect();
+        assert_eq!(back, vec!["Removed hooks[id=x]", "Removed hooks[id=y]"]);
     }
 
     #[test]

@@ -6,13 +6,26 @@
 //! budgets (Harness-S Appendix F, Table 8).
 //!
 //! The session is a pure state machine: it never calls the policy or the environment. The
-//! episode driver (`crate::rollout`) asks it what to do next ([`Session::next`]), makes the
+//! episode driver (`crate::rollout`) asks it what to do next ([`Session::next_step`]), makes the
 //! call, and reports back ([`Session::record_reply`], [`Session::before_action`],
 //! [`Session::after_tool`]). That keeps every hook effect unit-testable without IO.
 //!
 //! Every text the runtime adds is a [`Turn`] with `source = harness` (or `system` for the
 //! base prompt) and an empty, all-false loss mask, so the learner never trains on it
 //! (Harness-S Appendix B: only policy tokens enter the loss).
+//!
+//! Hook effects by lifecycle point (validation rejects the combinations marked "—"):
+//!
+//! | event           | warn / inject_hint                  | block_and_prompt                 | rewrite_action                  | force_action                        |
+//! |-----------------|-------------------------------------|----------------------------------|---------------------------------|-------------------------------------|
+//! | episode_start   | hint after the task                 | —                                | —                               | the first action is the hook's      |
+//! | before_decision | hint, then the policy is asked      | —                                | —                               | the hook's action instead of a call |
+//! | before_action   | hint after the action's result      | call suppressed, policy re-asked | call's args/tool replaced       | call replaced by the hook's         |
+//! | after_tool      | hint after the result               | —                                | —                               | the next action is the hook's       |
+//!
+//! All matching warns fire, in spec order; of the mediating hooks (block, rewrite, force)
+//! only the first matching one applies. Harness-made actions skip before_action hooks.
+//! `max_fires` limits how often a hook fires per episode.
 
 use std::collections::BTreeMap;
 
@@ -85,7 +98,7 @@ pub enum Next {
 pub enum Verdict {
     /// Execute this call (possibly rewritten or replaced by a hook).
     Execute(ToolCall),
-    /// The call was blocked; ask the policy again ([`Session::next`]).
+    /// The call was blocked; ask the policy again ([`Session::next_step`]).
     Blocked,
     /// The episode is over (no environment action left).
     Stop(Termination),
@@ -216,7 +229,7 @@ impl Session {
 
     /// What to do next: a queued forced action, a policy call (after before_decision
     /// hooks), or stop because a budget ran out.
-    pub fn next(&mut self) -> Next {
+    pub fn next_step(&mut self) -> Next {
         self.refresh_state();
         if self.state.remaining_env_actions == 0 {
             return Next::Stop(Termination::BudgetExhausted);
@@ -338,12 +351,15 @@ impl Session {
         self.state.last_tool = call.name.clone();
         self.state.last_action_failed = obs.action_failed;
         self.state.consecutive_failures = if obs.action_failed { self.state.consecutive_failures + 1 } else { 0 };
-        self.state.answer_committed |= obs.committed;
+        // `done` before the round limit can only be a commit; at the limit only the
+        // environment's `committed` flag tells the two apart.
+        let committed = obs.committed || (obs.done && self.usage.env_actions < self.state.max_rounds);
+        self.state.answer_committed |= committed;
         self.push(Role::Tool, TurnSource::Env, obs.text.clone(), Some(call), None);
         self.last_observation = obs;
         self.flush_deferred();
         if self.last_observation.done {
-            return Some(if self.last_observation.committed { Termination::Committed } else { Termination::RoundLimit });
+            return Some(if committed { Termination::Committed } else { Termination::RoundLimit });
         }
         self.refresh_state();
         for fired in self.fire(HookEvent::AfterTool, Some(call)) {
@@ -636,7 +652,7 @@ mod tests {
     }
 
     fn ask(s: &mut Session) -> PolicyRequest {
-        match s.next() {
+        match s.next_step() {
             Next::Ask(r) => r,
             other => panic!("expected a policy call, got {other:?}"),
         }
@@ -745,7 +761,7 @@ mod tests {
         let mut s = session(json!([{"id": "f", "event": "episode_start", "condition": "always", "action": "force_action",
             "message": "Looking at the table first.",
             "parameters": {"tool": "execute_sql", "args": {"query": "SELECT * FROM `{{state.features.table_name}}` LIMIT 3"}}}]));
-        let call = match s.next() {
+        let call = match s.next_step() {
             Next::Act(c) => c,
             other => panic!("expected a forced action, got {other:?}"),
         };
@@ -814,7 +830,7 @@ mod tests {
         ask(&mut s);
         s.record_reply(reply("", Some(sql("SELECT count(*) FROM t"))));
         s.after_tool(&sql("SELECT count(*) FROM t"), rows("2"));
-        match s.next() {
+        match s.next_step() {
             Next::Act(c) => assert_eq!(c, ToolCall { name: "commit_final_answer".into(), args: json!({"answers": ["2"]}) }),
             other => panic!("expected a forced commit, got {other:?}"),
         }
@@ -920,7 +936,7 @@ mod tests {
         ask(&mut s);
         let c = s.record_reply(reply("", Some(sql("SELEC")))).unwrap();
         s.after_tool(&c, Observation { text: "syntax error".into(), action_failed: true, ..Default::default() });
-        assert_eq!(s.next(), Next::Act(sql("SELECT * FROM t LIMIT 1")));
+        assert_eq!(s.next_step(), Next::Act(sql("SELECT * FROM t LIMIT 1")));
         assert_eq!(s.usage().model_calls, 1);
     }
 
@@ -948,11 +964,23 @@ mod tests {
         assert_eq!(s.after_tool(&commit, done), Some(Termination::Committed));
         assert!(s.state().answer_committed);
 
+        // At the round limit (5 rounds) without the flag: the limit ended it.
+        let mut s = session(json!([]));
+        for i in 0..5 {
+            ask(&mut s);
+            s.record_reply(reply("", Some(sql("SELECT 1"))));
+            let out = Observation { text: "[(1,)]".into(), done: i == 4, ..Default::default() };
+            let end = s.after_tool(&sql("SELECT 1"), out);
+            assert_eq!(end, if i == 4 { Some(Termination::RoundLimit) } else { None });
+        }
+        assert!(!s.state().answer_committed);
+
+        // Done before the round limit can only be a commit, flag or not.
         let mut s = session(json!([]));
         ask(&mut s);
-        s.record_reply(reply("", Some(sql("SELECT 1"))));
-        let out = Observation { text: "[(1,)]".into(), done: true, ..Default::default() };
-        assert_eq!(s.after_tool(&sql("SELECT 1"), out), Some(Termination::RoundLimit));
+        s.record_reply(reply("", Some(commit.clone())));
+        let done = Observation { text: "Answer committed.".into(), done: true, ..Default::default() };
+        assert_eq!(s.after_tool(&commit, done), Some(Termination::Committed));
     }
 
     // ---- budgets ----
@@ -965,7 +993,7 @@ mod tests {
             ask(&mut s);
             s.record_reply(reply("thinking", None));
         }
-        assert_eq!(s.next(), Next::Stop(Termination::BudgetExhausted));
+        assert_eq!(s.next_step(), Next::Stop(Termination::BudgetExhausted));
         assert_eq!(s.usage().model_calls, 2);
     }
 
@@ -978,7 +1006,7 @@ mod tests {
         s.record_reply(reply("", Some(sql("SELECT 1"))));
         s.after_tool(&sql("SELECT 1"), rows("1"));
         assert_eq!(s.state().remaining_env_actions, 0);
-        assert_eq!(s.next(), Next::Stop(Termination::BudgetExhausted));
+        assert_eq!(s.next_step(), Next::Stop(Termination::BudgetExhausted));
         // The environment's round limit (5) caps the default budget (30).
         let mut s = session(json!([]));
         assert_eq!(s.state().remaining_env_actions, 5);
@@ -997,7 +1025,7 @@ mod tests {
         out.completion_tokens = 10;
         s.record_reply(out);
         s.after_tool(&sql("SELECT 1"), rows("1"));
-        assert_eq!(s.next(), Next::Stop(Termination::ContextLimit));
+        assert_eq!(s.next_step(), Next::Stop(Termination::ContextLimit));
     }
 
     #[test]

@@ -536,20 +536,14 @@ impl Validator<'_> {
                 continue;
             }
             match key.as_str() {
-                "threshold" => {
-                    if value.as_u64().is_none() {
-                        self.problem(kp, format!("expected a non-negative integer, found {value}"));
-                    }
+                "threshold" if value.as_u64().is_none() => {
+                    self.problem(kp, format!("expected a non-negative integer, found {value}"));
                 }
-                "times" => {
-                    if value.as_u64().is_none_or(|n| n < 2) {
-                        self.problem(kp, format!("expected an integer of at least 2, found {value}"));
-                    }
+                "times" if value.as_u64().is_none_or(|n| n < 2) => {
+                    self.problem(kp, format!("expected an integer of at least 2, found {value}"));
                 }
-                "max_fires" => {
-                    if value.as_u64().is_none_or(|n| n < 1) {
-                        self.problem(kp, format!("expected a positive integer, found {value}"));
-                    }
+                "max_fires" if value.as_u64().is_none_or(|n| n < 1) => {
+                    self.problem(kp, format!("expected a positive integer, found {value}"));
                 }
                 "tool" => {
                     if let Some(t) = self.text(&kp, value, true) {
@@ -754,6 +748,24 @@ mod tests {
         let spec = json!({"id": "x", "tool_view": {"tools": [{"name": "a", "shown": false}, {"name": "b", "shown": false}]}});
         let got: Vec<String> = validate_value(&spec, &opts).iter().map(|p| p.to_string()).collect();
         assert_eq!(got, vec!["tool_view.tools: hides every tool the environment offers; the policy could not act".to_string()]);
+    }
+
+    #[test]
+    fn the_paper_table_7_edits_validate_as_written() {
+        // Harness-S Appendix D, Table 7: S6 (pagination), S7 (intersection rule), S8 (low budget).
+        let spec = json!({
+            "id": "table7", "parent": "h0",
+            "prompt_rules": [{"slot": "action_guidance", "text": "If the request combines conditions, fetch each condition separately and compute the intersection; do not broaden an item to its containing collection."}],
+            "hooks": [
+                {"action": "warn", "condition": "pagination_present", "event": "after_tool",
+                 "message": "Pagination metadata is present. Continue only until an empty or short page or an authoritative total; do not treat the first page as complete.",
+                 "parameters": {}},
+                {"action": "warn", "condition": "remaining_steps_lte", "event": "after_tool",
+                 "message": "Execution budget is low. Finish only the required verification and reserve one step for complete_task; avoid unrelated exploration.",
+                 "parameters": {"threshold": 3}}
+            ]
+        });
+        assert_eq!(problems(spec), Vec::<String>::new());
     }
 
     #[test]

@@ -10,11 +10,12 @@
 //!    bare JSON line of that shape, a ```` ```json ```` block, and Hermes-style
 //!    `<tool_call>{...}</tool_call>` are read the same way; `"parameters"` is accepted for
 //!    `"arguments"`, and a JSON array of such objects is several calls);
-//! 2. shorthands, active only when the named tool is offered (the AgentBench DBBench
+//! 2. shorthands, active only when the named tool is offered (mostly the AgentBench DBBench
 //!    format): a ```` ```sql ```` fenced block calls `execute_sql` with `{"query": <block>}`,
 //!    and a `Final Answer: [...]` line calls `commit_final_answer` with
 //!    `{"answers": [...]}` (a JSON list, a Python-style list with single quotes, or a bare
-//!    value taken as a one-element list).
+//!    value taken as a one-element list), and the call syntax `tool({...})` of an offered
+//!    tool (hook messages show calls that way).
 //!
 //! ```
 //! use jobs::policy::text_protocol;
@@ -137,6 +138,30 @@ pub fn parse(text: &str, offered: &[&str], shorthands: bool) -> Vec<ToolCall> {
                     let args = Value::Object(Map::from_iter([(shorthand.arg.to_string(), Value::String(body.trim().to_string()))]));
                     found.push((start, ToolCall { name: shorthand.tool.to_string(), args }));
                     consumed.push((start, end));
+                }
+            }
+        }
+    }
+
+    // Call syntax `tool({json})` of an offered tool (hook messages show calls this way).
+    if shorthands {
+        for name in offered {
+            let pattern = format!("{name}(");
+            let mut from = 0;
+            while let Some(at) = text[from..].find(&pattern).map(|i| i + from) {
+                from = at + pattern.len();
+                // A longer identifier ending in this name (`my_execute_sql(`) is not this tool.
+                let preceded = text[..at].chars().next_back().is_some_and(|c| c.is_alphanumeric() || c == '_');
+                if preceded || overlaps(&consumed, at, from) {
+                    continue;
+                }
+                let mut stream = serde_json::Deserializer::from_str(&text[from..]).into_iter::<Value>();
+                if let Some(Ok(args @ Value::Object(_))) = stream.next() {
+                    let end = from + stream.byte_offset();
+                    if text[end..].trim_start().starts_with(')') {
+                        found.push((at, ToolCall { name: name.to_string(), args }));
+                        consumed.push((at, end));
+                    }
                 }
             }
         }
@@ -369,6 +394,15 @@ mod tests {
         let calls = parse(text, &DB_TOOLS, false);
         assert_eq!(calls.len(), 1);
         assert_eq!(calls[0].args["query"], "SELECT 3");
+    }
+
+    #[test]
+    fn call_syntax_of_offered_tools() {
+        let calls = parse("I will call commit_final_answer({\"answers\": [\"2\"]}) now.", &DB_TOOLS, true);
+        assert_eq!(calls, vec![ToolCall { name: "commit_final_answer".into(), args: json!({"answers": ["2"]}) }]);
+        assert!(parse("my_execute_sql({\"query\": \"x\"})", &DB_TOOLS, true).is_empty());
+        assert!(parse("execute_sql({\"query\": \"x\"}", &DB_TOOLS, true).is_empty(), "no closing parenthesis");
+        assert!(parse("commit_final_answer({\"answers\": []})", &DB_TOOLS, false).is_empty(), "text mode only");
     }
 
     #[test]

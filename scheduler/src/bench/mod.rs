@@ -1,5 +1,8 @@
 //! Benchmarks behind `harness-s bench`.
 
+pub mod learner;
+pub mod queue;
+pub mod sampler;
 pub mod storage;
 
 /// Peak resident memory of this process (VmHWM), in bytes, where the OS reports it.

@@ -7,10 +7,19 @@ use clap::Subcommand;
 pub enum BenchCommand {
     /// Write and read synthetic trajectories as Parquet; compare with JSON lines.
     Storage(crate::bench::storage::StorageArgs),
+    /// Job-queue throughput and enqueue-to-ack latency (memory://, RabbitMQ, Celery peer).
+    Queue(crate::bench::queue::QueueArgs),
+    /// Native sampler tokens/s vs llama-cpp-python's server on the same GGUF and threads.
+    Sampler(crate::bench::sampler::SamplerArgs),
+    /// GRPO step: policy tokens/s and peak memory at several sequence lengths and group sizes.
+    Learner(crate::bench::learner::LearnerArgs),
 }
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<u8> {
     match cmd {
         BenchCommand::Storage(a) => crate::bench::storage::run(a).await,
+        BenchCommand::Queue(a) => crate::bench::queue::run(a).await,
+        BenchCommand::Sampler(a) => crate::bench::sampler::run(a).await,
+        BenchCommand::Learner(a) => crate::bench::learner::run(a).await,
     }
 }

@@ -3,8 +3,15 @@
 use clap::{Args, Parser, Subcommand};
 
 mod bench;
+mod generate;
 mod harness;
+mod pool;
+mod rollout;
+mod run;
+mod queue;
 mod store;
+mod tasks;
+mod worker;
 
 /// harness-s: train LLM agents with Harness-S (sibling-harness rescue for GRPO).
 #[derive(Debug, Parser)]
@@ -29,15 +36,44 @@ pub struct GlobalArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run a Harness-S training run in this process (embedded: memory queue, in-process workers).
+    Run(run::RunArgs),
+    /// Upload a run spec and its inputs to a store for a distributed run.
+    Submit(run::SubmitArgs),
+    /// Drive a submitted run through a queue (workers run elsewhere).
+    Scheduler(run::SchedulerArgs),
+    /// Show a run's stage, progress and latest metrics.
+    Status(run::RunRefArgs),
+    /// Continue an interrupted run from its state.json; refuses a finished run.
+    Resume(run::ResumeArgs),
+    /// Ask a running run to stop at its next check.
+    Cancel(run::RunRefArgs),
+    /// Write a run's Markdown report and PNG plots into the store.
+    Report(run::RunRefArgs),
     /// Inspect an object store: list objects, print Parquet rows as JSON lines.
     #[command(subcommand)]
     Store(store::StoreCommand),
     /// Benchmarks that print a table.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Run a worker: consume job kinds from a queue, run them, commit, ack.
+    Worker(worker::WorkerArgs),
+    /// Inspect and feed a job queue: counts, dead letters, diagnostic jobs.
+    #[command(subcommand)]
+    Queue(queue::QueueCommand),
     /// Harness specs: validate one, or show the edits between two.
     #[command(subcommand)]
     Harness(harness::HarnessCommand),
+    /// Run one batch of rollouts (DBBench tasks x one harness x an OpenAI-compatible policy) and print a summary.
+    Rollout(Box<rollout::RolloutArgs>),
+    /// DBBench task files: check gold answers against the grader, generate tasks.
+    #[command(subcommand)]
+    Tasks(tasks::TasksCommand),
+    /// The Sibling Harness Pool of a run: list members, show one, diff two.
+    #[command(subcommand)]
+    Pool(pool::PoolCommand),
+    /// Complete one prompt with the native backend (GGUF or HF directory); --logprobs shows each token's log-probability.
+    Generate(generate::GenerateArgs),
 }
 
 /// Sets up tracing to stderr in the chosen format.
@@ -55,8 +91,21 @@ pub fn init_tracing(global: &GlobalArgs) {
 /// Runs a parsed command; returns the process exit code.
 pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
     match cli.command {
+        Command::Run(args) => run::run(args).await,
+        Command::Submit(args) => run::submit(args).await,
+        Command::Scheduler(args) => run::scheduler(args).await,
+        Command::Status(args) => run::status(args).await,
+        Command::Resume(args) => run::resume(args).await,
+        Command::Cancel(args) => run::cancel(args).await,
+        Command::Report(args) => run::report(args).await,
         Command::Store(cmd) => store::run(cmd).await,
         Command::Bench(cmd) => bench::run(cmd).await,
+        Command::Worker(args) => worker::run(args).await,
+        Command::Queue(cmd) => queue::run(cmd).await,
         Command::Harness(cmd) => harness::run(cmd).await,
+        Command::Rollout(args) => rollout::run(*args).await,
+        Command::Tasks(cmd) => tasks::run(cmd).await,
+        Command::Pool(cmd) => pool::run(cmd).await,
+        Command::Generate(args) => generate::run(args).await,
     }
 }

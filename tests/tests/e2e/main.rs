@@ -1,1 +1,8 @@
+mod dbbench;
+mod evolve;
+mod harness;
+mod queue;
+mod rollout;
+mod router;
 mod storage;
+mod training;

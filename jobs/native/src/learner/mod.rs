@@ -323,9 +323,8 @@ mod tests {
     use crate::model::LlamaConfig;
     use crate::sampler::{generate, GenerateOptions};
 
-    fn tiny(seed: i64) -> Llama {
-        tch::manual_seed(seed);
-        Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu).unwrap()
+    fn tiny(seed: u64) -> Llama {
+        Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu, seed).unwrap()
     }
 
     /// A tiny random model learns a rewarded completion: each step samples a group of 8
@@ -334,7 +333,7 @@ mod tests {
     #[test]
     fn tiny_model_learns_a_rewarded_completion() {
         let model = tiny(1);
-        let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 3e-3, weight_decay: 0.0, ..Default::default() }, micro_batch_tokens: 24, ..Default::default() };
+        let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, weight_decay: 0.0, ..Default::default() }, micro_batch_tokens: 24, ..Default::default() };
         let mut learner = Learner::new(model, cfg);
         let prompt = [1u32, 2, 3];
         let p_target = |l: &Learner| l.sequence_logprob(&prompt, &[7]).exp();
@@ -379,8 +378,10 @@ mod tests {
         assert_eq!((a.micro_batches, b.micro_batches), (1, 3));
         assert!((a.loss - b.loss).abs() < 1e-6 && (a.grad_norm - b.grad_norm).abs() < 1e-5 * a.grad_norm.max(1.0), "{a:?} vs {b:?}");
         for ((n, x), (_, y)) in one.model.named_tensors().iter().zip(many.model.named_tensors()) {
+            // Adam's first step moves each weight by about ±lr whatever the gradient's size,
+            // so float-rounding differences of near-zero gradients show at a fraction of lr.
             let d = (x - y).abs().max().double_value(&[]);
-            assert!(d < 1e-5, "{n}: {d}");
+            assert!(d < 1e-4, "{n}: {d}");
         }
     }
 

@@ -112,12 +112,17 @@ const THEMES: &[Theme] = &[
         plural: "employees",
         key: "name",
         keys: &[
-            "Alice", "Bruno", "Chen", "Dana", "Emil", "Fatima", "Goran", "Hana", "Ivan", "Jonas", "Kemal", "Lena", "Mateo",
-            "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wes", "Xenia", "Yusuf", "Zoe",
+            "Alice", "Bruno", "Chen", "Dana", "Emil", "Fatima", "Goran", "Hana", "Ivan", "Jonas", "Kemal", "Lena",
+            "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wes", "Xenia", "Yusuf",
+            "Zoe",
         ],
         category: "department",
         categories: &["Sales", "IT", "HR", "Finance"],
-        numbers: &[num("age", "age", 21, 64), num("years", "years of service", 10, 35), num("salary", "salary", 900, 12000)],
+        numbers: &[
+            num("age", "age", 21, 64),
+            num("years", "years of service", 10, 35),
+            num("salary", "salary", 900, 12000),
+        ],
     },
     Theme {
         table: "products",
@@ -126,12 +131,17 @@ const THEMES: &[Theme] = &[
         plural: "products",
         key: "product",
         keys: &[
-            "Lamp", "Kettle", "Desk", "Chair", "Mug", "Clock", "Vase", "Rug", "Fan", "Toaster", "Pillow", "Shelf", "Mirror",
-            "Blender", "Candle", "Basket", "Stool", "Tray", "Jar", "Bowl", "Plate", "Towel", "Blanket", "Heater",
+            "Lamp", "Kettle", "Desk", "Chair", "Mug", "Clock", "Vase", "Rug", "Fan", "Toaster", "Pillow", "Shelf",
+            "Mirror", "Blender", "Candle", "Basket", "Stool", "Tray", "Jar", "Bowl", "Plate", "Towel", "Blanket",
+            "Heater",
         ],
         category: "category",
         categories: &["Kitchen", "Garden", "Office", "Bedroom"],
-        numbers: &[num("price", "price", 10, 99), num("rating", "rating", 10, 50), num("stock", "units in stock", 0, 1500)],
+        numbers: &[
+            num("price", "price", 10, 99),
+            num("rating", "rating", 10, 50),
+            num("stock", "units in stock", 0, 1500),
+        ],
     },
     Theme {
         table: "students",
@@ -140,12 +150,16 @@ const THEMES: &[Theme] = &[
         plural: "students",
         key: "student",
         keys: &[
-            "Aiko", "Ben", "Carla", "Deniz", "Eli", "Farah", "Gus", "Ines", "Jack", "Kira", "Liam", "Mia", "Nico", "Olga",
-            "Pablo", "Rhea", "Sam", "Tomas", "Uma", "Vic", "Will", "Yara", "Zack", "Ada",
+            "Aiko", "Ben", "Carla", "Deniz", "Eli", "Farah", "Gus", "Ines", "Jack", "Kira", "Liam", "Mia", "Nico",
+            "Olga", "Pablo", "Rhea", "Sam", "Tomas", "Uma", "Vic", "Will", "Yara", "Zack", "Ada",
         ],
         category: "class",
         categories: &["A", "B", "C", "D"],
-        numbers: &[num("score", "score", 40, 99), num("absences", "absences", 10, 60), num("points", "bonus points", 5, 250)],
+        numbers: &[
+            num("score", "score", 40, 99),
+            num("absences", "absences", 10, 60),
+            num("points", "bonus points", 5, 250),
+        ],
     },
     Theme {
         table: "cities",
@@ -154,12 +168,34 @@ const THEMES: &[Theme] = &[
         plural: "cities",
         key: "city",
         keys: &[
-            "Avalon", "Brighton", "Cedar Falls", "Dover", "Elmira", "Fairview", "Georgetown", "Hillsboro", "Irvine", "Jasper",
-            "Kingston", "Lakewood", "Milton", "Newport", "Oakdale", "Preston", "Quincy", "Riverside", "Salem", "Trenton",
+            "Avalon",
+            "Brighton",
+            "Cedar Falls",
+            "Dover",
+            "Elmira",
+            "Fairview",
+            "Georgetown",
+            "Hillsboro",
+            "Irvine",
+            "Jasper",
+            "Kingston",
+            "Lakewood",
+            "Milton",
+            "Newport",
+            "Oakdale",
+            "Preston",
+            "Quincy",
+            "Riverside",
+            "Salem",
+            "Trenton",
         ],
         category: "region",
         categories: &["North", "South", "East", "West"],
-        numbers: &[num("area", "area", 10, 99), num("parks", "number of parks", 10, 80), num("population", "population", 800, 98000)],
+        numbers: &[
+            num("area", "area", 10, 99),
+            num("parks", "number of parks", 10, 80),
+            num("population", "population", 800, 98000),
+        ],
     },
     Theme {
         table: "players",
@@ -168,12 +204,16 @@ const THEMES: &[Theme] = &[
         plural: "players",
         key: "player",
         keys: &[
-            "Abel", "Bako", "Cruz", "Dario", "Enzo", "Felix", "Gael", "Hugo", "Iker", "Joao", "Kofi", "Luka", "Marco", "Nils",
-            "Otto", "Pavel", "Rafa", "Saul", "Theo", "Ugo", "Vito", "Yann",
+            "Abel", "Bako", "Cruz", "Dario", "Enzo", "Felix", "Gael", "Hugo", "Iker", "Joao", "Kofi", "Luka", "Marco",
+            "Nils", "Otto", "Pavel", "Rafa", "Saul", "Theo", "Ugo", "Vito", "Yann",
         ],
         category: "team",
         categories: &["Lions", "Tigers", "Bears", "Eagles"],
-        numbers: &[num("goals", "goals", 10, 45), num("matches", "matches played", 10, 38), num("minutes", "minutes played", 90, 3400)],
+        numbers: &[
+            num("goals", "goals", 10, 45),
+            num("matches", "matches played", 10, 38),
+            num("minutes", "minutes played", 90, 3400),
+        ],
     },
     Theme {
         table: "books",
@@ -182,13 +222,34 @@ const THEMES: &[Theme] = &[
         plural: "books",
         key: "title",
         keys: &[
-            "Blue River", "Cold Harbor", "Dark Forest", "Empty Sky", "Fading Light", "Glass Tower", "Hidden Path",
-            "Iron Gate", "Jade Moon", "Kings Road", "Lost Island", "Night Train", "Open Sea", "Paper Crown", "Quiet Storm",
-            "Red Canyon", "Silent Bell", "Tall Grass", "Winter Song", "Young Oak",
+            "Blue River",
+            "Cold Harbor",
+            "Dark Forest",
+            "Empty Sky",
+            "Fading Light",
+            "Glass Tower",
+            "Hidden Path",
+            "Iron Gate",
+            "Jade Moon",
+            "Kings Road",
+            "Lost Island",
+            "Night Train",
+            "Open Sea",
+            "Paper Crown",
+            "Quiet Storm",
+            "Red Canyon",
+            "Silent Bell",
+            "Tall Grass",
+            "Winter Song",
+            "Young Oak",
         ],
         category: "genre",
         categories: &["Mystery", "Fantasy", "History", "Poetry"],
-        numbers: &[num("copies", "copies", 10, 90), num("chapters", "chapters", 10, 60), num("pages", "pages", 60, 1200)],
+        numbers: &[
+            num("copies", "copies", 10, 90),
+            num("chapters", "chapters", 10, 60),
+            num("pages", "pages", 60, 1200),
+        ],
     },
 ];
 
@@ -302,11 +363,15 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
                 // A threshold some row of the category reaches, so the count is at least one.
                 let cat = t.category_with(rng, 2).or_else(|| t.category_with(rng, 1)).unwrap_or_default();
                 let cats = t.values(th.category);
-                let in_cat: Vec<i64> = t.ints(nc.name).into_iter().zip(&cats).filter(|(_, c)| **c == cat).map(|(v, _)| v).collect();
+                let in_cat: Vec<i64> =
+                    t.ints(nc.name).into_iter().zip(&cats).filter(|(_, c)| **c == cat).map(|(v, _)| v).collect();
                 let v = *in_cat.choose(rng).unwrap_or(&vals[0]);
                 Draft {
                     task_type: "counting".into(),
-                    description: format!("How many {} with {} '{cat}' have {} of at least {v}?", th.plural, th.category, nc.phrase),
+                    description: format!(
+                        "How many {} with {} '{cat}' have {} of at least {v}?",
+                        th.plural, th.category, nc.phrase
+                    ),
                     gold: format!("SELECT COUNT(*) FROM {tn} WHERE {cat_col} = '{cat}' AND {c} + 0 >= {v}"),
                 }
             } else {
@@ -320,10 +385,14 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
             }
         }
         "aggregation" => {
-            let (op, word) = *[("SUM", "total"), ("AVG", "average"), ("MIN", "lowest"), ("MAX", "highest")].choose(rng).unwrap_or(&("SUM", "total"));
+            let (op, word) = *[("SUM", "total"), ("AVG", "average"), ("MIN", "lowest"), ("MAX", "highest")]
+                .choose(rng)
+                .unwrap_or(&("SUM", "total"));
             let filter = if difficulty == Difficulty::Easy { None } else { t.category_with(rng, 1) };
             let (scope, cond) = match &filter {
-                Some(cat) => (format!("{} with {} '{cat}'", th.plural, th.category), format!(" WHERE {cat_col} = '{cat}'")),
+                Some(cat) => {
+                    (format!("{} with {} '{cat}'", th.plural, th.category), format!(" WHERE {cat_col} = '{cat}'"))
+                }
                 None => (format!("all {}", th.plural), String::new()),
             };
             Draft {
@@ -338,8 +407,13 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
                 match t.category_with(rng, 2) {
                     Some(cat) if rng.random_bool(0.5) => Draft {
                         task_type: "ranking".into(),
-                        description: format!("Among {} with {} '{cat}', which {} has the {word} {}?", th.plural, th.category, th.singular, nc.phrase),
-                        gold: format!("SELECT {key} FROM {tn} WHERE {cat_col} = '{cat}' ORDER BY {c} + 0 {dir} LIMIT 1"),
+                        description: format!(
+                            "Among {} with {} '{cat}', which {} has the {word} {}?",
+                            th.plural, th.category, th.singular, nc.phrase
+                        ),
+                        gold: format!(
+                            "SELECT {key} FROM {tn} WHERE {cat_col} = '{cat}' ORDER BY {c} + 0 {dir} LIMIT 1"
+                        ),
                     },
                     _ => Draft {
                         task_type: "ranking".into(),
@@ -371,7 +445,10 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
                 let v = vals[k - 1] + 1;
                 Draft {
                     task_type: "comparison".into(),
-                    description: format!("Which {} have {} less than {v}? Give every {}.", th.plural, nc.phrase, th.key),
+                    description: format!(
+                        "Which {} have {} less than {v}? Give every {}.",
+                        th.plural, nc.phrase, th.key
+                    ),
                     gold: format!("SELECT {key} FROM {tn} WHERE {c} + 0 < {v}"),
                 }
             }
@@ -397,7 +474,12 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
             let quoted: Vec<String> = values.iter().map(|v| format!("'{v}'")).collect();
             Draft {
                 task_type: "INSERT".into(),
-                description: format!("Insert a new {} into the table {} with {}.", th.singular, t.spec.name, parts.join(", ")),
+                description: format!(
+                    "Insert a new {} into the table {} with {}.",
+                    th.singular,
+                    t.spec.name,
+                    parts.join(", ")
+                ),
                 gold: format!("INSERT INTO {tn} ({}) VALUES ({})", cols.join(", "), quoted.join(", ")),
             }
         }
@@ -407,7 +489,10 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
                     let d = rng.random_range(2..=9);
                     return Draft {
                         task_type: "UPDATE".into(),
-                        description: format!("Increase the {} of every {} with {} '{cat}' by {d}.", nc.phrase, th.singular, th.category),
+                        description: format!(
+                            "Increase the {} of every {} with {} '{cat}' by {d}.",
+                            nc.phrase, th.singular, th.category
+                        ),
                         gold: format!("UPDATE {tn} SET {c} = {c} + {d} WHERE {cat_col} = '{cat}'"),
                     };
                 }

@@ -229,7 +229,10 @@ impl DbBenchEnv {
     async fn run_sql(&mut self, query: &str) -> Result<Observation, EnvError> {
         let settings = self.config.exec_settings();
         let ep = self.episode("step")?;
-        let db = ep.db.as_mut().ok_or_else(|| EnvError::State { operation: "step", reason: "the episode's database is closed".into() })?;
+        let db = ep
+            .db
+            .as_mut()
+            .ok_or_else(|| EnvError::State { operation: "step", reason: "the episode's database is closed".into() })?;
         Ok(match db.execute(query, settings).await? {
             Exec::Rows { text, truncated } => Observation {
                 // AgentBench's text for an empty response; `[]` is not empty.
@@ -244,7 +247,10 @@ impl DbBenchEnv {
     async fn commit(&mut self, answer: PyValue) -> Result<Observation, EnvError> {
         let ep = self.episode("step")?;
         let table_hash = if ep.task.is_write() {
-            let db = ep.db.as_mut().ok_or_else(|| EnvError::State { operation: "step", reason: "the episode's database is closed".into() })?;
+            let db = ep.db.as_mut().ok_or_else(|| EnvError::State {
+                operation: "step",
+                reason: "the episode's database is closed".into(),
+            })?;
             Some(hash_tables(db, &ep.task).await?)
         } else {
             None
@@ -252,26 +258,26 @@ impl DbBenchEnv {
         ep.committed = Some(Committed { answer, table_hash });
         Ok(Observation { text: "Answer committed.".into(), done: true, ..Default::default() })
     }
+}
 
-    /// The hash a write task's gold SQL gives on a fresh database (AgentBench does this
-    /// when `answer_md5` is empty).
-    async fn reference_hash(&self, task: &DbTask) -> Result<String, EnvError> {
-        let mut db = Database::create(&self.config.engine, &unique_db_name(&self.config.db_prefix), &task.tables).await?;
-        let mut result = Ok(String::new());
-        for sql in task.gold_sql() {
-            if let Err(e) = db.execute(&sql, self.config.exec_settings()).await {
-                result = Err(e);
-                break;
-            }
+/// The hash a write task's gold SQL gives on a fresh database (AgentBench does this
+/// when `answer_md5` is empty).
+async fn reference_hash(config: &DbBenchConfig, task: &DbTask) -> Result<String, EnvError> {
+    let mut db = Database::create(&config.engine, &unique_db_name(&config.db_prefix), &task.tables).await?;
+    let mut result = Ok(String::new());
+    for sql in task.gold_sql() {
+        if let Err(e) = db.execute(&sql, config.exec_settings()).await {
+            result = Err(e);
+            break;
         }
-        if result.is_ok() {
-            result = hash_tables(&mut db, task).await;
-        }
-        let closed = db.close().await;
-        let hash = result?;
-        closed?;
-        Ok(hash)
     }
+    if result.is_ok() {
+        result = hash_tables(&mut db, task).await;
+    }
+    let closed = db.close().await;
+    let hash = result?;
+    closed?;
+    Ok(hash)
 }
 
 /// AgentBench's combined hash of all the task's tables; a failed hash query yields its
@@ -310,7 +316,8 @@ impl Environment for DbBenchEnv {
     /// The seed is unused: a DBBench episode always starts from the task's tables.
     async fn reset(&mut self, task_id: &str, _seed: u64) -> Result<EpisodeStart, EnvError> {
         self.close().await?;
-        let task = self.tasks.get(task_id).cloned().ok_or_else(|| EnvError::UnknownTask { task_id: task_id.to_string() })?;
+        let task =
+            self.tasks.get(task_id).cloned().ok_or_else(|| EnvError::UnknownTask { task_id: task_id.to_string() })?;
         let db = Database::create(&self.config.engine, &unique_db_name(&self.config.db_prefix), &task.tables)
             .await
             .map_err(|e| match e {
@@ -343,7 +350,8 @@ impl Environment for DbBenchEnv {
         if ep.done {
             return Err(EnvError::State {
                 operation: "step",
-                reason: "the episode is over (an answer was committed or the round limit was reached); call reset".into(),
+                reason: "the episode is over (an answer was committed or the round limit was reached); call reset"
+                    .into(),
             });
         }
         ep.rounds_used += 1;
@@ -353,14 +361,19 @@ impl Environment for DbBenchEnv {
                     let q = q.clone();
                     self.run_sql(&q).await?
                 }
-                _ => failed("execute_sql needs one string argument `query`, e.g. {\"query\": \"SELECT * FROM `table`\"}.".into()),
+                _ => failed(
+                    "execute_sql needs one string argument `query`, e.g. {\"query\": \"SELECT * FROM `table`\"}."
+                        .into(),
+                ),
             },
             COMMIT_FINAL_ANSWER => match first_arg(&call.args, "answers") {
                 Some(a) => {
                     let answer = PyValue::from_json(a);
                     self.commit(answer).await?
                 }
-                None => failed("commit_final_answer needs `answers`, a list of strings, e.g. {\"answers\": [\"42\"]}.".into()),
+                None => failed(
+                    "commit_final_answer needs `answers`, a list of strings, e.g. {\"answers\": [\"42\"]}.".into(),
+                ),
             },
             other => failed(format!(
                 "Invalid function call `{other}`. Please call a tool instead: {EXECUTE_SQL} or {COMMIT_FINAL_ANSWER}."
@@ -369,7 +382,9 @@ impl Environment for DbBenchEnv {
         let ep = self.episode("step")?;
         if !obs.done && ep.rounds_used >= max_rounds {
             obs.done = true;
-            obs.text.push_str(&format!("\n\nRound limit reached ({max_rounds} rounds): the episode ends without an answer."));
+            obs.text.push_str(&format!(
+                "\n\nRound limit reached ({max_rounds} rounds): the episode ends without an answer."
+            ));
         }
         ep.done = obs.done;
         Ok(obs)
@@ -390,14 +405,18 @@ impl Environment for DbBenchEnv {
             let hash = committed.table_hash.clone().unwrap_or_default();
             let (truth, source) = match task.answer_md5.as_deref().filter(|m| !m.is_empty()) {
                 Some(md5) => (md5.to_string(), "answer_md5"),
-                None => (self.reference_hash(&task).await?, "gold SQL replayed on a fresh database"),
+                None => {
+                    let config = self.config.clone();
+                    (reference_hash(&config, &task).await?, "gold SQL replayed on a fresh database")
+                }
             };
             let cmp = compare_results(&PyValue::Str(hash.clone()), &PyValue::Str(truth.clone()), &task.task_type);
             let detail = format!(
-                "{} task `{}`: table hash {hash} {} {truth} ({source})",
+                "{} task `{}`: table hash {hash} {} {} ({source})",
                 task.task_type,
                 task.id,
-                if cmp.matched { "matches" } else { "differs from" }
+                if cmp.matched { "matches" } else { "differs from" },
+                cmp.truth.join(","),
             );
             (cmp, detail)
         } else {
@@ -517,7 +536,10 @@ mod tests {
     async fn long_results_are_truncated() {
         let mut e = env(5);
         e.reset("count", 0).await.unwrap();
-        let obs = e.step(&sql("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 500) SELECT x FROM c")).await.unwrap();
+        let obs = e
+            .step(&sql("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 500) SELECT x FROM c"))
+            .await
+            .unwrap();
         assert!(obs.truncated);
         assert!(obs.text.ends_with("[TRUNCATED]"));
         assert_eq!(obs.text.chars().count(), DEFAULT_RESULT_CHARS + "[TRUNCATED]".len());
@@ -545,6 +567,16 @@ mod tests {
         assert!(matches!(e.reset("nope", 0).await, Err(EnvError::UnknownTask { .. })));
         assert!(matches!(e.step(&sql("SELECT 1")).await, Err(EnvError::State { .. })));
         assert!(matches!(e.evaluate().await, Err(EnvError::State { .. })));
+    }
+
+    #[tokio::test]
+    async fn a_server_that_is_down_is_a_retryable_backend_error() {
+        let loaded = TaskSet::parse(TASKS, "t.jsonl", "t");
+        // Nothing listens on port 1.
+        let mut e = DbBenchEnv::new(Arc::new(loaded.tasks), DbBenchConfig::mysql("mysql://root@127.0.0.1:1").unwrap());
+        let err = e.reset("count", 0).await.unwrap_err();
+        assert!(matches!(err, EnvError::Backend { .. }) && err.is_retryable(), "{err}");
+        assert!(err.to_string().contains("cannot connect"), "{err}");
     }
 
     #[test]

@@ -70,14 +70,20 @@ impl MysqlDb {
         let base = parse_url(url).map_err(|e| EnvError::Backend { backend: "mysql".into(), detail: e })?;
         let admin_opts: Opts = OptsBuilder::from_opts(base.clone()).db_name(None::<String>).into();
         let mut conn = Conn::new(admin_opts).await.map_err(|e| {
-            backend("cannot connect to the MySQL/MariaDB server (is it running? start it or pass another --db-url)", url, e)
+            backend(
+                "cannot connect to the MySQL/MariaDB server (is it running? start it or pass another --db-url)",
+                url,
+                e,
+            )
         })?;
         conn.query_drop(format!("CREATE DATABASE {} CHARACTER SET utf8mb4", quote_ident(name)))
             .await
             .map_err(|e| backend(&format!("cannot create database `{name}`"), url, e))?;
         let opts: Opts = OptsBuilder::from_opts(base).db_name(Some(name.to_string())).into();
         let mut db = MysqlDb { opts, conn: None, database: name.to_string(), closed: false };
-        conn.query_drop(format!("USE {}", quote_ident(name))).await.map_err(|e| backend("cannot use the new database", url, e))?;
+        conn.query_drop(format!("USE {}", quote_ident(name)))
+            .await
+            .map_err(|e| backend("cannot use the new database", url, e))?;
         setup_session(&mut conn).await;
         db.conn = Some(conn);
         if let Err(e) = db.fill(tables).await {
@@ -106,9 +112,10 @@ impl MysqlDb {
             conn.query_drop(format!("CREATE TABLE IF NOT EXISTS {} ({})", quote_ident(&t.name), defs.join(",")))
                 .await
                 .map_err(|e| match e {
-                    mysql_async::Error::Server(e) => {
-                        EnvError::InvalidTask { task_id: t.name.clone(), reason: format!("cannot create table: {}", server_text(&e)) }
-                    }
+                    mysql_async::Error::Server(e) => EnvError::InvalidTask {
+                        task_id: t.name.clone(),
+                        reason: format!("cannot create table: {}", server_text(&e)),
+                    },
                     other => backend("cannot create a table", &url, other),
                 })?;
             let row_marks = format!("({})", vec!["?"; cols.len()].join(","));
@@ -127,7 +134,10 @@ impl MysqlDb {
     }
 
     fn conn(&mut self) -> Result<&mut Conn, EnvError> {
-        self.conn.as_mut().ok_or_else(|| EnvError::Backend { backend: "mysql".into(), detail: "the episode's connection is closed".into() })
+        self.conn.as_mut().ok_or_else(|| EnvError::Backend {
+            backend: "mysql".into(),
+            detail: "the episode's connection is closed".into(),
+        })
     }
 
     /// Replaces a connection left mid-query (after a timeout): kill it, open a new one.
@@ -192,8 +202,12 @@ impl MysqlDb {
                 return Ok(());
             }
         }
-        let mut conn = Conn::new(self.opts.clone()).await.map_err(|e| backend("cannot reconnect to drop the database", &url, e))?;
-        conn.query_drop(&sql).await.map_err(|e| backend(&format!("cannot drop database `{}`", self.database), &url, e))?;
+        let mut conn = Conn::new(self.opts.clone())
+            .await
+            .map_err(|e| backend("cannot reconnect to drop the database", &url, e))?;
+        conn.query_drop(&sql)
+            .await
+            .map_err(|e| backend(&format!("cannot drop database `{}`", self.database), &url, e))?;
         let _ = conn.disconnect().await;
         Ok(())
     }
@@ -233,7 +247,9 @@ impl Drop for MysqlDb {
                     }
                 });
             }
-            Err(_) => tracing::warn!(database = %self.database, "episode database left on the server: dropped outside a runtime"),
+            Err(_) => {
+                tracing::warn!(database = %self.database, "episode database left on the server: dropped outside a runtime")
+            }
         }
     }
 }
@@ -257,7 +273,12 @@ async fn run_query(conn: &mut Conn, sql: &str, limit: usize) -> mysql_async::Res
         while let Some(row) = stream.next().await {
             let row = row?;
             let columns = row.columns();
-            let values = row.unwrap_raw().into_iter().enumerate().map(|(i, v)| to_py(&columns[i], v.unwrap_or(Value::NULL))).collect();
+            let values = row
+                .unwrap_raw()
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| to_py(&columns[i], v.unwrap_or(Value::NULL)))
+                .collect();
             if !renderer.push(values) {
                 break;
             }
@@ -284,10 +305,11 @@ fn to_py(col: &Column, v: Value) -> PyValue {
     let text = || String::from_utf8_lossy(&bytes).into_owned();
     use ColumnType::*;
     match col.column_type() {
-        MYSQL_TYPE_TINY | MYSQL_TYPE_SHORT | MYSQL_TYPE_LONG | MYSQL_TYPE_INT24 | MYSQL_TYPE_LONGLONG | MYSQL_TYPE_YEAR => {
-            PyValue::Int(text())
+        MYSQL_TYPE_TINY | MYSQL_TYPE_SHORT | MYSQL_TYPE_LONG | MYSQL_TYPE_INT24 | MYSQL_TYPE_LONGLONG
+        | MYSQL_TYPE_YEAR => PyValue::Int(text()),
+        MYSQL_TYPE_FLOAT | MYSQL_TYPE_DOUBLE => {
+            text().parse::<f64>().map(PyValue::Float).unwrap_or_else(|_| PyValue::Str(text()))
         }
-        MYSQL_TYPE_FLOAT | MYSQL_TYPE_DOUBLE => text().parse::<f64>().map(PyValue::Float).unwrap_or_else(|_| PyValue::Str(text())),
         MYSQL_TYPE_DECIMAL | MYSQL_TYPE_NEWDECIMAL => {
             let t = text();
             PyValue::Object { repr: format!("Decimal('{t}')"), str: t }
@@ -332,7 +354,11 @@ fn datetime_value(s: &str) -> Option<PyValue> {
         repr.push_str(&format!(", {us}"));
     }
     repr.push(')');
-    let str = if us > 0 { format!("{date} {h:02}:{mi:02}:{sec:02}.{us:06}") } else { format!("{date} {h:02}:{mi:02}:{sec:02}") };
+    let str = if us > 0 {
+        format!("{date} {h:02}:{mi:02}:{sec:02}.{us:06}")
+    } else {
+        format!("{date} {h:02}:{mi:02}:{sec:02}")
+    };
     Some(PyValue::Object { repr, str })
 }
 
@@ -354,8 +380,18 @@ fn timedelta_value(s: &str) -> Option<PyValue> {
     if us > 0 {
         parts.push(format!("microseconds={us}"));
     }
-    let repr = if parts.is_empty() { "datetime.timedelta(0)".to_string() } else { format!("datetime.timedelta({})", parts.join(", ")) };
-    let clock = format!("{}:{:02}:{:02}{}", secs / 3600, (secs % 3600) / 60, secs % 60, if us > 0 { format!(".{us:06}") } else { String::new() });
+    let repr = if parts.is_empty() {
+        "datetime.timedelta(0)".to_string()
+    } else {
+        format!("datetime.timedelta({})", parts.join(", "))
+    };
+    let clock = format!(
+        "{}:{:02}:{:02}{}",
+        secs / 3600,
+        (secs % 3600) / 60,
+        secs % 60,
+        if us > 0 { format!(".{us:06}") } else { String::new() }
+    );
     let str = match days {
         0 => clock,
         1 => format!("1 day, {clock}"),
@@ -455,7 +491,10 @@ mod tests {
     fn temporal_values_print_like_mysql_connector() {
         assert_eq!(date_value("2020-01-02").unwrap().repr(), "datetime.date(2020, 1, 2)");
         assert_eq!(datetime_value("2020-01-02 03:04:00").unwrap().repr(), "datetime.datetime(2020, 1, 2, 3, 4)");
-        assert_eq!(datetime_value("2020-01-02 03:04:05.5").unwrap().repr(), "datetime.datetime(2020, 1, 2, 3, 4, 5, 500000)");
+        assert_eq!(
+            datetime_value("2020-01-02 03:04:05.5").unwrap().repr(),
+            "datetime.datetime(2020, 1, 2, 3, 4, 5, 500000)"
+        );
         assert_eq!(timedelta_value("25:00:01").unwrap().repr(), "datetime.timedelta(days=1, seconds=3601)");
         assert_eq!(timedelta_value("00:00:00").unwrap().repr(), "datetime.timedelta(0)");
         assert_eq!(timedelta_value("25:00:01").unwrap().to_py_str(), "1 day, 1:00:01");

@@ -24,7 +24,10 @@ pub enum PyValue {
     Tuple(Vec<PyValue>),
     Dict(Vec<(PyValue, PyValue)>),
     /// Any other object (`Decimal`, `datetime.date`, ...), with its `repr` and `str`.
-    Object { repr: String, str: String },
+    Object {
+        repr: String,
+        str: String,
+    },
 }
 
 impl PyValue {
@@ -628,7 +631,10 @@ mod tests {
         ]);
         assert_eq!(rows.repr(), "[('x',), (17, None, 2.0)]");
         assert_eq!(PyValue::Tuple(vec![]).repr(), "()");
-        assert_eq!(PyValue::from_json(&serde_json::json!([1, 1.0, "a", null, true, {"k": [2]}])).repr(), "[1, 1.0, 'a', None, True, {'k': [2]}]");
+        assert_eq!(
+            PyValue::from_json(&serde_json::json!([1, 1.0, "a", null, true, {"k": [2]}])).repr(),
+            "[1, 1.0, 'a', None, True, {'k': [2]}]"
+        );
     }
 
     #[test]
@@ -665,7 +671,10 @@ mod tests {
             ]))
         );
         assert_eq!(parse_literal("['it\\'s' 'x']"), Some(PyValue::List(vec![PyValue::Str("it'sx".into())])));
-        assert_eq!(parse_literal("[1_000, 1e3]"), Some(PyValue::List(vec![PyValue::Int("1000".into()), PyValue::Float(1000.0)])));
+        assert_eq!(
+            parse_literal("[1_000, 1e3]"),
+            Some(PyValue::List(vec![PyValue::Int("1000".into()), PyValue::Float(1000.0)]))
+        );
         // eval raises on these: a bare name, a leading-zero int, a missing comma.
         assert_eq!(parse_literal("[abc]"), None);
         assert_eq!(parse_literal("[012]"), None);

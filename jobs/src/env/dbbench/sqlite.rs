@@ -53,7 +53,10 @@ impl SqliteDb {
                 let cols: Vec<String> = t.columns.iter().map(|c| quote_ident(c)).collect();
                 let defs: Vec<String> = cols.iter().map(|c| format!("{c} TEXT")).collect();
                 tx.execute(&format!("CREATE TABLE IF NOT EXISTS {} ({})", quote_ident(&t.name), defs.join(",")), [])
-                    .map_err(|e| EnvError::InvalidTask { task_id: t.name.clone(), reason: format!("cannot create table: {e}") })?;
+                    .map_err(|e| EnvError::InvalidTask {
+                        task_id: t.name.clone(),
+                        reason: format!("cannot create table: {e}"),
+                    })?;
                 let marks = vec!["?"; cols.len()].join(",");
                 let mut insert = tx
                     .prepare(&format!("INSERT INTO {} ({}) VALUES ({marks})", quote_ident(&t.name), cols.join(",")))
@@ -144,10 +147,9 @@ fn failed(e: &rusqlite::Error) -> Exec {
 fn sqlite_message(e: &rusqlite::Error) -> String {
     match e {
         rusqlite::Error::MultipleStatement => ONE_STATEMENT.into(),
-        rusqlite::Error::SqliteFailure(err, Some(msg)) if !msg.is_empty() => {
-            let _ = err;
-            msg.clone()
-        }
+        rusqlite::Error::SqliteFailure(_, Some(msg)) if !msg.is_empty() => msg.clone(),
+        // Python shows SQLite's message without the statement and offset.
+        rusqlite::Error::SqlInputError { msg, .. } => msg.clone(),
         other => other.to_string(),
     }
 }
@@ -187,7 +189,10 @@ fn arg_int(ctx: &Context<'_>, i: usize) -> Option<i64> {
             let s = String::from_utf8_lossy(t);
             let s = s.trim();
             // MySQL reads the leading number of a string, 0 if none.
-            let end = s.char_indices().find(|&(i, c)| !(c.is_ascii_digit() || (i == 0 && (c == '-' || c == '+')))).map_or(s.len(), |(i, _)| i);
+            let end = s
+                .char_indices()
+                .find(|&(i, c)| !(c.is_ascii_digit() || (i == 0 && (c == '-' || c == '+'))))
+                .map_or(s.len(), |(i, _)| i);
             Some(s[..end].parse().unwrap_or(0))
         }
     }
@@ -195,13 +200,13 @@ fn arg_int(ctx: &Context<'_>, i: usize) -> Option<i64> {
 
 fn register_functions(conn: &Connection) -> rusqlite::Result<()> {
     let flags = FunctionFlags::SQLITE_UTF8 | FunctionFlags::SQLITE_DETERMINISTIC;
-    conn.create_scalar_function("md5", 1, flags, |ctx| {
-        Ok(arg_text(ctx, 0).map(|b| hex::encode(Md5::digest(&b))))
-    })?;
+    conn.create_scalar_function("md5", 1, flags, |ctx| Ok(arg_text(ctx, 0).map(|b| hex::encode(Md5::digest(&b)))))?;
     // MySQL: NULL separator → NULL; NULL arguments are skipped.
     conn.create_scalar_function("concat_ws", -1, flags, |ctx| {
         if ctx.len() < 2 {
-            return Err(rusqlite::Error::UserFunctionError("concat_ws needs a separator and at least one value".into()));
+            return Err(rusqlite::Error::UserFunctionError(
+                "concat_ws needs a separator and at least one value".into(),
+            ));
         }
         let Some(sep) = arg_text(ctx, 0) else { return Ok(None) };
         let parts: Vec<Vec<u8>> = (1..ctx.len()).filter_map(|i| arg_text(ctx, i)).collect();
@@ -242,14 +247,20 @@ fn register_functions(conn: &Connection) -> rusqlite::Result<()> {
             if needle.is_empty() {
                 return Ok(Some(if from <= hay.len() { start } else { 0 }));
             }
-            let pos = (from..hay.len().saturating_sub(needle.len() - 1)).find(|&i| hay[i..i + needle.len()] == needle[..]);
+            let pos =
+                (from..hay.len().saturating_sub(needle.len() - 1)).find(|&i| hay[i..i + needle.len()] == needle[..]);
             Ok(Some(pos.map_or(0, |i| i as i64 + 1)))
         })?;
     }
     conn.create_scalar_function("lcase", 1, flags, |ctx| Ok(arg_text(ctx, 0).map(|s| text(s).to_lowercase())))?;
     conn.create_scalar_function("ucase", 1, flags, |ctx| Ok(arg_text(ctx, 0).map(|s| text(s).to_uppercase())))?;
     for name in ["char_length", "character_length"] {
-        conn.create_scalar_function(name, 1, flags, |ctx| Ok(arg_text(ctx, 0).map(|s| text(s).chars().count() as i64)))?;
+        conn.create_scalar_function(
+            name,
+            1,
+            flags,
+            |ctx| Ok(arg_text(ctx, 0).map(|s| text(s).chars().count() as i64)),
+        )?;
     }
     conn.create_scalar_function("substring_index", 3, flags, |ctx| {
         let (Some(s), Some(delim), Some(count)) = (arg_text(ctx, 0), arg_text(ctx, 1), arg_int(ctx, 2)) else {
@@ -298,7 +309,10 @@ mod tests {
     fn results_render_as_python_tuples() {
         let mut d = db();
         assert_eq!(rows(d.execute("SELECT * FROM `My Table`", settings())), "[('Ann', '31'), (\"Bob's\", '9')]");
-        assert_eq!(rows(d.execute("SELECT count(*), sum(Age), avg(Age), NULL FROM `My Table`", settings())), "[(2, 40, 20.0, None)]");
+        assert_eq!(
+            rows(d.execute("SELECT count(*), sum(Age), avg(Age), NULL FROM `My Table`", settings())),
+            "[(2, 40, 20.0, None)]"
+        );
         assert_eq!(rows(d.execute("UPDATE `My Table` SET Age = '32' WHERE Name = 'Ann';", settings())), "[]");
         assert_eq!(rows(d.execute("", settings())), "[]");
     }
@@ -345,11 +359,20 @@ mod tests {
     #[test]
     fn table_hash_matches_the_mysql_formula() {
         let d = db();
-        let h = d.table_hash(&TableSpec { name: "My Table".into(), columns: vec!["Name".into(), "Age".into()], rows: vec![] });
+        let h = d.table_hash(&TableSpec {
+            name: "My Table".into(),
+            columns: vec!["Name".into(), "Age".into()],
+            rows: vec![],
+        });
         let row = |s: &str| hex::encode(Md5::digest(s.as_bytes()))[..5].to_string();
-        let mut parts = vec![row("Ann,31"), row("Bob's,9")];
+        let mut parts = [row("Ann,31"), row("Bob's,9")];
         parts.sort();
         assert_eq!(h, Ok(Some(hex::encode(Md5::digest(parts.join(",").as_bytes())))));
+        // AgentBench's own hash query runs unchanged on SQLite with the registered
+        // functions and gives the same value.
+        let mut d2 = db();
+        let agentbench = d2.execute(&super::super::grade::hash_query("My Table", &["Name".into(), "Age".into()]), settings());
+        assert_eq!(agentbench, Exec::Rows { text: format!("[('{}',)]", h.clone().unwrap().unwrap()), truncated: false });
         let missing = d.table_hash(&TableSpec { name: "gone".into(), columns: vec!["a".into()], rows: vec![] });
         assert!(missing.unwrap_err().contains("no such table"));
     }

@@ -126,7 +126,8 @@ pub struct Loaded {
 impl TaskSet {
     /// Reads a JSONL file (or a JSON array file). Bad lines become [`LineProblem`]s.
     pub fn load(path: &Path) -> Result<Loaded, TaskFileError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TaskFileError { path: path.to_path_buf(), source })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| TaskFileError { path: path.to_path_buf(), source })?;
         let file = path.display().to_string();
         let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "tasks".into());
         Ok(Self::parse(&text, &file, &stem))
@@ -305,12 +306,20 @@ fn parse_task(value: serde_json::Value, stem: &str, line: usize) -> Result<DbTas
         if t.table_info.columns.is_empty() {
             return Err(format!("table `{}`: `table_info.columns` is empty", t.table_name));
         }
-        let columns: Vec<String> = t.table_info.columns.into_iter().map(|c| c.name).collect();
+        let mut columns: Vec<String> = t.table_info.columns.into_iter().map(|c| c.name).collect();
+        // Servers refuse an empty column name (AgentBench's dev split has one); it
+        // becomes `column_<position>`.
+        for i in 0..columns.len() {
+            if columns[i].trim().is_empty() {
+                let mut name = format!("column_{}", i + 1);
+                while columns.iter().any(|c| c.eq_ignore_ascii_case(&name)) {
+                    name.push('_');
+                }
+                columns[i] = name;
+            }
+        }
         let mut seen = std::collections::HashSet::new();
         for c in &columns {
-            if c.is_empty() {
-                return Err(format!("table `{}`: a column has an empty name", t.table_name));
-            }
             // Both engines compare column names case-insensitively.
             if !seen.insert(c.to_lowercase()) {
                 return Err(format!("table `{}`: column `{c}` appears twice", t.table_name));
@@ -375,7 +384,10 @@ mod tests {
 
     #[test]
     fn a_malformed_line_is_reported_and_the_rest_load() {
-        let text = format!("{GOOD}\n{{not json\n\n{}\n", GOOD.replace("\"type\": [\"counting\"]", "\"id\": \"x7\", \"type\": [\"counting\"]"));
+        let text = format!(
+            "{GOOD}\n{{not json\n\n{}\n",
+            GOOD.replace("\"type\": [\"counting\"]", "\"id\": \"x7\", \"type\": [\"counting\"]")
+        );
         let loaded = TaskSet::parse(&text, "tasks.jsonl", "tasks");
         assert_eq!(loaded.tasks.len(), 2);
         assert_eq!(loaded.problems.len(), 1);
@@ -386,7 +398,11 @@ mod tests {
         assert_eq!(t.origin, "tasks.jsonl:1");
         // str(value) of the JSON values, as AgentBench inserts them.
         assert_eq!(t.tables[0].rows, vec![vec!["x", "1"], vec!["y", "None"]]);
-        assert_eq!(t.prompt(), "Additional table information about the question: The name of this table is t.\nQuestion: How many?\n");
+        assert_eq!(t.tables[0].columns, vec!["a", "b"]);
+        assert_eq!(
+            t.prompt(),
+            "Additional table information about the question: The name of this table is t.\nQuestion: How many?\n"
+        );
     }
 
     #[test]
@@ -396,13 +412,25 @@ mod tests {
             (GOOD.replace("\"type\": [\"counting\"]", "\"type\": []"), "field `type`"),
             (GOOD.replace("{\"name\": \"b\"", "{\"name\": \"A\""), "column `A` appears twice"),
             (GOOD.replace("\"description\": \"How many?\", ", ""), "missing field `description`"),
-            (GOOD.replace("\"counting\"", "\"INSERT\"").replace("\"label\": [\"2\"], ", ""), "neither `answer_md5` nor gold SQL"),
+            (
+                GOOD.replace("\"counting\"", "\"INSERT\"")
+                    .replace("\"label\": [\"2\"], ", "")
+                    .replace(", \"sql\": {\"query\": \"SELECT count(*) FROM t\"}", ""),
+                "neither `answer_md5` nor gold SQL",
+            ),
         ];
         for (line, want) in cases {
             let loaded = TaskSet::parse(&line, "f.jsonl", "f");
             assert_eq!(loaded.tasks.len(), 0, "{want}");
             assert!(loaded.problems[0].message.contains(want), "{} should contain {want}", loaded.problems[0].message);
         }
+    }
+
+    #[test]
+    fn an_empty_column_name_gets_a_positional_name() {
+        let loaded = TaskSet::parse(&GOOD.replace("{\"name\": \"a\"", "{\"name\": \"\""), "f.jsonl", "f");
+        assert!(loaded.problems.is_empty(), "{:?}", loaded.problems);
+        assert_eq!(loaded.tasks.get("f-1").unwrap().tables[0].columns, vec!["column_1", "b"]);
     }
 
     #[test]

@@ -1,0 +1,417 @@
+//! Editors: Edit(H, d) of Harness-S Eq. 2 — a parent harness and a repair direction in, a
+//! child [`HarnessSpec`] out. Every child must pass the harness runtime's static
+//! validation ([`crate::harness::check_spec`]) before it is measured.
+//!
+//! - [`TemplateEditor`]: built in, no LLM. A library of parameterised repairs per cause
+//!   ([`repairs_for`]): prompt rules, skills, and hooks (`remaining_steps_lte` → "commit
+//!   now", an `after_tool` reminder to call `commit_final_answer`, a `before_action` block
+//!   of unquoted identifiers, ...). Each cause has several mechanisms; the variant index
+//!   rotates them so that siblings of one parent differ (Appendix F: "seek different
+//!   mechanisms, triggers, or recovery strategies").
+//! - [`LlmEditor`]: any [`Policy`] gets the Appendix F planning instructions, the parent
+//!   and the direction, and answers a JSON diff (components to add). An invalid answer gets
+//!   one revision with the validation problems; a second invalid answer drops the
+//!   candidate with its reason ([`EditError::Rejected`]).
+
+use async_trait::async_trait;
+use serde_json::{json, Map, Value};
+
+use super::diagnose::codes;
+use super::direction::Direction;
+use crate::harness::{check_spec, spec_from_value, ValidateOptions};
+use crate::policy::{Message, Policy, SamplingParams};
+use schemas::{HarnessSpec, Role};
+
+/// What an editor is asked to do.
+#[derive(Debug, Clone)]
+pub struct EditRequest<'a> {
+    pub parent: &'a HarnessSpec,
+    pub direction: &'a Direction,
+    /// The id the child gets.
+    pub child_id: String,
+    pub generation: u32,
+    /// Which mechanism to try (rotates repairs; also the revision counter's base).
+    pub variant: usize,
+    /// Local-evaluation feedback for a revision (None for the initial version).
+    pub feedback: Option<String>,
+    /// Briefs of the other candidates of this round (to seek different mechanisms).
+    pub other_briefs: Vec<String>,
+    /// Validation options (the environment's tool names).
+    pub validate: &'a ValidateOptions,
+}
+
+/// Why no child came out.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EditError {
+    /// The edit was invalid after its one revision; the candidate is dropped.
+    #[error("candidate `{child}` rejected: {reason}")]
+    Rejected { child: String, reason: String },
+    /// The editor has nothing to offer for this direction.
+    #[error("candidate `{child}`: no repair for causes {causes}")]
+    NoRepair { child: String, causes: String },
+    /// The editor's backend failed (e.g. the LLM server is unreachable).
+    #[error("editor backend: {0}")]
+    Backend(String),
+}
+
+/// Edit(H, d).
+#[async_trait]
+pub trait Editor: Send + Sync {
+    fn name(&self) -> &str;
+    async fn edit(&self, req: &EditRequest<'_>) -> Result<HarnessSpec, EditError>;
+}
+
+/// One parameterised repair: the components it adds, as a JSON diff.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Repair {
+    pub mechanism: &'static str,
+    pub diff: Value,
+}
+
+fn hook(id: &str, event: &str, condition: Value, action: &str, message: &str, parameters: Value) -> Value {
+    let mut h = json!({"id": id, "event": event, "condition": condition, "action": action, "message": message});
+    if parameters.as_object().is_some_and(|m| !m.is_empty()) {
+        h["parameters"] = parameters;
+    }
+    h
+}
+
+const COMMIT_NOW: &str = "Execution budget is low. Commit now: reply with the single line Final Answer: [\"<value from the last result>\"] (commit_final_answer); do not run more queries.";
+const COMMIT_AFTER_RESULT: &str = "If this result answers the question, commit it now with the single line Final Answer: [\"<value>\"], e.g. for [(2,)] write Final Answer: [\"2\"].";
+const NO_PROSE: &str = "Do not write the answer as a sentence. Either run a query in a ```sql block, or commit with the single line Final Answer: [\"<value>\"].";
+
+/// The repair library: for a cause, its mechanisms in order (prompt, hook, skill, ...).
+/// `threshold` parameterises budget hooks.
+pub fn repairs_for(cause: &str, threshold: u32) -> Vec<Repair> {
+    let r = |mechanism, diff| Repair { mechanism, diff };
+    match cause {
+        codes::NEVER_COMMITTED | codes::BUDGET_EXHAUSTED | codes::ROUND_LIMIT => vec![
+            r("hook:low-budget", json!({"hooks": [hook("commit-when-low", "after_tool", json!("remaining_steps_lte"), "warn", COMMIT_NOW, json!({"threshold": threshold}))]})),
+            r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
+                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
+            r("prompt:answer-format", json!({"prompt_rules": [{"slot": "answer_format", "text":
+                "First run one SELECT in a ```sql block. As soon as the result contains the answer, commit it with the line Final Answer: [\"<value>\"]. Never end an episode without committing an answer."}]})),
+        ],
+        codes::PROSE_ANSWER => vec![
+            r("hook:no-prose", json!({"hooks": [hook("no-prose", "before_decision", json!("text_only_reply"), "warn", NO_PROSE, json!({}))]})),
+            r("skill:commit", json!({"skills": [{"name": "commit-answer", "text":
+                "1. Run one SELECT that computes the value.\n2. Read the value from the result, e.g. [(2,)] means 2.\n3. Call commit_final_answer with answers: [\"2\"]."}]})),
+            r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
+                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
+        ],
+        codes::IDENTIFIER_ERROR => vec![
+            r("hook:block-unquoted", json!({"hooks": [hook("quote-identifiers", "before_action",
+                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"eq": ["state.features.difficulty", "hard"]}, {"not": {"contains": ["action.args.query", "`"]}}]}),
+                "block_and_prompt", "Blocked: table and column names with spaces must be quoted with backticks, e.g. SELECT * FROM `Employee Records`. Rewrite the query with backticks.", json!({"max_fires": 2}))]})),
+            r("prompt:quoting", json!({"prompt_rules": [{"slot": "error_recovery", "text":
+                "If a query fails on a table or column name, quote every identifier with backticks (`Table Name`.`column`) and retry once."}]})),
+            r("hook:after-error", json!({"hooks": [hook("quote-after-error", "after_tool", json!("last_action_failed"), "warn",
+                "The query failed. Check the exact table and column names in the task and quote them with backticks.", json!({"max_fires": 2}))]})),
+        ],
+        codes::SQL_ERROR => vec![
+            r("prompt:sql-recovery", json!({"prompt_rules": [{"slot": "error_recovery", "text":
+                "When SQL fails, read the error, fix only the part it names and run the corrected query; keep queries to one simple SELECT."}]})),
+            r("hook:after-error", json!({"hooks": [hook("fix-after-error", "after_tool", json!("last_action_failed"), "warn",
+                "The query failed. Read the error message, correct the query and run it again.", json!({"max_fires": 2}))]})),
+        ],
+        codes::EMPTY_RESULT => vec![
+            r("hook:empty", json!({"hooks": [hook("empty-result", "after_tool",
+                json!({"contains": ["observation.text", "No response from database"]}), "warn",
+                "The query returned no rows. Check the filter values against the table (spelling, case, numbers stored as text) before answering.", json!({"max_fires": 2}))]})),
+            r("skill:inspect", json!({"skills": [{"name": "inspect-first", "text":
+                "Run SELECT * FROM the table LIMIT 5 to see exact values before writing a WHERE clause."}]})),
+        ],
+        codes::WRONG_AGGREGATE => vec![
+            r("prompt:aggregate", json!({"prompt_rules": [{"slot": "action_guidance", "text":
+                "Match the aggregate to the question: how many → COUNT, total → SUM, average → AVG, lowest → MIN, highest → MAX. Compare numbers with column + 0."}]})),
+            r("context:example", json!({"context": [{"name": "aggregate-example", "text":
+                "Question: What is the average age? Query: SELECT AVG(age + 0) FROM t; Result: [(31.5,)]; Answer: commit_final_answer with answers [\"31.5\"]."}]})),
+        ],
+        codes::ANSWER_FORMAT | codes::WRONG_ANSWER => vec![
+            r("prompt:bare-answer", json!({"prompt_rules": [{"slot": "answer_format", "text":
+                "Commit only the bare value(s) from the last result, e.g. for [(2,)] commit answers [\"2\"]; no words, units or brackets."}]})),
+            r("memory:copy", json!({"memory": [{"key": "answer", "text": "The committed answer must be copied exactly from the query result."}]})),
+        ],
+        codes::WRITE_NOT_EXECUTED => vec![
+            r("prompt:write", json!({"prompt_rules": [{"slot": "action_guidance", "text":
+                "For insert or update tasks, run the INSERT/UPDATE statement first, then call commit_final_answer with an empty answers list."}]})),
+        ],
+        codes::REPEATED_ACTION => vec![
+            r("hook:repeat", json!({"hooks": [hook("stop-repeating", "before_action", json!("repeated_action"), "block_and_prompt",
+                "Blocked: this repeats your previous action. Use its result, or commit the answer.", json!({"times": 2}))]})),
+            r("prompt:progress", json!({"prompt_rules": [{"slot": "action_guidance", "text": "Never repeat a query that already ran; use its result."}]})),
+        ],
+        codes::NO_QUERY => vec![r("prompt:query-first", json!({"prompt_rules": [{"slot": "action_guidance", "text":
+            "Always run at least one SQL query before committing an answer."}]}))],
+        _ => vec![],
+    }
+}
+
+/// Applies a JSON diff (components to add; `tool_view` replaces) to a parent and returns
+/// the child as JSON, ready for validation. Hook ids that already exist get a suffix.
+pub fn apply_diff(parent: &HarnessSpec, diff: &Value, child_id: &str, generation: u32, direction: &str) -> Result<Value, String> {
+    let Value::Object(diff) = diff else {
+        return Err("the edit must be a JSON object of components to add".into());
+    };
+    let mut child = serde_json::to_value(parent).map_err(|e| e.to_string())?;
+    let obj = child.as_object_mut().expect("specs are objects");
+    for (key, value) in diff {
+        match key.as_str() {
+            "prompt_rules" | "skills" | "context" | "memory" | "hooks" => {
+                let Value::Array(items) = value else {
+                    return Err(format!("`{key}` must be a list"));
+                };
+                let list = obj.entry(key.clone()).or_insert_with(|| Value::Array(vec![]));
+                let list = list.as_array_mut().expect("component lists are arrays");
+                for item in items {
+                    let mut item = item.clone();
+                    if key == "hooks" {
+                        if let Some(id) = item.get("id").and_then(Value::as_str).map(str::to_string) {
+                            let taken = |id: &str| list.iter().any(|h| h.get("id").and_then(Value::as_str) == Some(id));
+                            let mut n = 2;
+                            let mut unique = id.clone();
+                            while taken(&unique) {
+                                unique = format!("{id}-{n}");
+                                n += 1;
+                            }
+                            item["id"] = Value::String(unique);
+                        }
+                    }
+                    // Do not add a text the parent already has.
+                    if !list.contains(&item) {
+                        list.push(item);
+                    }
+                }
+            }
+            "tool_view" => {
+                obj.insert(key.clone(), value.clone());
+            }
+            other => {
+                // Unknown keys are kept so that validation names them.
+                obj.insert(other.to_string(), value.clone());
+            }
+        }
+    }
+    obj.insert("id".into(), Value::String(child_id.into()));
+    obj.insert("parent".into(), Value::String(parent.id.clone()));
+    obj.insert("generation".into(), json!(generation));
+    obj.insert("direction".into(), Value::String(direction.into()));
+    Ok(child)
+}
+
+/// The built-in editor.
+#[derive(Debug, Clone)]
+pub struct TemplateEditor {
+    /// `threshold` of budget hooks.
+    pub low_budget_threshold: u32,
+}
+
+impl Default for TemplateEditor {
+    fn default() -> Self {
+        TemplateEditor { low_budget_threshold: 2 }
+    }
+}
+
+impl TemplateEditor {
+    /// The diff for a direction: for the seed cause the `variant`-th mechanism, for each
+    /// partner the mechanism after it, so that variants differ in every component.
+    pub fn diff(&self, direction: &Direction, variant: usize) -> Option<(Value, Vec<&'static str>)> {
+        let mut merged = Map::new();
+        let mut mechanisms = Vec::new();
+        for (i, cause) in direction.causes.iter().enumerate() {
+            let repairs = repairs_for(cause, self.low_budget_threshold);
+            if repairs.is_empty() {
+                continue;
+            }
+            let pick = &repairs[(variant + i) % repairs.len()];
+            if mechanisms.contains(&pick.mechanism) {
+                continue;
+            }
+            mechanisms.push(pick.mechanism);
+            for (k, v) in pick.diff.as_object().expect("repairs are objects") {
+                let list = merged.entry(k.clone()).or_insert_with(|| Value::Array(vec![]));
+                list.as_array_mut().expect("lists").extend(v.as_array().cloned().unwrap_or_default());
+            }
+        }
+        if mechanisms.is_empty() {
+            None
+        } else {
+            Some((Value::Object(merged), mechanisms))
+        }
+    }
+}
+
+#[async_trait]
+impl Editor for TemplateEditor {
+    fn name(&self) -> &str {
+        "template"
+    }
+    async fn edit(&self, req: &EditRequest<'_>) -> Result<HarnessSpec, EditError> {
+        let Some((diff, mechanisms)) = self.diff(req.direction, req.variant) else {
+            return Err(EditError::NoRepair { child: req.child_id.clone(), causes: req.direction.causes.join(", ") });
+        };
+        let text = format!("{} via {}", req.direction.summary, mechanisms.join(", "));
+        let value = apply_diff(req.parent, &diff, &req.child_id, req.generation, &text)
+            .map_err(|reason| EditError::Rejected { child: req.child_id.clone(), reason })?;
+        spec_from_value(&req.child_id, &value, req.validate)
+            .map_err(|e| EditError::Rejected { child: req.child_id.clone(), reason: e.to_string() })
+    }
+}
+
+/// Appendix F instructions of the editing stage ("Planning", "Submission").
+pub const EDIT_INSTRUCTIONS: &str = "You improve an agent harness. Choose among all six editable components according \
+to the diagnosed cause; do not default to prompt/skill edits. Components: prompt_rules [{slot, text}] with slot one of \
+system, task_preamble, action_guidance, answer_format, error_recovery; skills [{name, text}]; context [{name, text}]; \
+memory [{key, text}]; hooks [{id, event, condition, action, message, parameters}] with event one of episode_start, \
+before_decision, before_action, after_tool, action one of warn, block_and_prompt (before_action only), \
+rewrite_action, force_action, condition a named predicate (remaining_steps_lte with parameters.threshold, \
+last_action_failed, repeated_action, no_answer_committed, text_only_reply, pagination_present, always) or an \
+expression such as {\"eq\": [\"action.tool\", \"execute_sql\"]}. Answer with ONE JSON object holding only the \
+components to ADD, e.g. {\"hooks\": [{\"id\": \"commit-now\", \"event\": \"after_tool\", \"condition\": \
+\"remaining_steps_lte\", \"action\": \"warn\", \"message\": \"Commit the answer now.\", \"parameters\": \
+{\"threshold\": 2}}]}. Never claim unrun tests.";
+
+/// An LLM editor over any OpenAI-compatible (or native) policy.
+pub struct LlmEditor<'p> {
+    pub policy: &'p dyn Policy,
+    pub sampling: SamplingParams,
+}
+
+/// Extracts the first JSON object of a reply (code fences and prose around it allowed).
+pub fn extract_json(text: &str) -> Result<Value, String> {
+    let start = text.find('{').ok_or("the reply holds no JSON object")?;
+    let end = text.rfind('}').ok_or("the reply holds no JSON object")?;
+    if end < start {
+        return Err("the reply holds no JSON object".into());
+    }
+    serde_json::from_str(&text[start..=end]).map_err(|e| format!("the reply is not valid JSON: {e}"))
+}
+
+/// Turns an editor reply into a validated child, or the reason it is invalid (the
+/// validation problems with their JSON paths).
+pub fn child_from_reply(req: &EditRequest<'_>, reply: &str) -> Result<HarnessSpec, String> {
+    let diff = extract_json(reply)?;
+    if diff.as_object().is_some_and(|m| m.is_empty()) {
+        return Err("the edit adds nothing".into());
+    }
+    let value = apply_diff(req.parent, &diff, &req.child_id, req.generation, &req.direction.summary)?;
+    let spec = spec_from_value(&req.child_id, &value, req.validate).map_err(|e| e.to_string())?;
+    if spec.prompt_rules == req.parent.prompt_rules
+        && spec.skills == req.parent.skills
+        && spec.hooks == req.parent.hooks
+        && spec.context == req.parent.context
+        && spec.memory == req.parent.memory
+        && spec.tool_view == req.parent.tool_view
+    {
+        return Err("the edit changes no component of the parent".into());
+    }
+    debug_assert!(check_spec(&spec, req.validate).is_empty());
+    Ok(spec)
+}
+
+#[async_trait]
+impl Editor for LlmEditor<'_> {
+    fn name(&self) -> &str {
+        "llm"
+    }
+    async fn edit(&self, req: &EditRequest<'_>) -> Result<HarnessSpec, EditError> {
+        let parent = serde_json::to_string(req.parent).unwrap_or_default();
+        let mut brief = format!(
+            "Parent harness:\n{parent}\n\nRepair direction: {}\nEvidence:\n",
+            req.direction.summary
+        );
+        for (cause, tasks) in &req.direction.support {
+            brief.push_str(&format!("- {cause}: failed tasks {}\n", tasks.iter().cloned().collect::<Vec<_>>().join(", ")));
+        }
+        if !req.other_briefs.is_empty() {
+            brief.push_str(&format!("Other candidates this round (seek a different mechanism): {}\n", req.other_briefs.join("; ")));
+        }
+        if let Some(f) = &req.feedback {
+            brief.push_str(&format!("Local evaluation of your previous version: {f}\n"));
+        }
+        let mut messages = vec![Message::new(Role::System, EDIT_INSTRUCTIONS), Message::new(Role::User, brief)];
+        let mut reasons = Vec::new();
+        // The initial version and at most one revision (Table 8 "Revision budget").
+        for round in 0..2 {
+            let reply = self.policy.chat(&messages, &[], &self.sampling).await.map_err(|e| EditError::Backend(e.to_string()))?;
+            match child_from_reply(req, &reply.text) {
+                Ok(spec) => return Ok(spec),
+                Err(reason) => {
+                    tracing::info!(child = %req.child_id, round, reason = %reason, "editor output invalid");
+                    reasons.push(format!("version {}: {reason}", round + 1));
+                    messages.push(Message::new(Role::Assistant, reply.text));
+                    messages.push(Message::new(Role::User, format!("That edit is invalid: {reason}\nAnswer with one corrected JSON object only.")));
+                }
+            }
+        }
+        Err(EditError::Rejected { child: req.child_id.clone(), reason: reasons.join(" | ") })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use super::*;
+
+    fn direction(causes: &[&str]) -> Direction {
+        Direction {
+            causes: causes.iter().map(|c| c.to_string()).collect(),
+            support: causes.iter().map(|c| (c.to_string(), BTreeSet::from(["t1".to_string(), "t2".to_string()]))).collect::<BTreeMap<_, _>>(),
+            summary: causes.join(" + "),
+        }
+    }
+
+    fn opts() -> ValidateOptions {
+        ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]) }
+    }
+
+    #[tokio::test]
+    async fn every_repair_in_the_library_validates_and_variants_differ() {
+        let editor = TemplateEditor::default();
+        let o = opts();
+        for (cause, _) in codes::ALL {
+            assert!(!repairs_for(cause, 2).is_empty(), "no repair for {cause}");
+            for variant in 0..3 {
+                let d = direction(&[cause, codes::PROSE_ANSWER]);
+                let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: format!("c-{cause}-{variant}"),
+                    generation: 1, variant, feedback: None, other_briefs: vec![], validate: &o };
+                let child = editor.edit(&req).await.unwrap_or_else(|e| panic!("{cause} v{variant}: {e}"));
+                assert!(check_spec(&child, &o).is_empty());
+                assert_eq!(child.parent.as_deref(), Some("h0"));
+            }
+        }
+        let d = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
+        let a = editor.diff(&d, 0).unwrap().0;
+        let b = editor.diff(&d, 1).unwrap().0;
+        assert_ne!(a, b);
+    }
+
+    #[tokio::test]
+    async fn editing_a_child_keeps_hook_ids_unique() {
+        let editor = TemplateEditor::default();
+        let o = opts();
+        let d = direction(&[codes::NEVER_COMMITTED, codes::ROUND_LIMIT]);
+        let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: "c1".into(), generation: 1, variant: 0, feedback: None, other_briefs: vec![], validate: &o };
+        let c1 = editor.edit(&req).await.unwrap();
+        let req2 = EditRequest { parent: &c1, child_id: "c2".into(), generation: 2, variant: 0, ..req.clone() };
+        let c2 = editor.edit(&req2).await.unwrap();
+        assert!(check_spec(&c2, &o).is_empty());
+        assert_eq!(c2.parent.as_deref(), Some("c1"));
+    }
+
+    #[test]
+    fn invalid_llm_replies_are_rejected_with_the_field_named() {
+        let o = opts();
+        let d = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
+        let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: "x".into(), generation: 1, variant: 0, feedback: None, other_briefs: vec![], validate: &o };
+        assert!(child_from_reply(&req, "I would add a hook.").unwrap_err().contains("no JSON object"));
+        let err = child_from_reply(&req, r#"{"hooks": [{"event": "on_lunch", "condition": "always", "action": "warn", "message": "m"}]}"#).unwrap_err();
+        assert!(err.contains("hooks[0].event: unknown event `on_lunch`"), "{err}");
+        let err = child_from_reply(&req, r#"{"prompt_rules": [{"slot": "system", "text": "x"}], "magic": 1}"#).unwrap_err();
+        assert!(err.contains("unknown field `magic`"), "{err}");
+        let ok = child_from_reply(&req, "Here:\n```json\n{\"prompt_rules\": [{\"slot\": \"answer_format\", \"text\": \"Commit the bare value.\"}]}\n```").unwrap();
+        assert_eq!(ok.prompt_rules.len(), 1);
+        assert_eq!(ok.id, "x");
+    }
+}

@@ -1,0 +1,471 @@
+//! The evolve stage (Harness-S §3.2, Eq. 2–4; Appendix F, Table 8), read top to bottom:
+//!
+//! 1. V(H0): the base harness on the validation tasks.
+//! 2. For each round g (proposal budgets 7 / 8 / 8 by default):
+//!    a. every parent P ∈ P_g runs on this round's fresh training tasks;
+//!    b. the diagnoser turns its failures into root causes; causes become directions
+//!       (2–3 related causes, each supported by ≥ 2 failed tasks);
+//!    c. the editor makes one child per direction (round-robin over parents, up to the
+//!       budget); static validation; duplicates of a member are dropped;
+//!    d. local evaluation on ≤ 30 tasks (the direction's failed tasks plus ≤ 10 of the
+//!       parent's successes as controls); one revision when the first version repairs
+//!       nothing or regresses a control; executable check (no episode broken by the
+//!       harness);
+//!    e. V(H) of every valid child on the validation tasks; the pool keeps them all
+//!       (Eq. 4) and the manifest is saved;
+//!    f. parent selection maximises |∪ V(H)| with at most B parents (Eq. 3).
+//!
+//! Every batch of episodes is a rollout job ([`crate::rollout::run`]) with a deterministic
+//! id, so a redelivered evolve job re-reads finished batches instead of re-running them.
+//! Evolve rollouts are written as `kind=eval`, `step=0` rows; their job ids start from the
+//! stage name `evolve/...` (see [`batch_job_id`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::diagnose::{DiagnoseError, Diagnoser};
+use super::direction::{form_directions, Direction, DirectionSettings};
+use super::editor::{EditError, EditRequest, Editor};
+use super::pool::{load_pool, put_member, save_manifest, seed_pool, LocalResult, PoolEntry, PoolError, PoolManifest, Rejected};
+use super::select::{select_parents, Candidate};
+use crate::harness::{check_spec, Budgets, ValidateOptions};
+use crate::policy::{Policy, SamplingParams};
+use crate::rollout::{self, EnvironmentFactory, RolloutContext, RolloutError, RolloutInput};
+use infra::store::ObjectStore;
+use schemas::{job_id, keys, ErrorClass, HarnessSpec, JobIdParts, RolloutKind, Split, Termination, Trajectory};
+
+/// Settings of the evolve stage; defaults are Table 8's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvolveSettings {
+    /// Proposals per round; the number of entries is the number of rounds.
+    pub proposal_budgets: Vec<u32>,
+    /// B of Eq. 3.
+    pub parent_slots: usize,
+    pub local_max_tasks: usize,
+    pub local_max_controls: usize,
+    /// Revisions after the initial version.
+    pub revisions: u32,
+    pub directions: DirectionSettings,
+    pub budgets: Budgets,
+    pub sampling: SamplingParams,
+    /// Episodes at the same time within one batch.
+    pub concurrency: usize,
+}
+
+impl Default for EvolveSettings {
+    fn default() -> Self {
+        EvolveSettings {
+            // Table 8: "3 rounds; proposal budgets 7 / 8 / 8; 4 parent slots".
+            proposal_budgets: vec![7, 8, 8],
+            parent_slots: 4,
+            // Table 8: "At most 30 tasks, including at most 10 successful controls".
+            local_max_tasks: 30,
+            local_max_controls: 10,
+            // Table 8: "Initial candidate plus at most one revision".
+            revisions: 1,
+            directions: DirectionSettings::default(),
+            budgets: Budgets::default(),
+            // Table 8: "Greedy decoding; one rollout per task; seed 42".
+            sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![] },
+            concurrency: 1,
+        }
+    }
+}
+
+/// Input of the evolve job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvolveInput {
+    pub run_id: String,
+    /// Training tasks; split into one fresh chunk per round.
+    pub train_task_ids: Vec<String>,
+    /// Validation tasks for V(H).
+    pub validation_task_ids: Vec<String>,
+    #[serde(default)]
+    pub settings: EvolveSettings,
+    /// Start from this run's pool (its members join; its selected parents are P_1).
+    #[serde(default)]
+    pub seed_from: Option<String>,
+    /// Seed of every rollout (Table 8: 42).
+    #[serde(default = "seed42")]
+    pub seed: u64,
+}
+
+fn seed42() -> u64 {
+    42
+}
+
+/// What the evolve job runs against.
+pub struct EvolveContext<'a> {
+    pub store: &'a dyn ObjectStore,
+    pub policy: &'a dyn Policy,
+    pub envs: &'a dyn EnvironmentFactory,
+    pub diagnoser: &'a dyn Diagnoser,
+    pub editor: &'a dyn Editor,
+    /// The environment's tools, for static validation of children.
+    pub validate: ValidateOptions,
+}
+
+/// One round's outcome.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundSummary {
+    pub round: u32,
+    pub parents: Vec<String>,
+    pub directions: usize,
+    pub proposals: usize,
+    pub valid: Vec<String>,
+    pub rejected: usize,
+    pub selected: Vec<String>,
+    pub covered: usize,
+}
+
+/// The job's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvolveOutput {
+    pub manifest: PoolManifest,
+    pub rounds: Vec<RoundSummary>,
+}
+
+/// Failures of the stage itself (invalid candidates are recorded, not raised).
+#[derive(Debug, thiserror::Error)]
+pub enum EvolveError {
+    #[error("evolve input: `{field}` {reason}")]
+    InvalidInput { field: &'static str, reason: String },
+    #[error(transparent)]
+    Rollout(#[from] RolloutError),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    #[error(transparent)]
+    Diagnose(#[from] DiagnoseError),
+    #[error("editor: {0}")]
+    Editor(String),
+    #[error("reading evolve rollouts {key}: {detail}")]
+    Rows { key: String, detail: String },
+}
+
+/// Deterministic id of one batch of evolve episodes (DESIGN.md durability contract).
+pub fn batch_job_id(run_id: &str, stage: &str, round: u32, harness: &HarnessSpec, tasks: &[String], seed: u64) -> String {
+    let harness_key = format!("{}@{}", harness.id, harness.version_hash());
+    job_id(&JobIdParts { run_id, stage: &format!("evolve/{stage}"), step: round, task_id: &tasks.join(","), harness_id: &harness_key, attempt_index: 0, seed })
+}
+
+/// Runs one batch as a rollout job and returns its rows (re-read when already done).
+async fn batch(ctx: &EvolveContext<'_>, input: &EvolveInput, stage: &str, round: u32, harness: &HarnessSpec, tasks: &[String], split: Split) -> Result<Vec<Trajectory>, EvolveError> {
+    if tasks.is_empty() {
+        return Ok(vec![]);
+    }
+    let id = batch_job_id(&input.run_id, stage, round, harness, tasks, input.seed);
+    let rctx = RolloutContext { store: ctx.store, policy: ctx.policy, envs: ctx.envs, job_id: &id, delivery_attempt: 0 };
+    let rin = RolloutInput {
+        run_id: input.run_id.clone(),
+        step: 0,
+        kind: RolloutKind::Eval,
+        split,
+        task_ids: tasks.to_vec(),
+        harness: harness.clone(),
+        attempts: 1,
+        seed: input.seed,
+        budgets: input.settings.budgets,
+        sampling: input.settings.sampling.clone(),
+        concurrency: input.settings.concurrency.max(1),
+    };
+    rollout::run(&rctx, &rin).await?;
+    let key = keys::trajectory_part(&input.run_id, 0, RolloutKind::Eval, &id);
+    infra::table::read_records(ctx.store, &key).await.map_err(|e| EvolveError::Rows { key, detail: e.to_string() })
+}
+
+fn solved(rows: &[Trajectory]) -> BTreeSet<String> {
+    rows.iter().filter(|r| r.success).map(|r| r.task_id.clone()).collect()
+}
+
+/// The tasks of round `round` (1-based): the training tasks split into `rounds` chunks.
+pub fn round_tasks(train: &[String], rounds: usize, round: usize) -> Vec<String> {
+    let rounds = rounds.max(1);
+    let size = train.len().div_ceil(rounds).max(1);
+    let chunks: Vec<&[String]> = train.chunks(size).collect();
+    if chunks.is_empty() {
+        return vec![];
+    }
+    chunks[(round - 1) % chunks.len()].to_vec()
+}
+
+/// Local-evaluation tasks (Table 8): the direction's failed tasks first, then at most
+/// `max_controls` of the parent's successes, at most `max_tasks` in all. Pure.
+pub fn local_tasks(direction: &Direction, parent_failed: &BTreeSet<String>, parent_solved: &BTreeSet<String>, max_tasks: usize, max_controls: usize) -> (Vec<String>, Vec<String>) {
+    let controls: Vec<String> = parent_solved.iter().take(max_controls.min(max_tasks)).cloned().collect();
+    let room = max_tasks.saturating_sub(controls.len());
+    let targeted: Vec<String> = direction.tasks().into_iter().filter(|t| parent_failed.contains(t)).take(room).collect();
+    (targeted, controls)
+}
+
+fn local_result(rows: &[Trajectory], targeted: &[String], controls: &[String]) -> LocalResult {
+    let ok = solved(rows);
+    LocalResult {
+        targeted: targeted.to_vec(),
+        repaired: targeted.iter().filter(|t| ok.contains(*t)).cloned().collect(),
+        controls: controls.to_vec(),
+        regressed: controls.iter().filter(|t| !ok.contains(*t)).cloned().collect(),
+        revised: false,
+        errors: rows.iter().filter(|r| r.termination == Termination::Error).count() as u32,
+    }
+}
+
+/// The executable check: no episode may be broken by the harness itself (an environment
+/// class error, e.g. a tool view naming a tool the environment lacks), and at least one
+/// episode must end through the environment's protocol.
+pub fn executable_problem(rows: &[Trajectory]) -> Option<String> {
+    if let Some(r) = rows.iter().find(|r| r.error_class == Some(ErrorClass::Env)) {
+        return Some(format!("not executable: task `{}`: {}", r.task_id, r.error_message.clone().unwrap_or_default()));
+    }
+    if !rows.is_empty() && rows.iter().all(|r| r.termination == Termination::Error) {
+        return Some(format!("no episode completed: {}", rows[0].error_message.clone().unwrap_or_default()));
+    }
+    None
+}
+
+/// The components of a spec, without identity and lineage: two members with the same
+/// components are the same sibling.
+fn components(spec: &HarnessSpec) -> serde_json::Value {
+    let mut v = serde_json::to_value(spec).expect("specs serialise");
+    let obj = v.as_object_mut().expect("object");
+    for k in ["id", "parent", "generation", "direction"] {
+        obj.remove(k);
+    }
+    v
+}
+
+/// Static check, duplicate check, local evaluation and executable check of one version
+/// of a child. `Ok(Err(reason))` drops the version; `Err` is a failure of the stage.
+#[allow(clippy::too_many_arguments)]
+async fn measure(
+    ctx: &EvolveContext<'_>,
+    input: &EvolveInput,
+    round: u32,
+    direction: &Direction,
+    failed: &BTreeSet<String>,
+    ok: &BTreeSet<String>,
+    specs: &BTreeMap<String, HarnessSpec>,
+    child: HarnessSpec,
+) -> Result<Result<(HarnessSpec, LocalResult), String>, EvolveError> {
+    let s = &input.settings;
+    let problems = check_spec(&child, &ctx.validate);
+    if !problems.is_empty() {
+        let text = problems.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
+        return Ok(Err(format!("static check: {text}")));
+    }
+    if let Some((same, _)) = specs.iter().find(|(_, m)| components(m) == components(&child)) {
+        return Ok(Err(format!("duplicate of pool member `{same}`")));
+    }
+    let (targeted, controls) = local_tasks(direction, failed, ok, s.local_max_tasks, s.local_max_controls);
+    let local: Vec<String> = targeted.iter().chain(controls.iter()).cloned().collect();
+    let rows = batch(ctx, input, "local", round, &child, &local, Split::Train).await?;
+    if let Some(problem) = executable_problem(&rows) {
+        return Ok(Err(problem));
+    }
+    Ok(Ok((child, local_result(&rows, &targeted, &controls))))
+}
+
+/// Runs the stage.
+pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveOutput, EvolveError> {
+    let s = &input.settings;
+    let bad = |field, reason: &str| Err(EvolveError::InvalidInput { field, reason: reason.to_string() });
+    if input.train_task_ids.is_empty() {
+        return bad("train_task_ids", "is empty: evolution needs training tasks to diagnose");
+    }
+    if input.validation_task_ids.is_empty() {
+        return bad("validation_task_ids", "is empty: parent selection needs validation tasks");
+    }
+    if s.proposal_budgets.is_empty() {
+        return bad("settings.proposal_budgets", "is empty: give one budget per round, e.g. [7, 8, 8]");
+    }
+    if s.parent_slots == 0 {
+        return bad("settings.parent_slots", "must be at least 1");
+    }
+    if s.local_max_tasks == 0 {
+        return bad("settings.local_max_tasks", "must be at least 1");
+    }
+
+    // The pool starts from H0 or from another run's pool.
+    let (mut manifest, mut specs): (PoolManifest, BTreeMap<String, HarnessSpec>) = match &input.seed_from {
+        Some(from) => {
+            let m = seed_pool(ctx.store, from, &input.run_id).await?;
+            let (_, list) = load_pool(ctx.store, &input.run_id).await?;
+            (m, list.into_iter().map(|h| (h.id.clone(), h)).collect())
+        }
+        None => {
+            let h0 = HarnessSpec::h0();
+            put_member(ctx.store, &input.run_id, &h0).await?;
+            let mut m = PoolManifest::new(&input.run_id);
+            m.members.push(PoolEntry {
+                id: h0.id.clone(), parent: None, generation: 0, round: 0, direction: None, causes: vec![],
+                version: h0.version_hash(), editor: "base".into(), local: None, validation_coverage: vec![],
+                selected_as_parent: true, origin_run: input.run_id.clone(),
+            });
+            (m, BTreeMap::from([(h0.id.clone(), h0)]))
+        }
+    };
+    manifest.validation_tasks = input.validation_task_ids.clone();
+    let mut parents: Vec<HarnessSpec> = manifest.members.iter().filter(|m| m.selected_as_parent).filter_map(|m| specs.get(&m.id).cloned()).collect();
+    if parents.is_empty() {
+        parents = specs.values().take(s.parent_slots).cloned().collect();
+    }
+
+    // Step 1: V(H) of members without coverage (H0, or members seeded without it).
+    for i in 0..manifest.members.len() {
+        if manifest.members[i].validation_coverage.is_empty() {
+            let spec = specs[&manifest.members[i].id].clone();
+            let rows = batch(ctx, input, "validation", 0, &spec, &input.validation_task_ids, Split::Validation).await?;
+            manifest.members[i].validation_coverage = solved(&rows).into_iter().collect();
+        }
+    }
+    save_manifest(ctx.store, &mut manifest).await?;
+
+    let rounds_total = s.proposal_budgets.len();
+    let mut rounds = Vec::new();
+    let mut next_child = 1usize;
+    for (ri, budget) in s.proposal_budgets.iter().enumerate() {
+        let round = ri as u32 + 1;
+        let tasks = round_tasks(&input.train_task_ids, rounds_total, ri + 1);
+        tracing::info!(round, parents = parents.len(), tasks = tasks.len(), budget, "evolve round started");
+
+        // 2a–b: parents on fresh tasks, diagnosis, directions.
+        let per_parent = (*budget as usize).div_ceil(parents.len().max(1));
+        let mut plans: Vec<(usize, HarnessSpec, Direction, BTreeSet<String>, BTreeSet<String>)> = Vec::new();
+        let mut per_parent_dirs: Vec<Vec<(HarnessSpec, Direction, BTreeSet<String>, BTreeSet<String>)>> = Vec::new();
+        for parent in &parents {
+            let rows = batch(ctx, input, "train", round, parent, &tasks, Split::Train).await?;
+            let ok = solved(&rows);
+            let failed: BTreeSet<String> = rows.iter().filter(|r| !r.success).map(|r| r.task_id.clone()).collect();
+            let diagnoses = ctx.diagnoser.diagnose(&rows).await?;
+            let dirs = form_directions(&diagnoses, &s.directions, per_parent);
+            tracing::info!(round, parent = %parent.id, solved = ok.len(), failed = failed.len(), directions = dirs.len(), "parent diagnosed");
+            per_parent_dirs.push(dirs.into_iter().map(|d| (parent.clone(), d, failed.clone(), ok.clone())).collect());
+        }
+        // Round-robin over parents so every parent gets proposals before any gets more.
+        let directions: usize = per_parent_dirs.iter().map(Vec::len).sum();
+        for k in 0.. {
+            if plans.len() >= *budget as usize || per_parent_dirs.iter().all(|d| d.len() <= k) {
+                break;
+            }
+            for d in &per_parent_dirs {
+                if plans.len() < *budget as usize {
+                    if let Some((p, dir, f, o)) = d.get(k) {
+                        plans.push((k, p.clone(), dir.clone(), f.clone(), o.clone()));
+                    }
+                }
+            }
+        }
+        let briefs: Vec<String> = plans.iter().map(|(_, p, d, _, _)| format!("{} from {}", d.summary, p.id)).collect();
+
+        // 2c–e: edit, validate, evaluate locally, measure V(H).
+        let mut valid: Vec<Candidate> = Vec::new();
+        let mut rejected = 0usize;
+        for (k, parent, direction, failed, ok) in &plans {
+            let child_id = loop {
+                let id = format!("g{round}-s{next_child}");
+                next_child += 1;
+                if !specs.contains_key(&id) {
+                    break id;
+                }
+            };
+            let mut reject = |reason: String, manifest: &mut PoolManifest| {
+                tracing::info!(round, child = %child_id, reason = %reason, "candidate rejected");
+                manifest.rejected.push(Rejected { id: child_id.clone(), parent: parent.id.clone(), round, causes: direction.causes.clone(), reason });
+                rejected += 1;
+            };
+            let others: Vec<String> = briefs.iter().filter(|b| !b.starts_with(&direction.summary)).cloned().collect();
+            let mut req = EditRequest {
+                parent, direction, child_id: child_id.clone(), generation: parent.generation + 1,
+                variant: k + ri, feedback: None, other_briefs: others, validate: &ctx.validate,
+            };
+            let first = match ctx.editor.edit(&req).await {
+                Ok(child) => measure(ctx, input, round, direction, failed, ok, &specs, child).await?,
+                Err(EditError::Backend(e)) => return Err(EvolveError::Editor(e)),
+                Err(e) => Err(e.to_string()),
+            };
+            let mut kept = first;
+            // One revision when the first version fails a check, repairs nothing or regresses.
+            let needs_revision = match &kept {
+                Err(_) => true,
+                Ok((_, l)) => l.repaired.is_empty() || !l.regressed.is_empty(),
+            };
+            if needs_revision && s.revisions > 0 {
+                req.variant += 1;
+                req.feedback = Some(match &kept {
+                    Err(reason) => format!("invalid: {reason}"),
+                    Ok((_, l)) => format!("repaired {} of {} targeted tasks; regressed {} of {} controls", l.repaired.len(), l.targeted.len(), l.regressed.len(), l.controls.len()),
+                });
+                let second = match ctx.editor.edit(&req).await {
+                    Ok(child) => measure(ctx, input, round, direction, failed, ok, &specs, child).await?,
+                    Err(EditError::Backend(e)) => return Err(EvolveError::Editor(e)),
+                    Err(e) => Err(e.to_string()),
+                };
+                let score = |l: &LocalResult| l.repaired.len() as i64 - l.regressed.len() as i64;
+                kept = match (kept, second) {
+                    (Err(a), Err(b)) => Err(format!("{a}; revision: {b}")),
+                    (Err(_), Ok((c, mut l))) => {
+                        l.revised = true;
+                        Ok((c, l))
+                    }
+                    (Ok(first), Err(_)) => Ok(first),
+                    (Ok(first), Ok((c, mut l))) => {
+                        if score(&l) > score(&first.1) {
+                            l.revised = true;
+                            Ok((c, l))
+                        } else {
+                            Ok(first)
+                        }
+                    }
+                };
+            }
+            let (child, local) = match kept {
+                Ok(v) => v,
+                Err(reason) => {
+                    reject(reason, &mut manifest);
+                    continue;
+                }
+            };
+            let rows = batch(ctx, input, "validation", round, &child, &input.validation_task_ids, Split::Validation).await?;
+            let coverage = solved(&rows);
+            put_member(ctx.store, &input.run_id, &child).await?;
+            tracing::info!(round, child = %child.id, parent = %parent.id, repaired = local.repaired.len(), regressed = local.regressed.len(), validation = coverage.len(), "sibling added to the pool");
+            manifest.members.push(PoolEntry {
+                id: child.id.clone(), parent: Some(parent.id.clone()), generation: child.generation, round,
+                direction: child.direction.clone(), causes: direction.causes.clone(), version: child.version_hash(),
+                editor: ctx.editor.name().to_string(), local: Some(local), validation_coverage: coverage.iter().cloned().collect(),
+                selected_as_parent: false, origin_run: input.run_id.clone(),
+            });
+            valid.push(Candidate { id: child.id.clone(), solved: coverage });
+            specs.insert(child.id.clone(), child);
+        }
+
+        // 2f: parent selection (Eq. 3).
+        let selection = select_parents(&valid, s.parent_slots);
+        for m in manifest.members.iter_mut() {
+            m.selected_as_parent = selection.as_ref().is_some_and(|sel| sel.parents.contains(&m.id));
+        }
+        save_manifest(ctx.store, &mut manifest).await?;
+        let summary = RoundSummary {
+            round,
+            parents: parents.iter().map(|p| p.id.clone()).collect(),
+            directions,
+            proposals: plans.len(),
+            valid: valid.iter().map(|c| c.id.clone()).collect(),
+            rejected,
+            selected: selection.as_ref().map(|s| s.parents.clone()).unwrap_or_default(),
+            covered: selection.as_ref().map(|s| s.covered.len()).unwrap_or(0),
+        };
+        tracing::info!(round, valid = summary.valid.len(), rejected, selected = ?summary.selected, covered = summary.covered, "evolve round done");
+        rounds.push(summary);
+        match selection {
+            Some(sel) => parents = sel.parents.iter().map(|id| specs[id].clone()).collect(),
+            None => {
+                tracing::info!(round, "no valid child this round; evolution stops");
+                break;
+            }
+        }
+    }
+    Ok(EvolveOutput { manifest, rounds })
+}

@@ -1,0 +1,206 @@
+//! Report figures of a pool: repaired vs regressed validation tasks per sibling relative
+//! to H0 (Harness-S Figure 1a) and the directed repair-overlap matrix |R_i ∩ R_j| / |R_i|
+//! (Figure 5, Appendix E). The numbers are pure functions; [`plot_repairs`] and
+//! [`plot_overlap`] draw them as PNG with `plotters`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use plotters::prelude::*;
+
+/// Repairs and regressions of one sibling relative to H0 on shared validation tasks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RepairCount {
+    pub sibling: String,
+    /// R_i: tasks H0 fails and the sibling solves.
+    pub repaired: BTreeSet<String>,
+    /// Tasks H0 solves and the sibling fails.
+    pub regressed: BTreeSet<String>,
+}
+
+/// Figure 1a: `h0` and each sibling's solved sets over the same `tasks`.
+pub fn repair_counts(tasks: &BTreeSet<String>, h0: &BTreeSet<String>, siblings: &BTreeMap<String, BTreeSet<String>>) -> Vec<RepairCount> {
+    siblings
+        .iter()
+        .map(|(id, solved)| RepairCount {
+            sibling: id.clone(),
+            repaired: tasks.iter().filter(|t| !h0.contains(*t) && solved.contains(*t)).cloned().collect(),
+            regressed: tasks.iter().filter(|t| h0.contains(*t) && !solved.contains(*t)).cloned().collect(),
+        })
+        .collect()
+}
+
+/// Figure 5: cell (i, j) = |R_i ∩ R_j| / |R_i| (row-normalised, so directional); `None` on
+/// the diagonal and for rows with no repairs.
+pub fn overlap_matrix(counts: &[RepairCount]) -> Vec<Vec<Option<f64>>> {
+    counts
+        .iter()
+        .enumerate()
+        .map(|(i, ri)| {
+            counts
+                .iter()
+                .enumerate()
+                .map(|(j, rj)| {
+                    if i == j || ri.repaired.is_empty() {
+                        None
+                    } else {
+                        Some(ri.repaired.intersection(&rj.repaired).count() as f64 / ri.repaired.len() as f64)
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Mean of the defined off-diagonal cells (Appendix E reports 62.47%).
+pub fn mean_overlap(matrix: &[Vec<Option<f64>>]) -> Option<f64> {
+    let cells: Vec<f64> = matrix.iter().flatten().flatten().copied().collect();
+    if cells.is_empty() {
+        None
+    } else {
+        Some(cells.iter().sum::<f64>() / cells.len() as f64)
+    }
+}
+
+/// Why a figure could not be drawn.
+#[derive(Debug, thiserror::Error)]
+#[error("drawing {file}: {detail}")]
+pub struct PlotError {
+    pub file: String,
+    pub detail: String,
+}
+
+fn plot_err(file: &Path, e: impl std::fmt::Display) -> PlotError {
+    PlotError { file: file.display().to_string(), detail: e.to_string() }
+}
+
+/// Figure 1a as a PNG: per sibling, repaired tasks up (green), regressed down (red).
+pub fn plot_repairs(counts: &[RepairCount], file: &Path) -> Result<(), PlotError> {
+    let root = BitMapBackend::new(file, (120 + 70 * counts.len().max(1) as u32, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| plot_err(file, e))?;
+    let top = counts.iter().map(|c| c.repaired.len()).max().unwrap_or(0).max(1) as i32;
+    let bottom = counts.iter().map(|c| c.regressed.len()).max().unwrap_or(0) as i32;
+    let n = counts.len().max(1) as i32;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Repaired vs regressed tasks relative to H0", ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(40)
+        .build_cartesian_2d(0..n, -(bottom + 1)..(top + 1))
+        .map_err(|e| plot_err(file, e))?;
+    let names: Vec<String> = counts.iter().map(|c| c.sibling.clone()).collect();
+    chart
+        .configure_mesh()
+        .x_labels(counts.len().max(1))
+        .x_label_formatter(&|i| names.get(*i as usize).cloned().unwrap_or_default())
+        .y_desc("tasks")
+        .draw()
+        .map_err(|e| plot_err(file, e))?;
+    chart
+        .draw_series(counts.iter().enumerate().map(|(i, c)| {
+            Rectangle::new([(i as i32, 0), (i as i32 + 1, c.repaired.len() as i32)], GREEN.mix(0.7).filled())
+        }))
+        .map_err(|e| plot_err(file, e))?;
+    chart
+        .draw_series(counts.iter().enumerate().map(|(i, c)| {
+            Rectangle::new([(i as i32, -(c.regressed.len() as i32)), (i as i32 + 1, 0)], RED.mix(0.7).filled())
+        }))
+        .map_err(|e| plot_err(file, e))?;
+    root.present().map_err(|e| plot_err(file, e))
+}
+
+/// Figure 5 as a PNG heat map with the percentage in each cell.
+pub fn plot_overlap(counts: &[RepairCount], file: &Path) -> Result<(), PlotError> {
+    let m = overlap_matrix(counts);
+    let n = counts.len().max(1);
+    let cell = 70u32;
+    let root = BitMapBackend::new(file, (140 + cell * n as u32, 120 + cell * n as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| plot_err(file, e))?;
+    let names: Vec<String> = counts.iter().map(|c| c.sibling.clone()).collect();
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Shared repair coverage |Ri ∩ Rj| / |Ri|", ("sans-serif", 16))
+        .margin(10)
+        .x_label_area_size(40)
+        .y_label_area_size(80)
+        .build_cartesian_2d(0..n as i32, 0..n as i32)
+        .map_err(|e| plot_err(file, e))?;
+    let (nx, ny) = (names.clone(), names.clone());
+    chart
+        .configure_mesh()
+        .disable_mesh()
+        .x_labels(n)
+        .y_labels(n)
+        .x_label_formatter(&|i| nx.get(*i as usize).cloned().unwrap_or_default())
+        .y_label_formatter(&|i| ny.get(n - 1 - (*i as usize).min(n - 1)).cloned().unwrap_or_default())
+        .x_desc("other sibling")
+        .y_desc("sibling")
+        .draw()
+        .map_err(|e| plot_err(file, e))?;
+    for (i, row) in m.iter().enumerate() {
+        for (j, v) in row.iter().enumerate() {
+            let y = (n - 1 - i) as i32;
+            let color = match v {
+                Some(v) => RGBColor(255 - (v * 200.0) as u8, 255 - (v * 120.0) as u8, 255),
+                None => RGBColor(230, 230, 230),
+            };
+            chart
+                .draw_series(std::iter::once(Rectangle::new([(j as i32, y), (j as i32 + 1, y + 1)], color.filled())))
+                .map_err(|e| plot_err(file, e))?;
+            if let Some(v) = v {
+                chart
+                    .draw_series(std::iter::once(Text::new(format!("{:.0}%", v * 100.0), (j as i32, y + 1), ("sans-serif", 14))))
+                    .map_err(|e| plot_err(file, e))?;
+            }
+        }
+    }
+    root.present().map_err(|e| plot_err(file, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(v: &[&str]) -> BTreeSet<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn repairs_regressions_and_the_directed_overlap() {
+        let tasks = set(&["1", "2", "3", "4", "5"]);
+        let h0 = set(&["1"]);
+        let sib = BTreeMap::from([
+            ("s1".to_string(), set(&["2", "3"])),
+            ("s2".to_string(), set(&["1", "2", "3", "4"])),
+            ("s3".to_string(), set(&["1"])),
+        ]);
+        let c = repair_counts(&tasks, &h0, &sib);
+        assert_eq!(c[0].repaired, set(&["2", "3"]));
+        assert_eq!(c[0].regressed, set(&["1"]));
+        assert_eq!(c[1].repaired, set(&["2", "3", "4"]));
+        assert!(c[1].regressed.is_empty());
+        let m = overlap_matrix(&c);
+        assert_eq!(m[0][1], Some(1.0)); // all of s1's repairs are also s2's
+        assert_eq!(m[1][0], Some(2.0 / 3.0)); // but not the other way round
+        assert_eq!(m[0][0], None);
+        assert_eq!(m[2][0], None); // s3 repairs nothing
+        assert_eq!(m[0][2], Some(0.0));
+        let mean = mean_overlap(&m).unwrap();
+        assert!((mean - (1.0 + 0.0 + 2.0 / 3.0 + 0.0) / 4.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn figures_are_written_as_png() {
+        let dir = tempfile::tempdir().unwrap();
+        let tasks = set(&["1", "2", "3"]);
+        let sib = BTreeMap::from([("s1".to_string(), set(&["2"])), ("s2".to_string(), set(&["2", "3"]))]);
+        let c = repair_counts(&tasks, &set(&["1"]), &sib);
+        let a = dir.path().join("fig1a.png");
+        let b = dir.path().join("fig5.png");
+        plot_repairs(&c, &a).unwrap();
+        plot_overlap(&c, &b).unwrap();
+        for f in [a, b] {
+            let bytes = std::fs::read(&f).unwrap();
+            assert_eq!(&bytes[1..4], b"PNG", "{}", f.display());
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! `harness-s generate`: load a model with the native backend and complete one prompt —
+//! the quickest way to check that a model loads and behaves.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use jobs::policy::Message;
+use native::sampler::{generate, Finish, GenerateOptions};
+use schemas::Role;
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// A GGUF file, or a Hugging Face model directory (config.json, *.safetensors,
+    /// tokenizer.json) such as a harness-s checkpoint folder.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The prompt text (raw, unless --chat).
+    #[arg(long)]
+    pub prompt: String,
+    /// Send the prompt as a user message through the model's chat template (ChatML).
+    #[arg(long)]
+    pub chat: bool,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Greedy (arg-max) decoding instead of sampling.
+    #[arg(long)]
+    pub greedy: bool,
+    /// Sampling temperature (ignored with --greedy).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Nucleus sampling mass (ignored with --greedy).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f64,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Also print each generated token with its log-probability.
+    #[arg(long)]
+    pub logprobs: bool,
+    /// libtorch CPU threads (default: libtorch's choice).
+    #[arg(long)]
+    pub threads: Option<i32>,
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+pub async fn run(args: GenerateArgs) -> anyhow::Result<u8> {
+    tokio::task::spawn_blocking(move || run_blocking(&args)).await.context("generation thread failed")?
+}
+
+fn run_blocking(args: &GenerateArgs) -> anyhow::Result<u8> {
+    if let Some(n) = args.threads {
+        anyhow::ensure!(n > 0, "--threads must be at least 1");
+        tch::set_num_threads(n);
+    }
+    let device = native::learn::parse_device(&args.device)?;
+    let started = Instant::now();
+    let (model, tok) = native::loader::load(&args.model, device).with_context(|| format!("cannot load the model {}", args.model.display()))?;
+    tracing::info!(model = %args.model.display(), layers = model.config.num_hidden_layers, hidden = model.config.hidden_size, seconds = started.elapsed().as_secs_f64(), "model loaded");
+    let prompt = if args.chat { tok.encode_chat(&[Message::new(Role::User, args.prompt.clone())])? } else { tok.encode(&args.prompt)? };
+    let opts = if args.greedy {
+        GenerateOptions::greedy(args.max_tokens)
+    } else {
+        GenerateOptions { max_tokens: args.max_tokens, temperature: args.temperature, top_p: args.top_p, seed: args.seed }
+    };
+    let started = Instant::now();
+    let out = generate(&model, &prompt, &opts, &tok.stop_ids())?;
+    let secs = started.elapsed().as_secs_f64();
+    tracing::info!(prompt_tokens = prompt.len(), tokens = out.tokens.len(), tokens_per_s = out.tokens.len() as f64 / secs.max(1e-9), finish = ?out.finish, "generated");
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{}", tok.decode(&out.tokens)?)?;
+    if args.logprobs {
+        writeln!(stdout, "\n{:>5}  {:>7}  {:>9}  token", "index", "id", "logprob")?;
+        for (i, (id, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
+            let piece = tok.decode(&[*id])?;
+            writeln!(stdout, "{i:>5}  {id:>7}  {lp:>9.4}  {piece:?}")?;
+        }
+        let total: f32 = out.logprobs.iter().sum();
+        writeln!(stdout, "total logprob {total:.4} over {} tokens; finish: {}", out.tokens.len(), if out.finish == Finish::Stop { "stop" } else { "length" })?;
+    }
+    Ok(0)
+}

@@ -1,0 +1,125 @@
+//! `harness-s pool ls|show|diff`: inspect a run's Sibling Harness Pool
+//! (`runs/<run>/pool/manifest.json` and `runs/<run>/pool/<id>.json`).
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use jobs::evolve::pool::{load_manifest, load_member};
+use jobs::harness::diff_specs;
+
+use crate::exit;
+
+#[derive(Debug, Subcommand)]
+pub enum PoolCommand {
+    /// List the pool's members with lineage and validation coverage, and rejected candidates.
+    Ls(LsArgs),
+    /// Print one member's spec (JSON) and its lineage.
+    Show(ShowArgs),
+    /// Show the edits that turn member A into member B.
+    Diff(DiffArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StoreArg {
+    /// Object store URL: a directory, file:///abs/dir or s3://bucket/prefix?endpoint=...
+    #[arg(long, value_name = "URL")]
+    pub store: String,
+}
+
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    pub run: String,
+    #[command(flatten)]
+    pub store: StoreArg,
+}
+
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    pub run: String,
+    pub id: String,
+    #[command(flatten)]
+    pub store: StoreArg,
+}
+
+#[derive(Debug, Args)]
+pub struct DiffArgs {
+    pub run: String,
+    pub a: String,
+    pub b: String,
+    #[command(flatten)]
+    pub store: StoreArg,
+}
+
+pub async fn run(cmd: PoolCommand) -> anyhow::Result<u8> {
+    match cmd {
+        PoolCommand::Ls(a) => ls(a).await,
+        PoolCommand::Show(a) => show(a).await,
+        PoolCommand::Diff(a) => diff(a).await,
+    }
+}
+
+async fn ls(args: LsArgs) -> anyhow::Result<u8> {
+    let store = infra::store::open_store(&args.store.store).await.context("--store")?;
+    let m = load_manifest(store.as_ref(), &args.run).await?;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "pool of run {} (version {}, {} members, {} validation tasks{})",
+        m.run_id,
+        m.version,
+        m.members.len(),
+        m.validation_tasks.len(),
+        m.seeded_from.as_ref().map(|s| format!(", seeded from {s}")).unwrap_or_default()
+    )?;
+    writeln!(out, "{:<14} {:<10} {:>3} {:>5} {:>9} {:>7} {:>6}  causes", "id", "parent", "gen", "round", "V(H)", "local", "parent")?;
+    for e in &m.members {
+        let local = e.local.as_ref().map(|l| format!("{}/{}", l.repaired.len(), l.targeted.len())).unwrap_or_else(|| "-".into());
+        writeln!(
+            out,
+            "{:<14} {:<10} {:>3} {:>5} {:>9} {:>7} {:>6}  {}",
+            e.id,
+            e.parent.as_deref().unwrap_or("-"),
+            e.generation,
+            e.round,
+            format!("{}/{}", e.validation_coverage.len(), m.validation_tasks.len()),
+            local,
+            if e.selected_as_parent { "yes" } else { "" },
+            e.causes.join(", ")
+        )?;
+    }
+    if !m.rejected.is_empty() {
+        writeln!(out, "rejected candidates ({}):", m.rejected.len())?;
+        for r in &m.rejected {
+            writeln!(out, "  {} (from {}, round {}): {}", r.id, r.parent, r.round, r.reason)?;
+        }
+    }
+    Ok(exit::OK)
+}
+
+async fn show(args: ShowArgs) -> anyhow::Result<u8> {
+    let store = infra::store::open_store(&args.store.store).await.context("--store")?;
+    let spec = load_member(store.as_ref(), &args.run, &args.id).await?;
+    let m = load_manifest(store.as_ref(), &args.run).await?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{}", serde_json::to_string_pretty(&spec)?)?;
+    if let Some(e) = m.member(&args.id) {
+        eprintln!("lineage: {}", serde_json::to_string(e)?);
+    }
+    Ok(exit::OK)
+}
+
+async fn diff(args: DiffArgs) -> anyhow::Result<u8> {
+    let store = infra::store::open_store(&args.store.store).await.context("--store")?;
+    let a = load_member(store.as_ref(), &args.run, &args.a).await?;
+    let b = load_member(store.as_ref(), &args.run, &args.b).await?;
+    let edits = diff_specs(&a, &b);
+    let mut out = std::io::stdout().lock();
+    if edits.is_empty() {
+        writeln!(out, "no edits")?;
+    }
+    for e in &edits {
+        writeln!(out, "{e}")?;
+    }
+    Ok(exit::OK)
+}

@@ -1,0 +1,198 @@
+//! `harness-s run | submit | scheduler | status | resume | cancel | report`: the main job.
+//!
+//! `run SPEC` is the embedded default (memory queue, in-process workers, local store);
+//! `submit` + `scheduler` + `worker` is the distributed form of the same code path.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use bytes::Bytes;
+use clap::Args;
+use infra::store::open_store;
+
+use crate::run::{self, machine::Finish, spec, state};
+
+const DEFAULT_STORE: &str = "harness-s-data";
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Run spec (TOML), e.g. examples/quickstart.toml.
+    pub spec: PathBuf,
+    /// Object store for everything the run produces.
+    #[arg(long, env = "HARNESS_S_STORE", default_value = DEFAULT_STORE)]
+    pub store: String,
+    /// In-process workers.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    pub spec: PathBuf,
+    #[arg(long, env = "HARNESS_S_STORE")]
+    pub store: String,
+    /// Queue the scheduler will use (checked to be reachable now).
+    #[arg(long, env = "HARNESS_S_QUEUE")]
+    pub queue: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct SchedulerArgs {
+    /// Run to drive.
+    #[arg(long)]
+    pub run: String,
+    #[arg(long, env = "HARNESS_S_STORE")]
+    pub store: String,
+    #[arg(long, env = "HARNESS_S_QUEUE")]
+    pub queue: String,
+}
+
+#[derive(Debug, Args)]
+pub struct RunRefArgs {
+    /// Run id.
+    pub run: String,
+    #[arg(long, env = "HARNESS_S_STORE", default_value = DEFAULT_STORE)]
+    pub store: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    pub run: String,
+    #[arg(long, env = "HARNESS_S_STORE", default_value = DEFAULT_STORE)]
+    pub store: String,
+    /// Drive through this queue (distributed); default: in-process workers.
+    #[arg(long, env = "HARNESS_S_QUEUE")]
+    pub queue: Option<String>,
+    /// In-process workers (embedded resume only).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+}
+
+fn load_spec(path: &std::path::Path) -> anyhow::Result<spec::LoadedSpec> {
+    spec::load(path).map_err(|e| anyhow::anyhow!("invalid run spec {e}"))
+}
+
+async fn finish(store_url: &str, run_id: &str, result: anyhow::Result<Finish>) -> anyhow::Result<u8> {
+    let store = open_store(store_url).await?;
+    match result {
+        Ok(f) => {
+            print_summary(store.as_ref(), run_id).await?;
+            match f {
+                Finish::Completed => println!("run `{run_id}` completed"),
+                Finish::Degraded => println!("run `{run_id}` finished degraded: some rollouts failed within their budgets (see `harness-s status {run_id}`)"),
+            }
+            Ok(run::exit_code(f))
+        }
+        Err(e) => {
+            eprintln!("error: run `{run_id}`: {e:#}");
+            eprintln!("resume with: harness-s resume {run_id} --store {}", infra::redact_url(store_url));
+            Ok(crate::exit::FAILED)
+        }
+    }
+}
+
+/// Prints the metrics table and where the report is.
+async fn print_summary(store: &dyn infra::store::ObjectStore, run_id: &str) -> anyhow::Result<()> {
+    let series = crate::report::Series::load(store, run_id).await?;
+    println!("\n{}", crate::report::update_table(&series));
+    for stage in ["baseline", "evaluation"] {
+        if let (Some(p), Some(a)) = (series.last(&format!("{stage}/pass_at_k")), series.last(&format!("{stage}/avg_at_k"))) {
+            println!("{stage:>10}: Pass@k {p:.3}  Avg@k {a:.3} (H0, test split)");
+        }
+    }
+    let report = format!("runs/{run_id}/reports/report.md");
+    if store.head(&report).await?.is_some() {
+        println!("report: {}", store.object_url(&report));
+    }
+    Ok(())
+}
+
+pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
+    let loaded = load_spec(&args.spec)?;
+    let store = open_store(&absolute_store(&args.store)).await?;
+    run::submit(store.as_ref(), &loaded).await?;
+    println!("run `{}` → {}", loaded.run_id, store.url());
+    let bars = std::io::stderr().is_terminal();
+    let result = run::drive_embedded(store.clone(), &loaded.run_id, args.workers, bars).await;
+    finish(&absolute_store(&args.store), &loaded.run_id, result).await
+}
+
+pub async fn submit(args: SubmitArgs) -> anyhow::Result<u8> {
+    let loaded = load_spec(&args.spec)?;
+    if let Some(q) = &args.queue {
+        infra::queue::open_queue(q).await.with_context(|| format!("--queue {}", infra::redact_url(q)))?;
+    }
+    let store = open_store(&args.store).await?;
+    run::submit(store.as_ref(), &loaded).await?;
+    println!("{}", loaded.run_id);
+    Ok(crate::exit::OK)
+}
+
+pub async fn scheduler(args: SchedulerArgs) -> anyhow::Result<u8> {
+    let store = open_store(&args.store).await?;
+    let queue = infra::queue::open_queue(&args.queue).await?;
+    let result = run::drive(store, queue, &args.run, false).await;
+    finish(&args.store, &args.run, result).await
+}
+
+pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
+    let url = absolute_store(&args.store);
+    let store = open_store(&url).await?;
+    // Refuse before starting anything when the run is finished.
+    run::state_for_drive(store.as_ref(), &args.run).await?;
+    let result = match &args.queue {
+        Some(q) => run::drive(store, infra::queue::open_queue(q).await?, &args.run, false).await,
+        None => run::drive_embedded(store, &args.run, args.workers, std::io::stderr().is_terminal()).await,
+    };
+    finish(&url, &args.run, result).await
+}
+
+pub async fn status(args: RunRefArgs) -> anyhow::Result<u8> {
+    let store = open_store(&absolute_store(&args.store)).await?;
+    let st = state::load(store.as_ref(), &args.run).await?.with_context(|| format!("no run `{}` in {}", args.run, store.url()))?;
+    println!("run:        {}", st.run_id);
+    println!("status:     {}", st.status.as_str());
+    println!("stage:      {}", st.stage);
+    println!("updates:    {} done", st.step);
+    println!("stages:     {} done", st.completed.len());
+    println!("checkpoint: {}", st.latest_checkpoint.map(|s| format!("step {s}")).unwrap_or_else(|| "starting model".into()));
+    println!("rollouts:   {} base, {} rescue, {} other", st.rollouts_base, st.rollouts_rescue, st.rollouts_other);
+    if !st.failures.is_empty() {
+        let f: Vec<String> = st.failures.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!("failures:   {}", f.join(", "));
+    }
+    if let Some(m) = &st.message {
+        println!("message:    {m}");
+    }
+    print_summary(store.as_ref(), &args.run).await?;
+    Ok(crate::exit::OK)
+}
+
+pub async fn cancel(args: RunRefArgs) -> anyhow::Result<u8> {
+    let store = open_store(&absolute_store(&args.store)).await?;
+    let st = state::load(store.as_ref(), &args.run).await?.with_context(|| format!("no run `{}` in {}", args.run, store.url()))?;
+    if st.status.is_finished() {
+        anyhow::bail!("run `{}` already finished ({}); nothing to cancel", args.run, st.status.as_str());
+    }
+    store.put(&state::cancel_key(&args.run), Bytes::from_static(b"cancel requested\n")).await?;
+    println!("cancel requested for run `{}`; the scheduler stops at its next check", args.run);
+    Ok(crate::exit::OK)
+}
+
+pub async fn report(args: RunRefArgs) -> anyhow::Result<u8> {
+    let store = open_store(&absolute_store(&args.store)).await?;
+    let url = crate::report::write(store.as_ref(), &args.run).await?;
+    println!("{url}");
+    Ok(crate::exit::OK)
+}
+
+/// A relative plain path as store URL is taken relative to the current folder.
+fn absolute_store(url: &str) -> String {
+    if url.contains("://") {
+        url.to_string()
+    } else {
+        let p = std::path::absolute(url).unwrap_or_else(|_| PathBuf::from(url));
+        format!("file://{}", p.display())
+    }
+}

@@ -1,0 +1,121 @@
+//! `harness-s worker`: a worker process. Consumes the given job kinds from the queue,
+//! runs them, commits outputs and done-markers to the store, acks. SIGTERM or SIGINT
+//! stops it gracefully (in-flight jobs finish within `--grace-secs`, exit 0).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use schemas::JobKind;
+use tokio::signal::unix::{signal, SignalKind};
+use worker::{Metrics, Registry, Worker, WorkerConfig};
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// Queue URL: amqp://user:password@host:5672/%2f?prefix=<run> (query options:
+    /// prefix, max_attempts, retry_base_ms, retry_max_ms, connect_timeout_s,
+    /// reconnect_timeout_s).
+    #[arg(long, env = "HARNESS_S_QUEUE")]
+    pub queue: String,
+    /// Object store URL for outputs and done-markers: file:///abs/dir or
+    /// s3://bucket/prefix?endpoint=URL.
+    #[arg(long, env = "HARNESS_S_STORE")]
+    pub store: String,
+    /// Job kinds to consume, comma-separated (evolve, rollout, rescue, reanchor, learn,
+    /// eval, sleep).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub queues: Vec<String>,
+    /// Jobs run at the same time (also the broker prefetch).
+    #[arg(long, default_value_t = 1)]
+    pub concurrency: usize,
+    /// Serve Prometheus metrics on this address (e.g. 127.0.0.1:9464), path /metrics.
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Seconds in-flight jobs get to finish after SIGTERM/SIGINT; unfinished ones go back
+    /// to the queue.
+    #[arg(long, default_value_t = 30.0)]
+    pub grace_secs: f64,
+}
+
+/// Checked settings.
+struct Settings {
+    kinds: Vec<JobKind>,
+    grace: Duration,
+}
+
+fn check(args: &WorkerArgs) -> anyhow::Result<Settings> {
+    let mut kinds = Vec::new();
+    for name in args.queues.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        match JobKind::parse(name) {
+            Some(k) => kinds.push(k),
+            None => {
+                let known = JobKind::ALL.iter().map(|k| k.as_str()).collect::<Vec<_>>().join(", ");
+                bail!("--queues: unknown job kind `{name}`; known kinds: {known}");
+            }
+        }
+    }
+    if kinds.is_empty() {
+        bail!("--queues: give at least one job kind, e.g. --queues rollout,rescue");
+    }
+    if !(args.grace_secs.is_finite() && args.grace_secs >= 0.0) {
+        bail!("--grace-secs: {} is not a number of seconds ≥ 0", args.grace_secs);
+    }
+    if args.queue.starts_with("memory:") {
+        bail!(
+            "--queue {}: a memory:// queue lives inside one process, so a separate worker process \
+             would never see its jobs; use amqp://user:password@host:5672/%2f (RabbitMQ), \
+             or run in-process workers with `harness-s run`",
+            args.queue
+        );
+    }
+    Ok(Settings { kinds, grace: Duration::from_secs_f64(args.grace_secs) })
+}
+
+pub async fn run(args: WorkerArgs) -> anyhow::Result<u8> {
+    let settings = check(&args)?;
+    // Signal handlers first: a SIGTERM during start-up must not kill the process
+    // mid-connection with the default action.
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received; finishing in-flight jobs"),
+            _ = int.recv() => tracing::info!("SIGINT received; finishing in-flight jobs"),
+        }
+    };
+
+    let queue = infra::queue::open_queue(&args.queue)
+        .await
+        .with_context(|| format!("opening the queue {}", infra::redact_url(&args.queue)))?;
+    let store = infra::store::open_store(&args.store)
+        .await
+        .with_context(|| format!("opening the store {}", infra::redact_url(&args.store)))?;
+
+    let mut config = WorkerConfig::new(settings.kinds, args.concurrency);
+    config.grace = settings.grace;
+    let metrics = Metrics::new();
+    let _server = match args.metrics_addr {
+        Some(addr) => {
+            let (bound, task) =
+                metrics.serve(addr).await.with_context(|| format!("--metrics-addr {addr}: cannot listen there"))?;
+            tracing::info!(addr = %bound, "serving Prometheus metrics at http://{bound}/metrics");
+            Some(AbortOnDrop(task))
+        }
+        None => None,
+    };
+    let worker = Worker::new(queue.clone(), Arc::clone(&store), Registry::builtin(), config)?.with_metrics(metrics);
+    let summary = worker.run(shutdown).await?;
+    // Summary on stdout for scripts; the same line went to the log.
+    println!("worker stopped: {summary}");
+    Ok(crate::exit::OK)
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

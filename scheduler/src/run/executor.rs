@@ -1,0 +1,124 @@
+//! Hands a stage's jobs to the queue and waits for their done-markers: the scheduler's
+//! only way of learning that work finished. Jobs whose markers exist are not published
+//! again (resume never redoes work); a job that lands in the dead-letter queue fails the
+//! stage with its reason; a cancel request stops the wait.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use infra::queue::Queue;
+use infra::store::ObjectStore;
+use schemas::{keys, DoneMarker, JobEnvelope, JobKind};
+
+/// Why a stage's jobs did not all finish.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    #[error("job {job_id} ({kind}) was dead-lettered: {reason}")]
+    DeadLettered { job_id: String, kind: JobKind, reason: String },
+    #[error("the run was cancelled")]
+    Cancelled,
+    #[error(transparent)]
+    Other(#[from] anyhow::Error),
+}
+
+/// Publishes jobs and collects their done-markers.
+pub struct Executor {
+    pub store: Arc<dyn ObjectStore>,
+    pub queue: Arc<dyn Queue>,
+    pub poll: Duration,
+    /// Show progress bars (embedded runs on a terminal); otherwise periodic log lines.
+    pub bars: bool,
+}
+
+impl Executor {
+    /// Runs `jobs` to completion and returns their markers in the same order.
+    pub async fn run(&self, run_id: &str, label: &str, jobs: Vec<JobEnvelope>) -> Result<Vec<DoneMarker>, StageError> {
+        let prefix = format!("runs/{run_id}/jobs/");
+        let mut done = self.markers(&prefix).await?;
+        let to_publish: Vec<JobEnvelope> = jobs.iter().filter(|j| !done.contains(&j.job_id)).cloned().collect();
+        let skipped = jobs.len() - to_publish.len();
+        if !to_publish.is_empty() {
+            self.queue.publish_many(&to_publish).await.map_err(|e| anyhow::anyhow!("publishing {label} jobs: {e}"))?;
+        }
+        tracing::info!(stage = label, jobs = jobs.len(), already_done = skipped, "stage started");
+        let bar = if self.bars {
+            let b = ProgressBar::new(jobs.len() as u64);
+            b.set_style(
+                ProgressStyle::with_template("{prefix:>24} [{bar:30}] {pos}/{len} jobs {elapsed_precise}")
+                    .expect("valid template")
+                    .progress_chars("=> "),
+            );
+            b.set_prefix(label.to_string());
+            b
+        } else {
+            ProgressBar::hidden()
+        };
+        let wanted: BTreeSet<String> = jobs.iter().map(|j| j.job_id.clone()).collect();
+        let kinds: BTreeSet<JobKind> = jobs.iter().map(|j| j.kind).collect();
+        let mut last_log = Instant::now();
+        loop {
+            let finished = wanted.iter().filter(|id| done.contains(*id)).count();
+            bar.set_position(finished as u64);
+            if finished == wanted.len() {
+                break;
+            }
+            if self.store.head(&super::state::cancel_key(run_id)).await.map_err(anyhow::Error::from)?.is_some() {
+                bar.abandon();
+                return Err(StageError::Cancelled);
+            }
+            for kind in &kinds {
+                let dead = self.queue.dead_letters(*kind, 10_000).await.map_err(|e| anyhow::anyhow!("reading dead letters: {e}"))?;
+                if let Some(d) = dead.iter().find(|d| d.job_id.as_ref().is_some_and(|id| wanted.contains(id) && !done.contains(id))) {
+                    bar.abandon();
+                    return Err(StageError::DeadLettered {
+                        job_id: d.job_id.clone().unwrap_or_default(),
+                        kind: *kind,
+                        reason: d.reason.clone(),
+                    });
+                }
+            }
+            if last_log.elapsed() > Duration::from_secs(15) {
+                tracing::info!(stage = label, finished, total = wanted.len(), "waiting for jobs");
+                last_log = Instant::now();
+            }
+            tokio::time::sleep(self.poll).await;
+            done = self.markers(&prefix).await?;
+        }
+        bar.finish_and_clear();
+        let mut out = Vec::with_capacity(jobs.len());
+        for j in &jobs {
+            let key = keys::done_marker(run_id, &j.job_id);
+            let bytes = self.store.get(&key).await.map_err(anyhow::Error::from)?;
+            out.push(schemas::decode_document(&self.store.object_url(&key), &bytes).map_err(anyhow::Error::from)?);
+        }
+        tracing::info!(stage = label, jobs = jobs.len(), "stage finished");
+        Ok(out)
+    }
+
+    /// Job ids with a done-marker.
+    async fn markers(&self, prefix: &str) -> anyhow::Result<BTreeSet<String>> {
+        Ok(self
+            .store
+            .list(prefix)
+            .await?
+            .into_iter()
+            .filter_map(|o| o.key.strip_prefix(prefix).and_then(|k| k.strip_suffix(".done.json")).map(str::to_string))
+            .collect())
+    }
+}
+
+/// Output keys listed by markers, in marker order.
+pub fn output_keys(markers: &[DoneMarker]) -> Vec<String> {
+    markers.iter().flat_map(|m| m.outputs.iter().map(|o| o.key.clone())).collect()
+}
+
+/// Counts per job kind, for log lines.
+pub fn count_by_kind(jobs: &[JobEnvelope]) -> BTreeMap<JobKind, usize> {
+    let mut m = BTreeMap::new();
+    for j in jobs {
+        *m.entry(j.kind).or_default() += 1;
+    }
+    m
+}

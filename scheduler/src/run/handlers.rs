@@ -1,0 +1,179 @@
+//! The job handlers a worker runs for a Harness-S run: every rollout-shaped kind (base
+//! rollouts, rescue, calibration, evaluation) goes through [`RolloutHandler`], learner
+//! updates through [`LearnHandler`]. Both load the run's inputs from the store once per
+//! process and keep the current policy weights loaded between jobs.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use infra::store::ObjectStore;
+use jobs::policy::Policy;
+use jobs::rollout::{RolloutContext, RolloutInput};
+use schemas::{JobEnvelope, JobKind};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Mutex;
+use worker::{Handler, JobContext, JobFailure, JobOutput, Registry};
+
+use super::inputs::RunInputs;
+
+/// Payload of every rollout-shaped job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutJob {
+    pub input: RolloutInput,
+    /// Checkpoint step whose weights to use; `None`: the run's starting model.
+    pub checkpoint_step: Option<u32>,
+}
+
+/// Payload of a learn job.
+pub type LearnJob = native::learn::LearnInput;
+
+/// Run inputs and the loaded policy, shared by the handlers of one process.
+#[derive(Default)]
+pub struct Shared {
+    inputs: Mutex<HashMap<String, Arc<RunInputs>>>,
+    /// (run, checkpoint step) → policy; only the latest is kept (weights are large).
+    policy: Mutex<Option<((String, Option<u32>), Arc<dyn Policy>)>>,
+}
+
+impl Shared {
+    async fn inputs(&self, store: &dyn ObjectStore, run_id: &str) -> Result<Arc<RunInputs>, JobFailure> {
+        let mut cache = self.inputs.lock().await;
+        if let Some(i) = cache.get(run_id) {
+            return Ok(i.clone());
+        }
+        let loaded = RunInputs::load(store, run_id)
+            .await
+            .map_err(|e| JobFailure::Retryable(format!("loading the inputs of run `{run_id}`: {e:#}")))?;
+        let loaded = Arc::new(loaded);
+        cache.insert(run_id.to_string(), loaded.clone());
+        Ok(loaded)
+    }
+
+    async fn policy(&self, store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u32>) -> Result<Arc<dyn Policy>, JobFailure> {
+        let key = (inputs.stored.run_id.clone(), step);
+        let mut slot = self.policy.lock().await;
+        if let Some((k, p)) = slot.as_ref() {
+            if *k == key {
+                return Ok(p.clone());
+            }
+        }
+        let p = load_policy(store, inputs, step).await?;
+        *slot = Some((key, p.clone()));
+        Ok(p)
+    }
+}
+
+/// Loads the policy a rollout job asks for.
+async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u32>) -> Result<Arc<dyn Policy>, JobFailure> {
+    let spec = inputs.spec();
+    match spec.policy.backend.as_str() {
+        "native" => {
+            let device = native::learn::parse_device(&spec.policy.device).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+            match step {
+                None => {
+                    let path = inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("native policy without a model path".into()))?;
+                    let policy = tokio::task::spawn_blocking(move || native::policy::NativePolicy::load(&path, device))
+                        .await
+                        .map_err(|e| JobFailure::Fatal(format!("loading the model panicked: {e}")))?
+                        .map_err(|e| JobFailure::Fatal(e.to_string()))?;
+                    Ok(Arc::new(policy))
+                }
+                Some(s) => {
+                    let run_id = &inputs.stored.run_id;
+                    let loaded = native::checkpoint::load(store, run_id, s, device, Default::default())
+                        .await
+                        .map_err(|e| JobFailure::Retryable(e.to_string()))?;
+                    let tokenizer = match loaded.tokenizer {
+                        Some(t) => t,
+                        None => {
+                            let path = inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("checkpoint without tokenizer and no base model".into()))?;
+                            native::loader::load(&path, tch::Device::Cpu).map_err(|e| JobFailure::Fatal(e.to_string()))?.1
+                        }
+                    };
+                    let key = native::checkpoint::manifest_key(run_id, s);
+                    Ok(Arc::new(native::policy::NativePolicy::new(loaded.learner.model, tokenizer, key)))
+                }
+            }
+        }
+        "openai" => {
+            if step.is_some() {
+                return Err(JobFailure::Fatal(
+                    "backend `openai` cannot serve trained checkpoints; train with backend = \"native\"".into(),
+                ));
+            }
+            let mut config = jobs::policy::openai::OpenAiConfig::new(
+                spec.policy.base_url.clone().unwrap_or_default(),
+                spec.policy.model.clone(),
+            );
+            config.api_key_env = spec.policy.api_key_env.clone();
+            let p = jobs::policy::openai::OpenAiPolicy::new(config).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+            Ok(Arc::new(p))
+        }
+        other => Err(JobFailure::Fatal(format!("unknown policy backend `{other}`"))),
+    }
+}
+
+/// Runs rollout, rescue, calibration and evaluation jobs.
+pub struct RolloutHandler {
+    shared: Arc<Shared>,
+}
+
+#[async_trait]
+impl Handler for RolloutHandler {
+    async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
+        let payload: RolloutJob = serde_json::from_value(job.payload.clone())
+            .map_err(|e| JobFailure::Fatal(format!("invalid {} payload: {e}", job.kind)))?;
+        let store = ctx.store.as_ref();
+        let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
+        let policy = self.shared.policy(store, &inputs, payload.checkpoint_step).await?;
+        let envs = inputs.env_factory(payload.input.split).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
+        let rctx = RolloutContext {
+            store,
+            policy: policy.as_ref(),
+            envs: &envs,
+            job_id: &job.job_id,
+            delivery_attempt: job.attempt,
+        };
+        let out = jobs::rollout::run(&rctx, &payload.input).await.map_err(|e| {
+            if e.is_retryable() {
+                JobFailure::Retryable(e.to_string())
+            } else {
+                JobFailure::Fatal(e.to_string())
+            }
+        })?;
+        Ok(JobOutput { outputs: out.outputs, result: serde_json::to_value(&out.summary).unwrap_or_default() })
+    }
+}
+
+/// Runs learner updates (GRPO, Appendix B) and writes checkpoints.
+pub struct LearnHandler;
+
+#[async_trait]
+impl Handler for LearnHandler {
+    async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
+        let input: LearnJob = serde_json::from_value(job.payload.clone())
+            .map_err(|e| JobFailure::Fatal(format!("invalid learn payload: {e}")))?;
+        // Training is CPU/GPU-bound and its state is not `Send`: it runs on a blocking
+        // thread that drives the learn job's own IO to completion.
+        let store = ctx.store.clone();
+        let handle = tokio::runtime::Handle::current();
+        let out = tokio::task::spawn_blocking(move || handle.block_on(native::learn::run(store.as_ref(), &input)))
+            .await
+            .map_err(|e| JobFailure::Fatal(format!("the learner panicked: {e}")))?
+            .map_err(|e| JobFailure::Fatal(e.to_string()))?;
+        Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out).unwrap_or_default() })
+    }
+}
+
+/// Every handler of this build: the diagnostic sleep job plus the Harness-S jobs.
+pub fn registry() -> Registry {
+    let shared = Arc::new(Shared::default());
+    let mut r = Registry::builtin();
+    for kind in [JobKind::Rollout, JobKind::Rescue, JobKind::Reanchor, JobKind::Eval] {
+        r.register(kind, RolloutHandler { shared: shared.clone() });
+    }
+    r.register(JobKind::Learn, LearnHandler);
+    r
+}

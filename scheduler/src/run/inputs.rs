@@ -1,0 +1,218 @@
+//! A run's inputs in the object store, so that every worker (on any machine) sees the same
+//! spec, tasks and pool: `runs/<run>/spec.toml` (as submitted), `runs/<run>/inputs/run.json`
+//! (the checked spec with paths resolved), `runs/<run>/inputs/tasks/<split>.jsonl` and
+//! `runs/<run>/pool/<harness>.json`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use infra::store::ObjectStore;
+use jobs::env::dbbench::generate::{generate_jsonl, Difficulty, GenerateOptions};
+use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
+use schemas::{keys, HarnessSpec, Split};
+use serde::{Deserialize, Serialize};
+
+use super::spec::{LoadedSpec, RunSpec};
+
+/// The stored, resolved form of a run spec.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredRun {
+    pub schema_version: u32,
+    pub run_id: String,
+    pub spec: RunSpec,
+    /// Absolute path of the native model (workers must be able to read it).
+    pub base_model: Option<PathBuf>,
+    /// Harness ids of the pool, in file-name order (H0 excluded).
+    pub pool: Vec<String>,
+}
+
+impl schemas::Document for StoredRun {
+    const NAME: &'static str = "stored run spec";
+    const VERSION: u32 = 1;
+}
+
+pub fn run_json_key(run_id: &str) -> String {
+    format!("runs/{run_id}/inputs/run.json")
+}
+
+pub fn tasks_key(run_id: &str, split: Split) -> String {
+    let name = match split {
+        Split::Train => "train",
+        Split::Validation => "validation",
+        Split::Test => "test",
+    };
+    format!("runs/{run_id}/inputs/tasks/{name}.jsonl")
+}
+
+pub const SPLITS: [Split; 3] = [Split::Train, Split::Validation, Split::Test];
+
+/// Reads the pool folder: every `*.json` file must be a valid harness spec; all problems
+/// are reported together.
+pub fn read_pool(dir: &std::path::Path) -> anyhow::Result<Vec<HarnessSpec>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot read the pool folder {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    let mut pool = Vec::new();
+    let mut problems = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).with_context(|| format!("cannot read {}", f.display()))?;
+        let opts = jobs::harness::ValidateOptions {
+            tools: Some(jobs::env::dbbench::tools().into_iter().map(|t| t.name).collect()),
+        };
+        match jobs::harness::parse_spec(&f.display().to_string(), &text, &opts) {
+            // H0 is implicit; a file describing it unedited is allowed and skipped.
+            Ok(spec) if spec.id == schemas::H0_ID && is_unedited(&spec) => {}
+            Ok(spec) => pool.push(spec),
+            Err(jobs::harness::SpecError::Invalid { file, problems: ps }) => {
+                for p in ps {
+                    problems.push(format!("{file}: {p}"));
+                }
+            }
+            Err(e) => problems.push(e.to_string()),
+        }
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for h in &pool {
+        if h.id == schemas::H0_ID {
+            problems.push(format!(
+                "pool: `{}` is the base harness H0 and cannot carry edits; give the sibling another id",
+                h.id
+            ));
+        }
+        if !seen.insert(h.id.clone()) {
+            problems.push(format!("pool: harness id `{}` appears twice", h.id));
+        }
+    }
+    if !problems.is_empty() {
+        bail!("invalid pool {}:\n  {}", dir.display(), problems.join("\n  "));
+    }
+    Ok(pool)
+}
+
+/// Whether a spec makes no edits to the base harness.
+fn is_unedited(h: &HarnessSpec) -> bool {
+    h.prompt_rules.is_empty()
+        && h.skills.is_empty()
+        && h.context.is_empty()
+        && h.memory.is_empty()
+        && h.tool_view.is_none()
+        && h.hooks.is_empty()
+}
+
+/// Copies a checked spec and its inputs into the store. Idempotent: the same spec gives
+/// the same objects.
+pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Result<StoredRun> {
+    let spec = &loaded.spec;
+    let run_id = &loaded.run_id;
+    let pool = match &spec.pool.dir {
+        Some(dir) => read_pool(&loaded.resolve(dir))?,
+        None => vec![],
+    };
+    let mut texts: BTreeMap<&'static str, String> = BTreeMap::new();
+    match &spec.tasks.generate {
+        Some(g) => {
+            let difficulty = match g.difficulty.as_deref() {
+                None | Some("mixed") => None,
+                Some(d) => Some(d.parse::<Difficulty>().map_err(|e| anyhow::anyhow!("tasks.generate.difficulty: {e}"))?),
+            };
+            for (i, (name, n)) in [("train", g.train), ("validation", g.validation), ("test", g.test)].into_iter().enumerate() {
+                let opts = GenerateOptions { seed: g.seed.wrapping_mul(3).wrapping_add(i as u64), n, difficulty };
+                texts.insert(name, generate_jsonl(&opts).map_err(|e| anyhow::anyhow!("tasks.generate: {e}"))?);
+            }
+        }
+        None => {
+            for (name, file) in [("train", &spec.tasks.train), ("validation", &spec.tasks.validation), ("test", &spec.tasks.test)] {
+                let path = loaded.resolve(file.as_ref().expect("checked by the spec"));
+                let text = std::fs::read_to_string(&path).with_context(|| format!("tasks.{name}: cannot read {}", path.display()))?;
+                let parsed = TaskSet::parse(&text, &path.display().to_string(), name);
+                if !parsed.problems.is_empty() {
+                    let lines: Vec<String> = parsed.problems.iter().map(|p| p.to_string()).collect();
+                    bail!("tasks.{name}: {} bad line(s) in {}:\n  {}", lines.len(), path.display(), lines.join("\n  "));
+                }
+                if parsed.tasks.len() == 0 {
+                    bail!("tasks.{name}: {} holds no tasks", path.display());
+                }
+                texts.insert(name, text);
+            }
+        }
+    }
+    let base_model = match spec.policy.backend.as_str() {
+        "native" => Some(super::spec::resolve_model(&spec.policy.model, &loaded.base_dir)?),
+        _ => None,
+    };
+    let stored = StoredRun {
+        schema_version: 1,
+        run_id: run_id.clone(),
+        spec: spec.clone(),
+        base_model,
+        pool: pool.iter().map(|h| h.id.clone()).collect(),
+    };
+    store.put(&keys::spec(run_id), Bytes::from(loaded.text.clone())).await?;
+    for (split, name) in SPLITS.iter().zip(["train", "validation", "test"]) {
+        store.put(&tasks_key(run_id, *split), Bytes::from(texts[name].clone())).await?;
+    }
+    for h in &pool {
+        store.put(&keys::pool_harness(run_id, &h.id), Bytes::from(serde_json::to_vec_pretty(h)?)).await?;
+    }
+    store.put(&run_json_key(run_id), Bytes::from(schemas::encode_document(&stored))).await?;
+    Ok(stored)
+}
+
+/// Everything a job of a run needs, loaded from the store once per process.
+pub struct RunInputs {
+    pub stored: StoredRun,
+    pub tasks: BTreeMap<Split, Arc<TaskSet>>,
+    /// The pool, H0 excluded, in `stored.pool` order.
+    pub pool: Vec<HarnessSpec>,
+}
+
+impl RunInputs {
+    pub async fn load(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<RunInputs> {
+        let key = run_json_key(run_id);
+        let bytes = store.get(&key).await.with_context(|| format!("run `{run_id}` was not submitted to {}", store.url()))?;
+        let stored: StoredRun = schemas::decode_document(&store.object_url(&key), &bytes)?;
+        let mut tasks = BTreeMap::new();
+        for split in SPLITS {
+            let key = tasks_key(run_id, split);
+            let text = String::from_utf8(store.get(&key).await?.to_vec()).context("task file is not UTF-8")?;
+            let parsed = TaskSet::parse(&text, &store.object_url(&key), "task");
+            tasks.insert(split, Arc::new(parsed.tasks));
+        }
+        let mut pool = Vec::new();
+        for id in &stored.pool {
+            let key = keys::pool_harness(run_id, id);
+            let bytes = store.get(&key).await?;
+            let h: HarnessSpec = serde_json::from_slice(&bytes).with_context(|| format!("{}: invalid harness", store.object_url(&key)))?;
+            pool.push(h);
+        }
+        Ok(RunInputs { stored, tasks, pool })
+    }
+
+    pub fn spec(&self) -> &RunSpec {
+        &self.stored.spec
+    }
+
+    /// The harness with this id (`h0` is the base harness).
+    pub fn harness(&self, id: &str) -> Option<HarnessSpec> {
+        if id == schemas::H0_ID {
+            return Some(HarnessSpec::h0());
+        }
+        self.pool.iter().find(|h| h.id == id).cloned()
+    }
+
+    /// One environment per episode, over the tasks of one split.
+    pub fn env_factory(&self, split: Split) -> anyhow::Result<DbBenchFactory> {
+        let env = &self.spec().environment;
+        let mut config = DbBenchConfig::from_engine_name(&env.engine, env.db_url.as_deref())?;
+        if let Some(r) = env.max_rounds {
+            config = config.with_max_rounds(r)?;
+        }
+        Ok(DbBenchFactory { tasks: self.tasks[&split].clone(), config })
+    }
+}

@@ -1,0 +1,667 @@
+//! The scheduler state machine of a Harness-S training run (Algorithm 1 of the paper):
+//!
+//! validate → baseline evaluation → calibration → for each update {base rollouts →
+//! rescue decisions → rescue rollouts → retained groups + metrics → learn → re-anchor
+//! when due} → final re-anchor → evaluation → report.
+//!
+//! Every unit of work is a job with a deterministic id; the scheduler publishes a stage's
+//! jobs, waits for their done-markers, computes what the next stage needs from the stored
+//! Parquet, and writes `state.json` after every stage. Running it again on the same run
+//! (resume) skips finished stages and every job whose marker exists, so nothing is done
+//! twice and nothing is silently skipped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use infra::store::ObjectStore;
+use infra::table::{read_records, write_records};
+use jobs::policy::SamplingParams;
+use jobs::rescue::{self, Outcome, RescueStrategy};
+use jobs::rollout::RolloutInput;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use schemas::{
+    job_id, keys, Group, HarnessSpec, JobEnvelope, JobIdParts, JobKind, MetricRow, RetainedKind, RolloutKind, RoutePurpose,
+    RoutingDecision, Split, Trajectory, H0_ID,
+};
+use serde::{Deserialize, Serialize};
+
+use super::executor::{output_keys, Executor, StageError};
+use super::handlers::{LearnJob, RolloutJob};
+use super::inputs::RunInputs;
+use super::state::{self, RunState, RunStatus};
+
+/// Per-harness validation outcomes of one calibration (the router's evidence).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Evidence {
+    pub schema_version: u32,
+    pub calibration_id: String,
+    pub checkpoint_step: Option<u32>,
+    /// harness → task → success
+    pub outcomes: BTreeMap<String, BTreeMap<String, bool>>,
+    /// task → task type
+    pub task_types: BTreeMap<String, String>,
+}
+
+impl schemas::Document for Evidence {
+    const NAME: &'static str = "calibration evidence";
+    const VERSION: u32 = 1;
+}
+
+impl Evidence {
+    /// Validation success rate of a harness (0 when unseen).
+    pub fn success_rate(&self, harness: &str) -> f64 {
+        match self.outcomes.get(harness) {
+            Some(m) if !m.is_empty() => m.values().filter(|s| **s).count() as f64 / m.len() as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// Success rate of a harness on validation tasks of one type, if it saw any.
+    pub fn type_success_rate(&self, harness: &str, task_type: &str) -> Option<f64> {
+        let m = self.outcomes.get(harness)?;
+        let xs: Vec<bool> =
+            m.iter().filter(|(t, _)| self.task_types.get(*t).is_some_and(|tt| tt == task_type)).map(|(_, s)| *s).collect();
+        (!xs.is_empty()).then(|| xs.iter().filter(|s| **s).count() as f64 / xs.len() as f64)
+    }
+}
+
+fn evidence_key(run_id: &str, calibration_id: &str) -> String {
+    format!("runs/{run_id}/calibration/{calibration_id}.json")
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    Completed,
+    Degraded,
+}
+
+/// Drives one run.
+pub struct Scheduler {
+    pub store: Arc<dyn ObjectStore>,
+    pub exec: Executor,
+    pub inputs: Arc<RunInputs>,
+}
+
+/// Seed of a (purpose, step, task, harness) unit, derived from the run seed.
+fn unit_seed(run_seed: u64, parts: &[&str]) -> u64 {
+    let id = job_id(&JobIdParts { run_id: &parts.join("/"), seed: run_seed, ..Default::default() });
+    u64::from_str_radix(&id[..15], 16).unwrap_or(run_seed)
+}
+
+impl Scheduler {
+    fn run_id(&self) -> &str {
+        &self.inputs.stored.run_id
+    }
+
+    fn spec(&self) -> &super::spec::RunSpec {
+        self.inputs.spec()
+    }
+
+    fn sampling(&self) -> SamplingParams {
+        let p = &self.spec().policy;
+        SamplingParams { temperature: p.temperature, top_p: p.top_p, max_tokens: p.max_tokens, seed: None, stop: vec![] }
+    }
+
+    /// Per-episode execution limits: the paper's Table 8 defaults unless the spec says.
+    fn episode_budgets(&self) -> jobs::harness::Budgets {
+        let b = &self.spec().budgets;
+        let mut budgets = jobs::harness::Budgets::default();
+        if let Some(n) = b.episode_model_calls {
+            budgets.max_model_calls = n;
+        }
+        if let Some(n) = b.episode_context_tokens {
+            budgets.max_context_tokens = n;
+        }
+        budgets
+    }
+
+    /// The stages of this run, in order.
+    pub fn stages(&self) -> Vec<String> {
+        let spec = self.spec();
+        let mut s = vec![];
+        if spec.evaluation.baseline {
+            s.push("baseline".to_string());
+        }
+        s.push("calibration:0".into());
+        for u in 1..=spec.algorithm.updates {
+            for part in ["base", "rescue", "groups", "learn"] {
+                s.push(format!("update:{u}:{part}"));
+            }
+            let interval = spec.calibration.interval;
+            if interval > 0 && u % interval == 0 && u < spec.algorithm.updates {
+                s.push(format!("calibration:{u}"));
+            }
+        }
+        s.push(format!("calibration:final:{}", spec.algorithm.updates));
+        s.push("evaluation".into());
+        s.push("report".into());
+        s
+    }
+
+    /// Runs every stage not yet done; persists state after each.
+    pub async fn drive(&self, st: &mut RunState) -> anyhow::Result<Finish> {
+        st.status = RunStatus::Running;
+        st.message = None;
+        state::save(self.store.as_ref(), st).await?;
+        for stage in self.stages() {
+            if st.is_done(&stage) {
+                continue;
+            }
+            st.stage = stage.clone();
+            state::save(self.store.as_ref(), st).await?;
+            match self.run_stage(&stage, st).await {
+                Ok(()) => {}
+                Err(e) => {
+                    let cancelled = matches!(e.downcast_ref::<StageError>(), Some(StageError::Cancelled));
+                    st.status = if cancelled { RunStatus::Cancelled } else { RunStatus::Failed };
+                    st.message = Some(format!("{stage}: {e:#}"));
+                    state::save(self.store.as_ref(), st).await?;
+                    return Err(e.context(format!("stage `{stage}`")));
+                }
+            }
+            st.completed.push(stage);
+            state::save(self.store.as_ref(), st).await?;
+        }
+        let degraded = st.failures.values().any(|n| *n > 0);
+        st.status = if degraded { RunStatus::Degraded } else { RunStatus::Completed };
+        st.stage = "finished".into();
+        state::save(self.store.as_ref(), st).await?;
+        Ok(if degraded { Finish::Degraded } else { Finish::Completed })
+    }
+
+    async fn run_stage(&self, stage: &str, st: &mut RunState) -> anyhow::Result<()> {
+        let parts: Vec<&str> = stage.split(':').collect();
+        match parts.as_slice() {
+            ["baseline"] => self.evaluate(0, None, st).await,
+            ["calibration", "final", n] => {
+                let step: u32 = n.parse()?;
+                self.calibrate(step, "final", st).await
+            }
+            ["calibration", n] => {
+                let step: u32 = n.parse()?;
+                self.calibrate(step, &format!("s{step}"), st).await
+            }
+            ["update", u, "base"] => self.base_rollouts(u.parse()?, st).await,
+            ["update", u, "rescue"] => self.rescue_rollouts(u.parse()?, st).await,
+            ["update", u, "groups"] => self.form_groups(u.parse()?, st).await,
+            ["update", u, "learn"] => self.learn(u.parse()?, st).await,
+            ["evaluation"] => self.evaluate(self.spec().algorithm.updates, st.latest_checkpoint, st).await,
+            ["report"] => {
+                let path = crate::report::write(self.store.as_ref(), self.run_id()).await?;
+                tracing::info!(report = %path, "report written");
+                Ok(())
+            }
+            _ => bail!("unknown stage `{stage}`"),
+        }
+    }
+
+    /// One rollout job envelope.
+    #[allow(clippy::too_many_arguments)]
+    fn rollout_job(
+        &self,
+        job_kind: JobKind,
+        stage: &str,
+        step: u32,
+        kind: RolloutKind,
+        split: Split,
+        tasks: Vec<String>,
+        harness: HarnessSpec,
+        attempts: u32,
+        seed: u64,
+        checkpoint_step: Option<u32>,
+    ) -> JobEnvelope {
+        let task_key = tasks.join(",");
+        let id = job_id(&JobIdParts {
+            run_id: self.run_id(),
+            stage,
+            step,
+            task_id: &task_key,
+            harness_id: &harness.id,
+            attempt_index: attempts,
+            seed,
+        });
+        let input = RolloutInput {
+            run_id: self.run_id().to_string(),
+            step,
+            kind,
+            split,
+            task_ids: tasks,
+            harness,
+            attempts,
+            seed,
+            budgets: self.episode_budgets(),
+            sampling: self.sampling(),
+            concurrency: 1,
+        };
+        JobEnvelope {
+            schema_version: 1,
+            job_id: id,
+            run_id: self.run_id().to_string(),
+            kind: job_kind,
+            attempt: 0,
+            payload: serde_json::to_value(RolloutJob { input, checkpoint_step }).expect("payloads serialise"),
+            created_at_ms: schemas::now_unix_ms(),
+            not_before_ms: None,
+            deadline_ms: None,
+        }
+    }
+
+    /// Runs rollout jobs, reads back their rows, and charges rollouts and failures to the
+    /// run's budgets.
+    async fn rollouts(&self, label: &str, jobs: Vec<JobEnvelope>, st: &mut RunState) -> anyhow::Result<Vec<Trajectory>> {
+        let markers = self.exec.run(self.run_id(), label, jobs).await?;
+        let mut rows = Vec::new();
+        for key in output_keys(&markers) {
+            if key.ends_with(".parquet") {
+                rows.extend(read_records::<Trajectory>(self.store.as_ref(), &key).await?);
+            }
+        }
+        self.charge(&rows, st)?;
+        Ok(rows)
+    }
+
+    /// Counts rollouts and failures; fails the run when a failure budget is exceeded.
+    fn charge(&self, rows: &[Trajectory], st: &mut RunState) -> anyhow::Result<()> {
+        for r in rows {
+            match r.kind {
+                RolloutKind::Base => st.rollouts_base += 1,
+                RolloutKind::Rescue => st.rollouts_rescue += 1,
+                _ => st.rollouts_other += 1,
+            }
+            st.tokens += r.prompt_tokens + r.completion_tokens;
+            if let Some(class) = r.error_class {
+                let name = serde_json::to_value(class)?.as_str().unwrap_or("unknown").to_string();
+                *st.failures.entry(name).or_default() += 1;
+            }
+        }
+        let budgets = &self.spec().budgets;
+        for (class, n) in &st.failures {
+            if let Some(limit) = budgets.failures.get(class) {
+                if n > limit {
+                    bail!("failure budget exceeded: {n} rollouts failed with `{class}` (budget {limit})");
+                }
+            }
+        }
+        let total = st.rollouts_base + st.rollouts_rescue + st.rollouts_other;
+        if let Some(max) = budgets.max_rollouts {
+            if total > max {
+                bail!("rollout budget exceeded: {total} rollouts (budget {max})");
+            }
+        }
+        if let Some(max) = budgets.max_tokens {
+            if st.tokens > max {
+                bail!("token budget exceeded: {} tokens (budget {max})", st.tokens);
+            }
+        }
+        Ok(())
+    }
+
+    async fn write_metrics(&self, step: u32, stage: &str, values: &[(&str, f64)], st: &RunState) -> anyhow::Result<()> {
+        let now = schemas::now_unix_ms();
+        let rows: Vec<MetricRow> = values
+            .iter()
+            .map(|(name, value)| MetricRow {
+                run_id: self.run_id().to_string(),
+                step,
+                stage: stage.to_string(),
+                name: name.to_string(),
+                value: *value,
+                policy_checkpoint: st.latest_checkpoint.map(|s| native::checkpoint::manifest_key(self.run_id(), s)),
+                recorded_at_ms: now,
+            })
+            .collect();
+        let id = job_id(&JobIdParts { run_id: self.run_id(), stage, step, ..Default::default() });
+        write_records(self.store.as_ref(), &keys::metrics_part(self.run_id(), step, &id), &rows).await?;
+        Ok(())
+    }
+
+    /// Evaluation under H0 on the test split (Pass@k, Avg@k).
+    async fn evaluate(&self, step: u32, checkpoint: Option<u32>, st: &mut RunState) -> anyhow::Result<()> {
+        let spec = self.spec();
+        let stage = if step == 0 && checkpoint.is_none() { "baseline" } else { "evaluation" };
+        let seed = unit_seed(spec.run.seed, &["eval"]);
+        let tasks = self.inputs.tasks[&Split::Test].ids();
+        let jobs: Vec<JobEnvelope> = tasks
+            .iter()
+            .map(|t| {
+                self.rollout_job(JobKind::Eval, stage, step, RolloutKind::Eval, Split::Test, vec![t.clone()], HarnessSpec::h0(), spec.evaluation.k, seed, checkpoint)
+            })
+            .collect();
+        let rows = self.rollouts(stage, jobs, st).await?;
+        let mut per_task: BTreeMap<&str, Vec<bool>> = BTreeMap::new();
+        for r in &rows {
+            per_task.entry(&r.task_id).or_default().push(r.success);
+        }
+        let attempts: Vec<Vec<bool>> = per_task.into_values().collect();
+        let (pass, avg) = rescue::pass_and_avg_at_k(&attempts);
+        tracing::info!(stage, pass_at_k = pass, avg_at_k = avg, k = spec.evaluation.k, "evaluation under H0");
+        self.write_metrics(step, stage, &[("pass_at_k", pass), ("avg_at_k", avg)], st).await
+    }
+
+    /// Re-anchoring (§3.4): paired validation rollouts of H0 and every sibling with the
+    /// frozen current checkpoint, same tasks, seeds and limits.
+    async fn calibrate(&self, step: u32, label: &str, st: &mut RunState) -> anyhow::Result<()> {
+        let spec = self.spec();
+        let calibration_id = format!("calib-{label}");
+        let mut tasks = self.inputs.tasks[&Split::Validation].ids();
+        if let Some(n) = spec.calibration.tasks {
+            tasks.truncate(n as usize);
+        }
+        let seed = unit_seed(spec.run.seed, &["calibration", &calibration_id]);
+        let stage = format!("calibration:{label}");
+        let harnesses: Vec<HarnessSpec> = std::iter::once(HarnessSpec::h0()).chain(self.inputs.pool.iter().cloned()).collect();
+        let jobs: Vec<JobEnvelope> = harnesses
+            .into_iter()
+            .map(|h| self.rollout_job(JobKind::Reanchor, &stage, step, RolloutKind::Calibration, Split::Validation, tasks.clone(), h, 1, seed, st.latest_checkpoint))
+            .collect();
+        let rows = self.rollouts(&stage, jobs, st).await?;
+        let mut ev = Evidence { schema_version: 1, calibration_id: calibration_id.clone(), checkpoint_step: st.latest_checkpoint, ..Default::default() };
+        for r in &rows {
+            ev.outcomes.entry(r.harness_id.clone()).or_default().insert(r.task_id.clone(), r.success);
+            ev.task_types.insert(r.task_id.clone(), r.task_type.clone());
+        }
+        self.store.put(&evidence_key(self.run_id(), &calibration_id), Bytes::from(schemas::encode_document(&ev))).await?;
+        let mut metrics = vec![("h0_validation_success".to_string(), ev.success_rate(H0_ID))];
+        for h in &self.inputs.pool {
+            metrics.push((format!("validation_success/{}", h.id), ev.success_rate(&h.id)));
+        }
+        let refs: Vec<(&str, f64)> = metrics.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+        self.write_metrics(step, "calibration", &refs, st).await?;
+        tracing::info!(calibration = %calibration_id, h0_validation_success = ev.success_rate(H0_ID), "re-anchored");
+        st.calibration_id = Some(calibration_id);
+        Ok(())
+    }
+
+    async fn evidence(&self, st: &RunState) -> anyhow::Result<Evidence> {
+        let id = st.calibration_id.clone().context("no calibration has run yet")?;
+        let key = evidence_key(self.run_id(), &id);
+        let bytes = self.store.get(&key).await?;
+        Ok(schemas::decode_document(&self.store.object_url(&key), &bytes)?)
+    }
+
+    /// The train tasks of update `u` (1-based): a seeded shuffle of the train split,
+    /// consumed `tasks_per_update` at a time, cycling.
+    fn batch(&self, u: u32) -> Vec<String> {
+        let spec = self.spec();
+        let mut ids = self.inputs.tasks[&Split::Train].ids();
+        ids.shuffle(&mut ChaCha8Rng::seed_from_u64(spec.run.seed));
+        let n = spec.algorithm.tasks_per_update as usize;
+        let start = (u as usize - 1) * n;
+        (0..n).map(|i| ids[(start + i) % ids.len()].clone()).collect()
+    }
+
+    /// Algorithm 1, line 5: K rollouts per task under H0 (or the fixed mixture).
+    async fn base_rollouts(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
+        let spec = self.spec();
+        let k = spec.algorithm.k;
+        let stage = format!("update:{u}:base");
+        let mut jobs = Vec::new();
+        for task in self.batch(u) {
+            let seed = unit_seed(spec.run.seed, &["base", &u.to_string(), &task]);
+            if spec.algorithm.rescue == RescueStrategy::Mixed {
+                // Mixed-harness control: attempt i of every task uses mixture[i mod m].
+                let mixture = self.mixture()?;
+                for i in 0..k {
+                    let h = mixture[i as usize % mixture.len()].clone();
+                    jobs.push(self.rollout_job(JobKind::Rollout, &stage, u, RolloutKind::Base, Split::Train, vec![task.clone()], h, 1, seed + i as u64, st.latest_checkpoint));
+                }
+            } else {
+                jobs.push(self.rollout_job(JobKind::Rollout, &stage, u, RolloutKind::Base, Split::Train, vec![task], HarnessSpec::h0(), k, seed, st.latest_checkpoint));
+            }
+        }
+        self.rollouts(&stage, jobs, st).await?;
+        st.data_cursor = u as u64 * spec.algorithm.tasks_per_update as u64;
+        Ok(())
+    }
+
+    fn mixture(&self) -> anyhow::Result<Vec<HarnessSpec>> {
+        match &self.spec().algorithm.mixture {
+            Some(ids) => ids
+                .iter()
+                .map(|id| self.inputs.harness(id).with_context(|| format!("algorithm.mixture: no harness `{id}` in the pool")))
+                .collect(),
+            None => Ok(std::iter::once(HarnessSpec::h0()).chain(self.inputs.pool.iter().cloned()).collect()),
+        }
+    }
+
+    async fn stage_rows(&self, u: u32, kind: RolloutKind) -> anyhow::Result<Vec<Trajectory>> {
+        let prefix = format!("runs/{}/trajectories/step={u}/kind={}/", self.run_id(), kind.as_str());
+        Ok(infra::table::read_prefix(self.store.as_ref(), &prefix).await?)
+    }
+
+    /// Algorithm 1, lines 6–8: for every all-fail base group, K distinct auxiliaries
+    /// chosen by the router, one fresh rollout each from the task's initial state.
+    async fn rescue_rollouts(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
+        let spec = self.spec();
+        let strategy = spec.algorithm.rescue;
+        let base = self.stage_rows(u, RolloutKind::Base).await?;
+        let by_task = group_by_task(&base);
+        let stage = format!("update:{u}:rescue");
+        let mut jobs = Vec::new();
+        let mut decisions = Vec::new();
+        let evidence = if strategy == RescueStrategy::Router { Some(self.evidence(st).await?) } else { None };
+        for (task, rows) in &by_task {
+            let outcomes: Vec<Outcome> = rows.iter().map(|r| outcome(r)).collect();
+            if !rescue::rescue_fires(strategy, &outcomes) {
+                continue;
+            }
+            let seed = unit_seed(spec.run.seed, &["rescue", &u.to_string(), task]);
+            match strategy {
+                RescueStrategy::H0 => {
+                    jobs.push(self.rollout_job(JobKind::Rescue, &stage, u, RolloutKind::Rescue, Split::Train, vec![task.clone()], HarnessSpec::h0(), spec.algorithm.k, seed, st.latest_checkpoint));
+                }
+                RescueStrategy::Router => {
+                    let ev = evidence.as_ref().expect("loaded for the router");
+                    let task_type = rows.first().map(|r| r.task_type.clone()).unwrap_or_default();
+                    let decision = self.route(u, task, &task_type, ev, seed);
+                    for (i, id) in decision.selected.iter().enumerate() {
+                        let h = self.inputs.harness(id).with_context(|| format!("router chose unknown harness `{id}`"))?;
+                        jobs.push(self.rollout_job(JobKind::Rescue, &stage, u, RolloutKind::Rescue, Split::Train, vec![task.clone()], h, 1, seed + i as u64, st.latest_checkpoint));
+                    }
+                    decisions.push(decision);
+                }
+                RescueStrategy::None | RescueStrategy::Mixed => unreachable!("rescue_fires is false for these"),
+            }
+        }
+        if !decisions.is_empty() {
+            let id = job_id(&JobIdParts { run_id: self.run_id(), stage: &stage, step: u, ..Default::default() });
+            write_records(self.store.as_ref(), &keys::routing_part(self.run_id(), u, &id), &decisions).await?;
+        }
+        if !jobs.is_empty() {
+            self.rollouts(&stage, jobs, st).await?;
+        }
+        Ok(())
+    }
+
+    /// Picks K distinct auxiliaries (H0 excluded) for one task (Eq. 10). `random`: a
+    /// seeded shuffle of the pool; `rule`: validation success on tasks of the same type,
+    /// then overall validation success, then harness id.
+    fn route(&self, u: u32, task: &str, task_type: &str, ev: &Evidence, seed: u64) -> RoutingDecision {
+        let spec = self.spec();
+        let k = spec.algorithm.k as usize;
+        let mut order: Vec<String> = self.inputs.pool.iter().map(|h| h.id.clone()).collect();
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
+        let variant = spec.router.variant.clone();
+        let scores: Vec<f64> = match variant.as_str() {
+            "rule" => order
+                .iter()
+                .map(|h| ev.type_success_rate(h, task_type).unwrap_or(0.0) + 1e-3 * ev.success_rate(h))
+                .collect(),
+            _ => (0..order.len()).map(|i| (order.len() - i) as f64).collect(),
+        };
+        let mut ranked: Vec<(String, f64)> = order.iter().cloned().zip(scores.iter().copied()).collect();
+        ranked.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then_with(|| a.0.cmp(&b.0)));
+        RoutingDecision {
+            run_id: self.run_id().to_string(),
+            step: u,
+            task_id: task.to_string(),
+            purpose: RoutePurpose::Rescue,
+            variant,
+            calibration_id: Some(ev.calibration_id.clone()),
+            candidate_order: order.clone(),
+            ballots: vec![],
+            score_harnesses: order,
+            scores,
+            selected: ranked.into_iter().take(k).map(|(h, _)| h).collect(),
+            decided_at_ms: schemas::now_unix_ms(),
+        }
+    }
+
+    /// Algorithm 1, line 10 and Eq. 5–6: the retained group of every task, with GRPO
+    /// advantages; the update's training-signal metrics.
+    async fn form_groups(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
+        let spec = self.spec();
+        let base = self.stage_rows(u, RolloutKind::Base).await?;
+        let rescue_rows = self.stage_rows(u, RolloutKind::Rescue).await?;
+        let base_by = group_by_task(&base);
+        let rescue_by = group_by_task(&rescue_rows);
+        let mut groups = Vec::new();
+        let mut kept: Vec<(RetainedKind, Vec<Outcome>)> = Vec::new();
+        for (task, rows) in &base_by {
+            let b: Vec<Outcome> = rows.iter().map(|r| outcome(r)).collect();
+            let r: Option<Vec<Outcome>> = rescue_by.get(task).map(|rs| rs.iter().map(|r| outcome(r)).collect());
+            let fired = r.is_some();
+            let (kind, group) = rescue::retain(&b, r.as_deref());
+            let group = group.to_vec();
+            let (mean, std) = rescue::reward_stats(&group);
+            let adv = rescue::advantages(&group);
+            let effective = rescue::is_effective(&group);
+            let source_rows = if kind == RetainedKind::Rescue { &rescue_by[task] } else { rows };
+            groups.push(Group {
+                run_id: self.run_id().to_string(),
+                step: u,
+                group_id: rows[0].group_id.clone(),
+                task_id: task.clone(),
+                split: Split::Train,
+                k: spec.algorithm.k,
+                base_successes: b.iter().filter(|o| o.success).count() as u32,
+                rescue_fired: fired,
+                rescue_strategy: spec.algorithm.rescue.as_str().to_string(),
+                harnesses: group.iter().map(|o| o.harness_id.clone()).collect(),
+                rescue_successes: r.as_ref().map(|r| r.iter().filter(|o| o.success).count() as u32).unwrap_or(0),
+                // Eq. 5 decides which group stands for the task; only groups with a reward
+                // contrast carry a GRPO signal, so only those are trained on.
+                retained: effective,
+                retained_kind: kind,
+                filter_reason: match (kind, effective) {
+                    (RetainedKind::Rescue, true) => Some("all-fail base group replaced by its rescue group (Eq. 5)".into()),
+                    (RetainedKind::Rescue, false) => Some("rescue group has no reward contrast".into()),
+                    (_, false) => Some("no reward contrast (all rollouts equal)".into()),
+                    _ => None,
+                },
+                mean_reward: mean,
+                reward_std: std,
+                advantages: adv,
+                trajectory_ids: source_rows.iter().map(|r| r.trajectory_id.clone()).collect(),
+                policy_tokens: group.iter().map(|o| o.policy_tokens).sum(),
+            });
+            kept.push((kind, group));
+        }
+        let pairs: Vec<(RetainedKind, &[Outcome])> = kept.iter().map(|(k, g)| (*k, g.as_slice())).collect();
+        let m = rescue::signal_metrics(&pairs);
+        let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "groups", step: u, ..Default::default() });
+        write_records(self.store.as_ref(), &keys::group_part(self.run_id(), u, &id), &groups).await?;
+        let plain = (u as u64) * spec.algorithm.tasks_per_update as u64 * spec.algorithm.k as u64;
+        let used = st.rollouts_base + st.rollouts_rescue;
+        self.write_metrics(
+            u,
+            "update",
+            &[
+                ("effective_group_rate", m.effective_group_rate),
+                ("effective_token_share", m.effective_token_share),
+                ("rescue_rate", m.rescue_rate),
+                ("rescue_success", m.rescue_success),
+                ("mean_reward", m.mean_reward),
+                ("rollouts_base", base.len() as f64),
+                ("rollouts_rescue", rescue_rows.len() as f64),
+                ("rollouts_cumulative", used as f64),
+                ("rollouts_relative_to_grpo", if plain == 0 { 0.0 } else { used as f64 / plain as f64 }),
+                ("retained_groups", groups.iter().filter(|g| g.retained).count() as f64),
+            ],
+            st,
+        )
+        .await?;
+        tracing::info!(
+            update = u,
+            effective_group_rate = m.effective_group_rate,
+            rescue_rate = m.rescue_rate,
+            rescue_success = m.rescue_success,
+            "groups formed"
+        );
+        Ok(())
+    }
+
+    /// Algorithm 1, line 12: a GRPO update on the retained groups (Appendix B).
+    async fn learn(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
+        let spec = self.spec();
+        if spec.policy.backend != "native" {
+            bail!("policy.backend = \"{}\" cannot be trained; use backend = \"native\"", spec.policy.backend);
+        }
+        let mut learner = native::learner::LearnerConfig::default();
+        learner.optimizer.lr = spec.algorithm.learning_rate;
+        learner.seed = spec.run.seed;
+        let input = LearnJob {
+            run_id: self.run_id().to_string(),
+            step: u,
+            base_model: self.inputs.stored.base_model.clone().context("native policy without a model path")?,
+            learner,
+            data_cursor: st.data_cursor,
+            device: spec.policy.device.clone(),
+        };
+        let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
+        let job = JobEnvelope {
+            schema_version: 1,
+            job_id: id,
+            run_id: self.run_id().to_string(),
+            kind: JobKind::Learn,
+            attempt: 0,
+            payload: serde_json::to_value(&input)?,
+            created_at_ms: schemas::now_unix_ms(),
+            not_before_ms: None,
+            deadline_ms: None,
+        };
+        let markers = self.exec.run(self.run_id(), &format!("update:{u}:learn"), vec![job]).await?;
+        let result = &markers[0].result;
+        let loss = result.pointer("/metrics/loss").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let tokens = result.pointer("/metrics/policy_tokens").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        self.write_metrics(u, "learn", &[("loss", loss), ("policy_tokens_trained", tokens)], st).await?;
+        st.latest_checkpoint = Some(u);
+        st.step = u;
+        Ok(())
+    }
+}
+
+fn outcome(r: &Trajectory) -> Outcome {
+    let policy_tokens = r.turns.iter().flat_map(|t| t.loss_mask.iter()).filter(|m| **m).count() as u64;
+    Outcome {
+        trajectory_id: r.trajectory_id.clone(),
+        harness_id: r.harness_id.clone(),
+        reward: r.reward,
+        success: r.success,
+        policy_tokens,
+        // Infrastructure failures say nothing about the policy: they are masked out.
+        masked: matches!(r.error_class, Some(schemas::ErrorClass::Infra)),
+    }
+}
+
+/// Rows by task, each task's rows in (attempt, trajectory id) order.
+fn group_by_task(rows: &[Trajectory]) -> BTreeMap<String, Vec<&Trajectory>> {
+    let mut m: BTreeMap<String, Vec<&Trajectory>> = BTreeMap::new();
+    for r in rows {
+        m.entry(r.task_id.clone()).or_default().push(r);
+    }
+    for v in m.values_mut() {
+        v.sort_by(|a, b| (a.attempt, &a.trajectory_id).cmp(&(b.attempt, &b.trajectory_id)));
+    }
+    m
+}
+
+/// Harness ids of a run's pool, as a set (for checks).
+pub fn pool_ids(inputs: &RunInputs) -> BTreeSet<String> {
+    inputs.pool.iter().map(|h| h.id.clone()).collect()
+}

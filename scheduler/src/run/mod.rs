@@ -1,0 +1,122 @@
+//! Harness-S training runs: the spec, the inputs in the store, the worker handlers, the
+//! executor and the state machine; and the two ways to drive a run with the same code —
+//! embedded (in-process memory queue and workers) and distributed (a queue URL, worker
+//! processes elsewhere).
+
+pub mod executor;
+pub mod handlers;
+pub mod inputs;
+pub mod machine;
+pub mod spec;
+pub mod state;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use infra::queue::Queue;
+use infra::store::ObjectStore;
+use schemas::JobKind;
+
+use executor::Executor;
+use machine::{Finish, Scheduler};
+use state::{RunState, RunStatus};
+
+/// Kinds the in-process workers of an embedded run consume.
+pub const RUN_KINDS: [JobKind; 5] = [JobKind::Rollout, JobKind::Rescue, JobKind::Reanchor, JobKind::Eval, JobKind::Learn];
+
+/// Exit code for a finished run.
+pub fn exit_code(f: Finish) -> u8 {
+    match f {
+        Finish::Completed => crate::exit::OK,
+        Finish::Degraded => crate::exit::DEGRADED,
+    }
+}
+
+/// Uploads a checked spec and its inputs and creates the run's state. Refuses a run id
+/// that already exists in the store.
+pub async fn submit(store: &dyn ObjectStore, loaded: &spec::LoadedSpec) -> anyhow::Result<RunState> {
+    if let Some(st) = state::load(store, &loaded.run_id).await? {
+        bail!(
+            "run `{}` already exists in {} (status: {}); resume it with `harness-s resume {}` or choose another [run] id",
+            loaded.run_id,
+            store.url(),
+            st.status.as_str(),
+            loaded.run_id
+        );
+    }
+    let stored = inputs::upload(store, loaded).await?;
+    if matches!(stored.spec.algorithm.rescue, jobs::rescue::RescueStrategy::Router)
+        && (stored.pool.len() as u32) < stored.spec.algorithm.k
+    {
+        bail!(
+            "algorithm.k = {}: the router needs at least K distinct siblings, the pool has {}",
+            stored.spec.algorithm.k,
+            stored.pool.len()
+        );
+    }
+    let pool_version = {
+        let joined = stored.pool.join(",");
+        schemas::job_id(&schemas::JobIdParts { run_id: &joined, ..Default::default() })[..12].to_string()
+    };
+    let mut st = RunState::new(&loaded.run_id, pool_version);
+    state::save(store, &mut st).await?;
+    Ok(st)
+}
+
+/// Loads a run's state for driving; refuses finished runs.
+pub async fn state_for_drive(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<RunState> {
+    let st = state::load(store, run_id)
+        .await?
+        .with_context(|| format!("no run `{run_id}` in {} (submit it first)", store.url()))?;
+    if st.status.is_finished() {
+        bail!("run `{run_id}` already finished ({}); nothing to resume", st.status.as_str());
+    }
+    // A cancel request applies to the drive it interrupted; resuming clears it.
+    store.delete(&state::cancel_key(run_id)).await?;
+    Ok(st)
+}
+
+/// Drives a run with the given queue (workers consume it elsewhere or in-process).
+pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &str, bars: bool) -> anyhow::Result<Finish> {
+    let mut st = state_for_drive(store.as_ref(), run_id).await?;
+    let inputs = Arc::new(inputs::RunInputs::load(store.as_ref(), run_id).await?);
+    let poll = if queue.url().starts_with("memory:") { Duration::from_millis(100) } else { Duration::from_millis(500) };
+    let sched = Scheduler { store: store.clone(), exec: Executor { store, queue, poll, bars }, inputs };
+    sched.drive(&mut st).await
+}
+
+/// Drives a run in this process: a memory queue and `workers` in-process workers.
+pub async fn drive_embedded(store: Arc<dyn ObjectStore>, run_id: &str, workers: usize, bars: bool) -> anyhow::Result<Finish> {
+    let queue = infra::queue::open_queue(&format!("memory://{run_id}")).await?;
+    let registry = handlers::registry();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    for i in 0..workers.max(1) {
+        let mut config = worker::WorkerConfig::new(RUN_KINDS.to_vec(), 1);
+        config.worker_id = format!("embedded-{i}");
+        let w = worker::Worker::new(queue.clone(), store.clone(), registry.clone(), config)?;
+        let mut rx = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            w.run(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+        }));
+    }
+    let result = drive(store, queue, run_id, bars).await;
+    let _ = stop_tx.send(true);
+    for t in tasks {
+        match t.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "an in-process worker stopped with an error"),
+            Err(e) => tracing::warn!(error = %e, "an in-process worker panicked"),
+        }
+    }
+    result
+}
+
+/// Whether a status means the run can still be driven.
+pub fn resumable(s: RunStatus) -> bool {
+    !s.is_finished()
+}

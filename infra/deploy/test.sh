@@ -5,8 +5,9 @@
 #   bash infra/deploy/test.sh
 #
 # Services: RabbitMQ (127.0.0.1:5672) and MariaDB (127.0.0.1:3306) are expected on the
-# machine and started if down; a SeaweedFS S3 server is started here on 127.0.0.1 with a
-# fresh data folder and stopped at exit.
+# machine and started if down; a SeaweedFS S3 server (fresh data folder) and llama.cpp's
+# OpenAI-compatible server with SmolLM2-135M are started here on 127.0.0.1 and stopped at
+# exit. libtorch (CPU) for the native policy and learner is assembled from PyPI wheels.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/harness-s-target}
@@ -17,6 +18,16 @@ port_open() { timeout 2 bash -c "</dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 
 step "python packages"
 python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+if ! python3 -c "import llama_cpp.server" 2>/dev/null; then
+  # Builds from source (about 8 minutes on 2 cores). Native CPU detection would enable AMX,
+  # which some VMs refuse ("Illegal instruction"); pin the instruction sets instead.
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+    python3 -m pip install --quiet --disable-pip-version-check "llama-cpp-python[server]==0.3.36"
+fi
+
+step "libtorch"
+eval "$(bash infra/deploy/libtorch.sh)"
+echo "LIBTORCH=$LIBTORCH"
 
 step "services"
 if ! port_open 5672; then
@@ -33,11 +44,14 @@ export HARNESS_S_S3_DIR
 HARNESS_S_S3_DIR=$(mktemp -d /var/tmp/harness-s-s3.XXXXXX)
 cleanup() {
   bash infra/deploy/seaweedfs.sh stop || true
+  bash infra/deploy/llama-server.sh stop || true
   rm -rf "$HARNESS_S_S3_DIR"
 }
 trap cleanup EXIT
 eval "$(bash infra/deploy/seaweedfs.sh start)"
 echo "S3 test server: $HARNESS_S_TEST_S3_ENDPOINT (bucket $HARNESS_S_TEST_S3_BUCKET)"
+eval "$(bash infra/deploy/llama-server.sh start)"
+echo "OpenAI-compatible test server: $HARNESS_S_TEST_OPENAI_URL"
 
 step "build"
 cargo build --workspace --bins

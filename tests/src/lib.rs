@@ -77,13 +77,13 @@ pub fn openai_model() -> String {
 /// Tests that use the shared RabbitMQ hold this lock shared; the one test that restarts
 /// the broker (`rabbitmqctl stop_app` / `start_app`) holds it exclusively, so no other
 /// test in this binary runs into the restart.
-pub fn broker_shared() -> std::sync::RwLockReadGuard<'static, ()> {
-    BROKER.read().unwrap_or_else(|p| p.into_inner())
+pub async fn broker_shared() -> tokio::sync::RwLockReadGuard<'static, ()> {
+    BROKER.read().await
 }
 
 /// See [`broker_shared`].
-pub fn broker_exclusive() -> std::sync::RwLockWriteGuard<'static, ()> {
-    BROKER.write().unwrap_or_else(|p| p.into_inner())
+pub async fn broker_exclusive() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    BROKER.write().await
 }
 
-static BROKER: std::sync::RwLock<()> = std::sync::RwLock::new(());
+static BROKER: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());

@@ -52,10 +52,7 @@ fn with_tools(messages: &[Message], tools: &[ToolSpec]) -> Vec<Message> {
     if tools.is_empty() {
         return messages.to_vec();
     }
-    let mut text = String::from("You can use these tools:\n");
-    for t in tools {
-        text.push_str(&format!("- {}: {} Arguments: {}\n", t.name, t.description, t.parameters));
-    }
+    let text = jobs::policy::text_protocol::instructions(tools);
     let mut out = messages.to_vec();
     match out.first_mut() {
         Some(m) if m.role == Role::System => {
@@ -81,6 +78,7 @@ impl Policy for NativePolicy {
 
     async fn chat(&self, messages: &[Message], tools: &[ToolSpec], sampling: &SamplingParams) -> Result<PolicyOutput, PolicyError> {
         let messages = with_tools(messages, tools);
+        let offered: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
         let sampling = sampling.clone();
         let inner = self.inner.clone();
         tokio::task::spawn_blocking(move || {
@@ -106,9 +104,13 @@ impl Policy for NativePolicy {
             if let Some(cut) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
                 text.truncate(cut);
             }
+            // No structured tool channel: calls are read from the text protocol that
+            // `with_tools` described in the system message.
+            let names: Vec<&str> = offered.iter().map(String::as_str).collect();
+            let tool_calls = jobs::policy::text_protocol::parse(&text, &names, true);
             Ok(PolicyOutput {
                 text,
-                tool_calls: vec![],
+                tool_calls,
                 prompt_tokens: prompt.len() as u32,
                 completion_tokens: gen.tokens.len() as u32,
                 token_ids: gen.tokens,

@@ -32,7 +32,7 @@ use worker::{JobEvent, Outcome, Registry, Worker, WorkerConfig};
 pub struct QueueArgs {
     /// RabbitMQ URL to measure besides memory:// (and to run Celery on), e.g.
     /// amqp://guest:guest@127.0.0.1:5672/%2f. Use `memory://` to measure only that.
-    #[arg(long, env = "HARNESS_S_QUEUE")]
+    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
     pub queue: String,
     /// Store for outputs and done-markers. Default: a temporary folder, removed after.
     #[arg(long)]

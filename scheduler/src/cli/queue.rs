@@ -27,7 +27,7 @@ pub enum QueueCommand {
 #[derive(Debug, Args)]
 pub struct QueueUrl {
     /// Queue URL: amqp://user:password@host:5672/%2f?prefix=<run>
-    #[arg(long, env = "HARNESS_S_QUEUE")]
+    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
     pub queue: String,
 }
 

@@ -10,18 +10,18 @@ use anyhow::{bail, Context};
 use clap::Args;
 use schemas::JobKind;
 use tokio::signal::unix::{signal, SignalKind};
-use worker::{Metrics, Registry, Worker, WorkerConfig};
+use worker::{Metrics, Worker, WorkerConfig};
 
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
     /// Queue URL: amqp://user:password@host:5672/%2f?prefix=<run> (query options:
     /// prefix, max_attempts, retry_base_ms, retry_max_ms, connect_timeout_s,
     /// reconnect_timeout_s).
-    #[arg(long, env = "HARNESS_S_QUEUE")]
+    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
     pub queue: String,
     /// Object store URL for outputs and done-markers: file:///abs/dir or
     /// s3://bucket/prefix?endpoint=URL.
-    #[arg(long, env = "HARNESS_S_STORE")]
+    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true)]
     pub store: String,
     /// Job kinds to consume, comma-separated (evolve, rollout, rescue, reanchor, learn,
     /// eval, sleep).
@@ -105,7 +105,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<u8> {
         }
         None => None,
     };
-    let worker = Worker::new(queue.clone(), Arc::clone(&store), Registry::builtin(), config)?.with_metrics(metrics);
+    let worker = Worker::new(queue.clone(), Arc::clone(&store), crate::run::handlers::registry(), config)?.with_metrics(metrics);
     let summary = worker.run(shutdown).await?;
     // Summary on stdout for scripts; the same line went to the log.
     println!("worker stopped: {summary}");

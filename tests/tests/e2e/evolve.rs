@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use harness_s_tests::{harness_s_bin, openai_model, openai_url, unique};
-use infra::store::LocalStore;
+use infra::store::{LocalStore, ObjectStore};
 use jobs::env::dbbench::generate::{generate_jsonl, Difficulty, GenerateOptions};
 use jobs::env::dbbench::{tools, DbBenchConfig, DbBenchFactory, TaskSet};
 use jobs::evolve::pool::{load_manifest, load_pool, seed_pool};

@@ -1,6 +1,7 @@
 mod dbbench;
 mod evolve;
 mod harness;
+mod native;
 mod queue;
 mod rollout;
 mod router;

@@ -317,7 +317,7 @@ macro_rules! queue_suite {
 }
 
 queue_suite!(memory, memory_queue_url, ());
-queue_suite!(rabbitmq, amqp_queue_url, broker_shared());
+queue_suite!(rabbitmq, amqp_queue_url, broker_shared().await);
 
 // ---------------------------------------------------------------------------------------
 // In-process workers on MemoryQueue
@@ -653,7 +653,7 @@ fn summaries_parse() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_1000_jobs_over_3_worker_processes_each_done_exactly_once() {
-    let _b = broker_shared();
+    let _b = broker_shared().await;
     let url = amqp_queue_url("amqp-1000", "");
     let _cleanup = QueueCleanup(url.clone());
     let (_dir, store_url, store) = local_store().await;
@@ -684,7 +684,7 @@ async fn rabbitmq_1000_jobs_over_3_worker_processes_each_done_exactly_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_job_of_a_sigkilled_worker_is_redelivered_and_finished_elsewhere() {
-    let _b = broker_shared();
+    let _b = broker_shared().await;
     let url = amqp_queue_url("amqp-kill", "");
     let _cleanup = QueueCleanup(url.clone());
     let (_dir, store_url, store) = local_store().await;
@@ -710,7 +710,7 @@ async fn rabbitmq_job_of_a_sigkilled_worker_is_redelivered_and_finished_elsewher
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_failures_and_poison_are_dead_lettered_with_readable_reasons() {
-    let _b = broker_shared();
+    let _b = broker_shared().await;
     let url = amqp_queue_url("amqp-dlq", "max_attempts=3&retry_base_ms=100");
     let _cleanup = QueueCleanup(url.clone());
     let (_dir, store_url, store) = local_store().await;
@@ -779,7 +779,7 @@ impl Drop for BrokerGuard {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_restart_during_a_run_workers_reconnect_and_every_job_completes() {
-    let _b = broker_exclusive();
+    let _b = broker_exclusive().await;
     let url = amqp_queue_url("amqp-restart", "");
     let _cleanup = QueueCleanup(url.clone());
     let (_dir, store_url, store) = local_store().await;
@@ -816,7 +816,7 @@ async fn rabbitmq_restart_during_a_run_workers_reconnect_and_every_job_completes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_sigterm_lets_in_flight_jobs_finish_loses_nothing_and_exits_0() {
-    let _b = broker_shared();
+    let _b = broker_shared().await;
     let url = amqp_queue_url("amqp-term", "");
     let _cleanup = QueueCleanup(url.clone());
     let (_dir, store_url, store) = local_store().await;
@@ -844,7 +844,7 @@ async fn rabbitmq_sigterm_lets_in_flight_jobs_finish_loses_nothing_and_exits_0()
 
 #[tokio::test]
 async fn rabbitmq_unreachable_broker_and_wrong_password_give_clear_errors() {
-    let _b = broker_shared();
+    let _b = broker_shared().await;
     let dir = tempfile::tempdir().unwrap();
     let store = format!("file://{}", dir.path().display());
     // Nothing listens on port 1.
@@ -888,7 +888,7 @@ async fn rabbitmq_unreachable_broker_and_wrong_password_give_clear_errors() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_worker_serves_prometheus_metrics() {
-    let _b = broker_shared();
+    let _b = broker_shared().await;
     let url = amqp_queue_url("amqp-metrics", "");
     let _cleanup = QueueCleanup(url.clone());
     let (_dir, store_url, store) = local_store().await;
@@ -920,4 +920,28 @@ async fn rabbitmq_worker_serves_prometheus_metrics() {
     assert!(body.starts_with("HTTP/1.1 200"), "{body}");
     assert!(body.contains("harness_s_jobs_succeeded_total{kind=\"sleep\"} 5"), "{body}");
     assert!(body.contains("harness_s_jobs_in_flight 0"), "{body}");
+}
+
+#[tokio::test]
+async fn bench_queue_prints_the_table_with_the_celery_ratio() {
+    let _b = broker_shared().await;
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/peers/celery_bench.py");
+    let out = Command::new(harness_s_bin())
+        .args(["bench", "queue", "--queue", &amqp_url(), "--jobs", "40", "--workers", "2", "--latency-jobs", "10"])
+        .arg("--celery-script")
+        .arg(&script)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}\n(the Celery peer needs `pip install celery`)",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for row in ["memory:// ack only", "memory:// durable", "rabbitmq ack only", "rabbitmq durable", "rabbitmq celery"] {
+        let line = text.lines().find(|l| l.starts_with(row)).unwrap_or_else(|| panic!("no `{row}` row in\n{text}"));
+        let jobs_per_s: f64 = line[20..].split_whitespace().nth(3).unwrap().parse().unwrap();
+        assert!(jobs_per_s > 0.0, "{line}");
+    }
+    assert!(text.contains("rabbitmq durable / celery on the same RabbitMQ: throughput"), "{text}");
 }

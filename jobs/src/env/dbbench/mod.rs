@@ -256,7 +256,7 @@ impl DbBenchEnv {
             None
         };
         ep.committed = Some(Committed { answer, table_hash });
-        Ok(Observation { text: "Answer committed.".into(), done: true, ..Default::default() })
+        Ok(Observation { text: "Answer committed.".into(), done: true, committed: true, ..Default::default() })
     }
 }
 

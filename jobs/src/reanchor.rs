@@ -119,6 +119,8 @@ pub struct ReanchorContext<'a> {
     pub envs: &'a dyn EnvironmentFactory,
     /// The LLM profiler's endpoint; `None` runs the statistical profiler only.
     pub profiler: Option<&'a dyn Policy>,
+    /// Batch size, call limit and sampling of the LLM profiler.
+    pub profiler_config: LlmProfilerConfig,
     pub job_id: &'a str,
     pub delivery_attempt: u32,
 }
@@ -214,7 +216,7 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
     let mut entries: Vec<ProfileEntry> = Vec::new();
     let mut problems = Vec::new();
     let mut profilers = vec![crate::profile::stats::SOURCE.to_string()];
-    let llm = ctx.profiler.map(|p| LlmProfiler::new(p, LlmProfilerConfig::default()));
+    let llm = ctx.profiler.map(|p| LlmProfiler::new(p, ctx.profiler_config.clone()));
     if let Some(l) = &llm {
         profilers.push(format!("llm:{}", l.label));
     }
@@ -457,7 +459,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path()).unwrap();
         let weak = Checkpointed { name: "weak", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext { store: &store, policy: &weak, envs: &Factory, profiler: None, job_id: "cal-a", delivery_attempt: 0 };
+        let ctx = ReanchorContext { store: &store, policy: &weak, envs: &Factory, profiler: None, profiler_config: LlmProfilerConfig::default(), job_id: "cal-a", delivery_attempt: 0 };
         let first = run(&ctx, &input("step-0000", 0)).await.unwrap();
         assert!(!first.already_done);
         let m = &first.manifest;
@@ -481,7 +483,7 @@ mod tests {
 
         // A later checkpoint no longer needs the hint: the evidence changes.
         let strong = Checkpointed { name: "strong", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext { store: &store, policy: &strong, envs: &Factory, profiler: None, job_id: "cal-b", delivery_attempt: 0 };
+        let ctx = ReanchorContext { store: &store, policy: &strong, envs: &Factory, profiler: None, profiler_config: LlmProfilerConfig::default(), job_id: "cal-b", delivery_attempt: 0 };
         let second = run(&ctx, &input("step-0010", 10)).await.unwrap();
         assert_eq!((second.manifest.stats["h0"].successes, second.manifest.stats["s1"].successes), (3, 3));
         let ev2 = load_evidence(&store, "r1", "step-0010").await.unwrap();
@@ -495,7 +497,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path()).unwrap();
         let weak = Checkpointed { name: "weak", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext { store: &store, policy: &weak, envs: &Factory, profiler: None, job_id: "j", delivery_attempt: 0 };
+        let ctx = ReanchorContext { store: &store, policy: &weak, envs: &Factory, profiler: None, profiler_config: LlmProfilerConfig::default(), job_id: "j", delivery_attempt: 0 };
         let mut i = input("c/1", 0);
         assert!(run(&ctx, &i).await.unwrap_err().to_string().contains("`calibration_id`"));
         i.calibration_id = "c1".into();

@@ -87,8 +87,14 @@ fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(&str
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(48)
-        .build_cartesian_2d(min_x as f64..max_x as f64 + 0.01, 0f64..max_y * 1.05)?;
-    chart.configure_mesh().x_desc("update").y_desc(y_label).draw()?;
+        .build_cartesian_2d(min_x as f64 - 0.5..max_x as f64 + 0.5, 0f64..max_y * 1.05)?;
+    chart
+        .configure_mesh()
+        .x_desc("update")
+        .y_desc(y_label)
+        .x_labels((max_x - min_x) as usize + 2)
+        .x_label_formatter(&|x| if x.fract().abs() < 1e-9 { format!("{x:.0}") } else { String::new() })
+        .draw()?;
     let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
     for (i, (name, points)) in series.iter().enumerate() {
         let color = colors[i % colors.len()];

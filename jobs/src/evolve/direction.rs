@@ -103,22 +103,25 @@ pub fn form_directions(diagnoses: &[TaskDiagnosis], settings: &DirectionSettings
             .collect();
         // Same family first, then co-occurrence, then code: deterministic.
         partners.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then_with(|| a.0.cmp(b.0)));
-        let take = settings.max_causes.saturating_sub(1);
-        let mut causes: Vec<String> = vec![(*seed).clone()];
-        for (c, same_family, overlap) in partners.into_iter().take(take) {
+        // Largest related set first; when that set was already formed from another seed,
+        // a smaller one (down to `min_causes`) keeps this seed's direction distinct.
+        let mut related: Vec<String> = vec![(*seed).clone()];
+        for (c, same_family, overlap) in partners.into_iter().take(settings.max_causes.saturating_sub(1)) {
             // A third cause must be related (same family or co-occurring), not just present.
-            if causes.len() >= settings.min_causes && !same_family && overlap == 0.0 {
+            if related.len() >= settings.min_causes && !same_family && overlap == 0.0 {
                 break;
             }
-            causes.push(c.clone());
+            related.push(c.clone());
         }
-        if causes.len() < settings.min_causes {
-            continue;
+        let mut causes = None;
+        for size in (settings.min_causes.max(1)..=related.len()).rev() {
+            let key: BTreeSet<String> = related[..size].iter().cloned().collect();
+            if seen.insert(key) {
+                causes = Some(related[..size].to_vec());
+                break;
+            }
         }
-        let key: BTreeSet<String> = causes.iter().cloned().collect();
-        if !seen.insert(key) {
-            continue;
-        }
+        let Some(causes) = causes else { continue };
         let support: BTreeMap<String, BTreeSet<String>> =
             causes.iter().map(|c| (c.clone(), support[c].clone())).collect();
         let summary = causes
@@ -172,6 +175,18 @@ mod tests {
         let sets: BTreeSet<BTreeSet<String>> = dirs.iter().map(|d| d.causes.iter().cloned().collect()).collect();
         assert_eq!(sets.len(), dirs.len());
         assert_eq!(form_directions(&d, &DirectionSettings::default(), 1).len(), 1);
+    }
+
+    #[test]
+    fn one_family_of_causes_still_gives_one_direction_per_seed() {
+        // The weak-policy pattern: every failure shows the same three finishing causes.
+        let d: Vec<TaskDiagnosis> = (0..4).map(|i| diag(&format!("t{i}"), &["never_committed", "budget_exhausted", "prose_answer"])).collect();
+        let dirs = form_directions(&d, &DirectionSettings::default(), 10);
+        let sets: Vec<BTreeSet<String>> = dirs.iter().map(|d| d.causes.iter().cloned().collect()).collect();
+        assert_eq!(dirs.len(), 3, "{dirs:?}");
+        assert_eq!(sets.iter().collect::<BTreeSet<_>>().len(), 3);
+        assert_eq!(dirs[0].causes.len(), 3);
+        assert!(dirs[1..].iter().all(|d| d.causes.len() == 2));
     }
 
     #[test]

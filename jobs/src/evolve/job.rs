@@ -141,6 +141,10 @@ pub enum EvolveError {
     Diagnose(#[from] DiagnoseError),
     #[error("editor: {0}")]
     Editor(String),
+    /// Every episode of a batch failed for reasons outside the harness (policy server
+    /// down, timeouts): nothing can be diagnosed or measured.
+    #[error("evolve {stage} batch of `{harness}`: every episode failed outside the harness ({class:?}): {detail}; check the policy server and retry")]
+    NoEpisodes { stage: String, harness: String, class: Option<ErrorClass>, detail: String },
     #[error("reading evolve rollouts {key}: {detail}")]
     Rows { key: String, detail: String },
 }
@@ -173,7 +177,17 @@ async fn batch(ctx: &EvolveContext<'_>, input: &EvolveInput, stage: &str, round:
     };
     rollout::run(&rctx, &rin).await?;
     let key = keys::trajectory_part(&input.run_id, 0, RolloutKind::Eval, &id);
-    infra::table::read_records(ctx.store, &key).await.map_err(|e| EvolveError::Rows { key, detail: e.to_string() })
+    let rows: Vec<Trajectory> = infra::table::read_records(ctx.store, &key).await.map_err(|e| EvolveError::Rows { key, detail: e.to_string() })?;
+    let outside = |r: &Trajectory| matches!(r.error_class, Some(ErrorClass::Infra | ErrorClass::Timeout | ErrorClass::Policy));
+    if !rows.is_empty() && rows.iter().all(outside) {
+        return Err(EvolveError::NoEpisodes {
+            stage: stage.to_string(),
+            harness: harness.id.clone(),
+            class: rows[0].error_class,
+            detail: rows[0].error_message.clone().unwrap_or_default(),
+        });
+    }
+    Ok(rows)
 }
 
 fn solved(rows: &[Trajectory]) -> BTreeSet<String> {

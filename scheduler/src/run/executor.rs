@@ -3,7 +3,7 @@
 //! again (resume never redoes work); a job that lands in the dead-letter queue fails the
 //! stage with its reason; a cancel request stops the wait.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -112,13 +112,4 @@ impl Executor {
 /// Output keys listed by markers, in marker order.
 pub fn output_keys(markers: &[DoneMarker]) -> Vec<String> {
     markers.iter().flat_map(|m| m.outputs.iter().map(|o| o.key.clone())).collect()
-}
-
-/// Counts per job kind, for log lines.
-pub fn count_by_kind(jobs: &[JobEnvelope]) -> BTreeMap<JobKind, usize> {
-    let mut m = BTreeMap::new();
-    for j in jobs {
-        *m.entry(j.kind).or_default() += 1;
-    }
-    m
 }

@@ -143,7 +143,7 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
         }
     }
     let base_model = match spec.policy.backend.as_str() {
-        "native" => Some(super::spec::resolve_model(&spec.policy.model, &loaded.base_dir)?),
+        "native" => Some(native::loader::resolve_model(&spec.policy.model, &loaded.base_dir)?),
         _ => None,
     };
     let stored = StoredRun {

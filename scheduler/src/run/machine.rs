@@ -10,7 +10,7 @@
 //! (resume) skips finished stages and every job whose marker exists, so nothing is done
 //! twice and nothing is silently skipped.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -659,9 +659,4 @@ fn group_by_task(rows: &[Trajectory]) -> BTreeMap<String, Vec<&Trajectory>> {
         v.sort_by(|a, b| (a.attempt, &a.trajectory_id).cmp(&(b.attempt, &b.trajectory_id)));
     }
     m
-}
-
-/// Harness ids of a run's pool, as a set (for checks).
-pub fn pool_ids(inputs: &RunInputs) -> BTreeSet<String> {
-    inputs.pool.iter().map(|h| h.id.clone()).collect()
 }

@@ -20,7 +20,7 @@ use schemas::JobKind;
 
 use executor::Executor;
 use machine::{Finish, Scheduler};
-use state::{RunState, RunStatus};
+use state::RunState;
 
 /// Kinds the in-process workers of an embedded run consume.
 pub const RUN_KINDS: [JobKind; 5] = [JobKind::Rollout, JobKind::Rescue, JobKind::Reanchor, JobKind::Eval, JobKind::Learn];
@@ -114,9 +114,4 @@ pub async fn drive_embedded(store: Arc<dyn ObjectStore>, run_id: &str, workers: 
         }
     }
     result
-}
-
-/// Whether a status means the run can still be driven.
-pub fn resumable(s: RunStatus) -> bool {
-    !s.is_finished()
 }

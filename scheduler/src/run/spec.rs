@@ -288,34 +288,6 @@ impl LoadedSpec {
     }
 }
 
-/// Finds the model a native policy names: a path (relative to the spec), or
-/// `pypi:<package>`: the single `*.gguf` file inside an installed Python package.
-pub fn resolve_model(model: &str, base_dir: &Path) -> anyhow::Result<PathBuf> {
-    let Some(package) = model.strip_prefix("pypi:") else {
-        let p = if Path::new(model).is_absolute() { PathBuf::from(model) } else { base_dir.join(model) };
-        return Ok(std::path::absolute(&p).unwrap_or(p));
-    };
-    let module = package.replace('-', "_");
-    let out = std::process::Command::new("python3")
-        .args(["-c", &format!("import {module}, os; print(os.path.dirname({module}.__file__))")])
-        .output()
-        .map_err(|e| anyhow::anyhow!("policy.model = \"{model}\": cannot run python3 to find the package: {e}"))?;
-    if !out.status.success() {
-        anyhow::bail!("policy.model = \"{model}\": the Python package is not installed; run `python3 -m pip install {package}`");
-    }
-    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    let mut ggufs: Vec<PathBuf> = std::fs::read_dir(&dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
-        .collect();
-    ggufs.sort();
-    match ggufs.len() {
-        1 => Ok(ggufs.remove(0)),
-        0 => anyhow::bail!("policy.model = \"{model}\": no .gguf file in {}", dir.display()),
-        _ => anyhow::bail!("policy.model = \"{model}\": several .gguf files in {}; give the path of one", dir.display()),
-    }
-}
-
 /// Reads and checks a spec file.
 pub fn load(path: &Path) -> Result<LoadedSpec, SpecError> {
     let file = path.display().to_string();

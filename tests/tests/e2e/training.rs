@@ -16,6 +16,10 @@ fn repo() -> PathBuf {
 
 /// A small but complete run: 1 update, K = 2, two train tasks, rescue by the rule router.
 fn tiny_spec(dir: &Path, id: &str, rescue: &str) -> PathBuf {
+    spec_with(dir, id, rescue, 2)
+}
+
+fn spec_with(dir: &Path, id: &str, rescue: &str, tasks: u32) -> PathBuf {
     let spec = format!(
         r#"
 [run]
@@ -27,9 +31,9 @@ engine = "sqlite"
 max_rounds = 2
 [tasks.generate]
 seed = 5
-train = 2
-validation = 2
-test = 2
+train = {tasks}
+validation = {tasks}
+test = {tasks}
 difficulty = "easy"
 [policy]
 backend = "native"
@@ -40,13 +44,13 @@ temperature = 1.0
 dir = "{pool}"
 [algorithm]
 k = 2
-tasks_per_update = 2
+tasks_per_update = {tasks}
 updates = 1
 learning_rate = 1e-6
 rescue = "{rescue}"
 [calibration]
 interval = 1
-tasks = 2
+tasks = {tasks}
 [evaluation]
 k = 1
 [budgets]
@@ -168,4 +172,46 @@ rescue = "router"
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("bad.json") && err.contains("on_lunch"), "{err}");
     assert!(!dir.path().join("store/runs/bad-run/state.json").exists(), "no run state was created");
+}
+
+/// The distributed form of the same code: `submit` to the real S3 server, a `scheduler`
+/// process and two `worker` processes over the real RabbitMQ complete a small run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distributed_run_completes_over_rabbitmq_and_s3() {
+    let _broker = harness_s_tests::broker_shared().await;
+    let dir = tempfile::tempdir().unwrap();
+    let run_id = harness_s_tests::unique("e2e-dist");
+    let spec = spec_with(dir.path(), &run_id, "router", 1);
+    let store_url = harness_s_tests::s3_store_url("training");
+    let queue_url = format!("{}?prefix={run_id}", harness_s_tests::amqp_url());
+
+    let (code, out, err) = harness_s(&["submit", spec.to_str().unwrap(), "--store", &store_url, "--queue", &queue_url]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim(), run_id);
+
+    let workers: Vec<std::process::Child> = (0..2)
+        .map(|_| {
+            Command::new(harness_s_bin())
+                .args(["worker", "--queue", &queue_url, "--store", &store_url, "--queues", "rollout,rescue,reanchor,eval,learn"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("start a worker")
+        })
+        .collect();
+    let (code, out, err) = harness_s(&["scheduler", "--run", &run_id, "--store", &store_url, "--queue", &queue_url]);
+    for mut w in workers {
+        // SIGTERM: workers finish in-flight work and exit.
+        let _ = Command::new("kill").args(["-TERM", &w.id().to_string()]).status();
+        let _ = w.wait();
+    }
+    assert!(code == 0 || code == 3, "exit {code}\nstdout:\n{out}\nstderr:\n{err}");
+    let store = open_store(&store_url).await.unwrap();
+    let state: serde_json::Value = serde_json::from_slice(&store.get(&format!("runs/{run_id}/state.json")).await.unwrap()).unwrap();
+    assert!(["completed", "degraded"].contains(&state["status"].as_str().unwrap()), "{state}");
+    let groups: Vec<Group> = read_prefix(store.as_ref(), &format!("runs/{run_id}/groups/")).await.unwrap();
+    assert_eq!(groups.len(), 1);
+    assert!(store.head(&format!("runs/{run_id}/checkpoints/step=1/manifest.json")).await.unwrap().is_some());
+    let (code, _, err) = harness_s(&["status", &run_id, "--store", &store_url]);
+    assert_eq!(code, 0, "{err}");
 }

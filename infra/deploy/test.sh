@@ -56,8 +56,15 @@ echo "OpenAI-compatible test server: $HARNESS_S_TEST_OPENAI_URL"
 step "build"
 cargo build --workspace --bins
 
-step "rust tests"
-cargo test --workspace --no-fail-fast
+status=0
+step "rust unit and crate tests"
+cargo test --workspace --no-fail-fast --exclude harness-s-tests || status=1
+
+# One test at a time: the end-to-end tests share one llama.cpp server, which answers one
+# request at a time, and their policy calls have timeouts.
+step "end-to-end tests"
+cargo test -p harness-s-tests --no-fail-fast -- --test-threads 1 || status=1
 
 step "python reader tests"
-HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" python3 -m pytest -v tests/python
+HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" python3 -m pytest -v tests/python || status=1
+exit $status

@@ -310,7 +310,7 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
     let mut unknown = Vec::new();
     let parsed: Result<RunSpec, _> = serde_ignored::deserialize(de, |p| unknown.push(p.to_string()));
     for p in unknown {
-        problems.push(SpecProblem { path: p, message: "unknown key; check its spelling and section".into() });
+        problems.push(SpecProblem { path: p.replace(".?", ""), message: "unknown key; check its spelling and section".into() });
     }
     let spec = match parsed {
         Ok(s) => s,

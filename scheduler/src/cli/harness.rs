@@ -99,13 +99,18 @@ fn normalised(path: &Path) -> anyhow::Result<Value> {
 fn diff(args: DiffArgs) -> anyhow::Result<u8> {
     let a = normalised(&args.a)?;
     let b = normalised(&args.b)?;
-    let edits = diff_values(&a, &b);
+    print_edits(&diff_values(&a, &b))?;
+    Ok(exit::OK)
+}
+
+/// Prints edits one per line, or `no edits`.
+pub(crate) fn print_edits(edits: &[jobs::harness::Edit]) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     if edits.is_empty() {
         writeln!(out, "no edits")?;
     }
-    for e in &edits {
+    for e in edits {
         writeln!(out, "{e}")?;
     }
-    Ok(exit::OK)
+    Ok(())
 }

@@ -127,14 +127,7 @@ async fn diff(args: DiffArgs) -> anyhow::Result<u8> {
     let store = infra::store::open_store(&args.store.store).await.context("--store")?;
     let a = load_member(store.as_ref(), &args.run, &args.a).await?;
     let b = load_member(store.as_ref(), &args.run, &args.b).await?;
-    let edits = diff_specs(&a, &b);
-    let mut out = std::io::stdout().lock();
-    if edits.is_empty() {
-        writeln!(out, "no edits")?;
-    }
-    for e in &edits {
-        writeln!(out, "{e}")?;
-    }
+    super::harness::print_edits(&diff_specs(&a, &b))?;
     Ok(exit::OK)
 }
 

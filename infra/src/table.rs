@@ -40,6 +40,14 @@ pub enum TableError {
     Decode { url: String, record: String, detail: String },
 }
 
+impl TableError {
+    /// Whether retrying may succeed: only store trouble is transient; a corrupt file or a
+    /// schema mismatch fails the same way again.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, TableError::Store(e) if e.is_transient())
+    }
+}
+
 pub type Result<T, E = TableError> = std::result::Result<T, E>;
 
 /// Rows per row group for a record: big enough for good compression and statistics,

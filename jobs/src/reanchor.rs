@@ -144,7 +144,8 @@ impl ReanchorError {
     pub fn is_retryable(&self) -> bool {
         match self {
             ReanchorError::Rollout { source, .. } => source.is_retryable(),
-            ReanchorError::Store(e) | ReanchorError::Table(TableError::Store(e)) => e.is_transient(),
+            ReanchorError::Store(e) => e.is_transient(),
+            ReanchorError::Table(e) => e.is_transient(),
             _ => false,
         }
     }

@@ -97,7 +97,7 @@ impl RolloutError {
     pub fn is_retryable(&self) -> bool {
         match self {
             RolloutError::Store(e) => e.is_transient(),
-            RolloutError::Table(TableError::Store(e)) => e.is_transient(),
+            RolloutError::Table(e) => e.is_transient(),
             _ => false,
         }
     }

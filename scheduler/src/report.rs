@@ -1,7 +1,8 @@
 //! `harness-s report RUN`: Markdown plus PNG plots of a run's stored metrics — the
 //! training signals by update (Figure 3a/b of the paper), H0 validation success by
-//! checkpoint (Figure 3c), rescue success by stage (Table 2), and Pass@k / Avg@k before
-//! and after training.
+//! checkpoint (Figure 3c), rescue success by training stage (Table 2), Pass@k / Avg@k
+//! before and after training, and Pass@k / Avg@k under the router's Rank-r harnesses
+//! beside H0 (Table 5).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -74,6 +75,63 @@ pub fn update_table(s: &Series) -> String {
         out.push('\n');
     }
     out
+}
+
+/// Training stage of update `u` of `n` (Table 2, Figure 3): the updates split in thirds.
+pub fn training_stage(u: u32, n: u32) -> &'static str {
+    let n = n.max(1);
+    match (3 * u.saturating_sub(1)) / n {
+        0 => "early",
+        1 => "mid",
+        _ => "late",
+    }
+}
+
+/// Mean of a per-update metric over the updates of each training stage (Table 2 layout).
+/// Rescue success averages only the updates where rescue fired.
+pub fn stage_table(s: &Series, updates: u32) -> String {
+    let cols = ["effective_group_rate", "effective_token_share", "rescue_rate", "rescue_success"];
+    let mut out = String::from("| stage | updates | ");
+    out.push_str(&cols.join(" | "));
+    out.push_str(" |\n|---|---|");
+    out.push_str(&"---:|".repeat(cols.len()));
+    out.push('\n');
+    for stage in ["early", "mid", "late"] {
+        let steps: Vec<u32> = (1..=updates).filter(|u| training_stage(*u, updates) == stage).collect();
+        if steps.is_empty() {
+            continue;
+        }
+        let _ = write!(out, "| {stage} | {}–{} |", steps[0], steps[steps.len() - 1]);
+        for c in cols {
+            let fired = |u: &u32| c != "rescue_success" || s.get("rollouts_rescue").iter().any(|p| p.0 == *u && p.1 > 0.0);
+            let xs: Vec<f64> =
+                steps.iter().filter(|u| fired(u)).filter_map(|u| s.get(c).iter().find(|p| p.0 == *u).map(|p| p.1)).collect();
+            if xs.is_empty() {
+                out.push_str(" – |");
+            } else {
+                let _ = write!(out, " {:.3} |", xs.iter().sum::<f64>() / xs.len() as f64);
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// Table 5: Pass@k / Avg@k under H0 and under the router's Rank-r harness, and how often
+/// H0 sits at each rank (metrics `pass_at_k/<row>` etc. of the final evaluation).
+pub fn rank_table(s: &Series) -> Option<String> {
+    let mut rows = vec!["h0".to_string()];
+    rows.extend((1..=8).map(|r| format!("rank-{r}")).filter(|r| s.last(&format!("pass_at_k/{r}")).is_some()));
+    if rows.len() == 1 {
+        return None;
+    }
+    let mut out = String::from("| harness | Pass@k | Avg@k | tasks placing H0 here |\n|---|---:|---:|---:|\n");
+    for r in rows {
+        let label = if r == "h0" { "H0".to_string() } else { r.replace("rank", "Rank") };
+        let f = |name: &str| s.last(&format!("{name}/{r}")).map(|v| format!("{v:.3}")).unwrap_or_else(|| "–".into());
+        let _ = writeln!(out, "| {label} | {} | {} | {} |", f("pass_at_k"), f("avg_at_k"), f("h0_rate"));
+    }
+    Some(out)
 }
 
 fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(&str, &[(u32, f64)])]) -> anyhow::Result<()> {
@@ -151,7 +209,53 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
         let _ = writeln!(md, "| {step} | {v:.3} |");
     }
     md.push_str("\n![validation](validation.png)\n\n## Rescue by update\n\n![rescue](rescue.png)\n");
+    let updates = s.get("rollouts_base").iter().map(|p| p.0).max().unwrap_or(0);
+    if updates > 0 {
+        md.push_str("\n## By training stage (Table 2 layout)\n\n");
+        md.push_str(&stage_table(&s, updates));
+    }
+    if let Some(t) = rank_table(&s) {
+        md.push_str("\n## Evaluation under the router's ranks (Table 5 layout)\n\n");
+        md.push_str(&t);
+    }
     let key = format!("runs/{run_id}/reports/report.md");
     store.put(&key, Bytes::from(md)).await?;
     Ok(store.object_url(&key))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn updates_split_into_thirds() {
+        let stages: Vec<&str> = (1..=6).map(|u| training_stage(u, 6)).collect();
+        assert_eq!(stages, ["early", "early", "mid", "mid", "late", "late"]);
+        assert_eq!(training_stage(1, 1), "early");
+        assert_eq!([training_stage(1, 2), training_stage(2, 2)], ["early", "mid"]);
+    }
+
+    #[test]
+    fn stage_table_averages_rescue_success_over_updates_where_rescue_fired() {
+        let mut m = BTreeMap::new();
+        m.insert("rescue_success".to_string(), vec![(1, 0.5), (2, 0.0), (3, 1.0)]);
+        m.insert("rollouts_rescue".to_string(), vec![(1, 4.0), (2, 0.0), (3, 2.0)]);
+        m.insert("effective_group_rate".to_string(), vec![(1, 0.25), (2, 0.75), (3, 1.0)]);
+        let t = stage_table(&Series(m), 3);
+        assert!(t.contains("| early | 1–1 | 0.250 | – | – | 0.500 |"), "{t}");
+        assert!(t.contains("| mid | 2–2 | 0.750 | – | – | – |"), "{t}");
+        assert!(t.contains("| late | 3–3 | 1.000 | – | – | 1.000 |"), "{t}");
+    }
+
+    #[test]
+    fn rank_table_lists_h0_and_the_evaluated_ranks() {
+        let mut m = BTreeMap::new();
+        for (name, v) in [("pass_at_k/h0", 0.2), ("avg_at_k/h0", 0.1), ("pass_at_k/rank-1", 0.4), ("h0_rate/rank-1", 0.5)] {
+            m.insert(name.to_string(), vec![(3, v)]);
+        }
+        let t = rank_table(&Series(m)).unwrap();
+        assert!(t.contains("| H0 | 0.200 | 0.100 | – |"), "{t}");
+        assert!(t.contains("| Rank-1 | 0.400 | – | 0.500 |"), "{t}");
+        assert!(rank_table(&Series(BTreeMap::new())).is_none());
+    }
 }

@@ -1,6 +1,6 @@
 //! The job handlers a worker runs for a Harness-S run: every rollout-shaped kind (base
-//! rollouts, rescue, calibration, evaluation) goes through [`RolloutHandler`], learner
-//! updates through [`LearnHandler`]. Both load the run's inputs from the store once per
+//! rollouts, rescue, calibration rollouts, evaluation) goes through [`RolloutHandler`],
+//! re-anchoring through [`ReanchorHandler`], learner updates through [`LearnHandler`]. Both load the run's inputs from the store once per
 //! process and keep the current policy weights loaded between jobs.
 
 use std::collections::HashMap;
@@ -23,6 +23,15 @@ use super::inputs::RunInputs;
 pub struct RolloutJob {
     pub input: RolloutInput,
     /// Checkpoint step whose weights to use; `None`: the run's starting model.
+    pub checkpoint_step: Option<u32>,
+}
+
+/// Payload of a re-anchoring job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReanchorJob {
+    pub input: jobs::reanchor::ReanchorInput,
+    /// Checkpoint step the calibration freezes; `None`: the run's starting model.
     pub checkpoint_step: Option<u32>,
 }
 
@@ -108,6 +117,7 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                 spec.policy.model.clone(),
             );
             config.api_key_env = spec.policy.api_key_env.clone();
+            config.tool_protocol = spec.policy.tool_protocol;
             let p = jobs::policy::openai::OpenAiPolicy::new(config).map_err(|e| JobFailure::Fatal(e.to_string()))?;
             Ok(Arc::new(p))
         }
@@ -147,6 +157,53 @@ impl Handler for RolloutHandler {
     }
 }
 
+/// Runs re-anchoring jobs (§3.4): paired calibration rollouts (usually already done by
+/// the rollout jobs the scheduler fanned out, with the same job ids), validation
+/// statistics, statistical and LLM profiles, and the calibration manifest.
+pub struct ReanchorHandler {
+    shared: Arc<Shared>,
+}
+
+#[async_trait]
+impl Handler for ReanchorHandler {
+    async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
+        let payload: ReanchorJob = serde_json::from_value(job.payload.clone())
+            .map_err(|e| JobFailure::Fatal(format!("invalid reanchor payload: {e}")))?;
+        let store = ctx.store.as_ref();
+        let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
+        let policy = self.shared.policy(store, &inputs, payload.checkpoint_step).await?;
+        let envs = inputs.env_factory(schemas::Split::Validation).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
+        let profiler: Option<Arc<dyn Policy>> = match &inputs.spec().router.profiler {
+            Some(endpoint) => {
+                let mut config = endpoint.openai_config();
+                config.logprobs = false;
+                let p = jobs::policy::openai::OpenAiPolicy::new(config)
+                    .map_err(|e| JobFailure::Fatal(format!("router.profiler: {e}")))?;
+                Some(Arc::new(p))
+            }
+            None => None,
+        };
+        let rctx = jobs::reanchor::ReanchorContext {
+            store,
+            policy: policy.as_ref(),
+            envs: &envs,
+            profiler: profiler.as_deref(),
+            profiler_config: Default::default(),
+            job_id: &job.job_id,
+            delivery_attempt: job.attempt,
+        };
+        let out = jobs::reanchor::run(&rctx, &payload.input).await.map_err(|e| {
+            if e.is_retryable() {
+                JobFailure::Retryable(e.to_string())
+            } else {
+                JobFailure::Fatal(e.to_string())
+            }
+        })?;
+        let outputs = if out.already_done { vec![] } else { vec![out.manifest.profile_part.clone()] };
+        Ok(JobOutput { outputs, result: serde_json::json!({ "calibration_id": out.manifest.calibration_id }) })
+    }
+}
+
 /// Runs learner updates (GRPO, Appendix B) and writes checkpoints.
 pub struct LearnHandler;
 
@@ -171,9 +228,10 @@ impl Handler for LearnHandler {
 pub fn registry() -> Registry {
     let shared = Arc::new(Shared::default());
     let mut r = Registry::builtin();
-    for kind in [JobKind::Rollout, JobKind::Rescue, JobKind::Reanchor, JobKind::Eval] {
+    for kind in [JobKind::Rollout, JobKind::Rescue, JobKind::Eval] {
         r.register(kind, RolloutHandler { shared: shared.clone() });
     }
+    r.register(JobKind::Reanchor, ReanchorHandler { shared: shared.clone() });
     r.register(JobKind::Learn, LearnHandler);
     r
 }

@@ -206,6 +206,12 @@ impl RunInputs {
         self.pool.iter().find(|h| h.id == id).cloned()
     }
 
+    /// Router and profiler view of tasks of one split, in the given order (unknown ids skipped).
+    pub fn task_infos(&self, split: Split, ids: &[String]) -> Vec<jobs::profile::TaskInfo> {
+        let set = &self.tasks[&split];
+        ids.iter().filter_map(|id| set.get(id)).map(|t| jobs::profile::TaskInfo::from_db_task(t)).collect()
+    }
+
     /// One environment per episode, over the tasks of one split.
     pub fn env_factory(&self, split: Split) -> anyhow::Result<DbBenchFactory> {
         let env = &self.spec().environment;

@@ -14,64 +14,25 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use bytes::Bytes;
 use infra::store::ObjectStore;
 use infra::table::{read_records, write_records};
 use jobs::policy::SamplingParams;
 use jobs::rescue::{self, Outcome, RescueStrategy};
+use jobs::reanchor::{calibration_id_for_step, ReanchorInput};
 use jobs::rollout::RolloutInput;
+use jobs::router::{Evidence, RouteRequest, Router, RouterConfig};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use schemas::{
-    job_id, keys, Group, HarnessSpec, JobEnvelope, JobIdParts, JobKind, MetricRow, RetainedKind, RolloutKind, RoutePurpose,
-    RoutingDecision, Split, Trajectory, H0_ID,
+    job_id, keys, Group, HarnessSpec, JobEnvelope, JobIdParts, JobKind, MetricRow, RetainedKind, RolloutKind, RoutingDecision,
+    Split, Trajectory, H0_ID,
 };
-use serde::{Deserialize, Serialize};
 
 use super::executor::{output_keys, Executor, StageError};
-use super::handlers::{LearnJob, RolloutJob};
+use super::handlers::{LearnJob, ReanchorJob, RolloutJob};
 use super::inputs::RunInputs;
 use super::state::{self, RunState, RunStatus};
-
-/// Per-harness validation outcomes of one calibration (the router's evidence).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Evidence {
-    pub schema_version: u32,
-    pub calibration_id: String,
-    pub checkpoint_step: Option<u32>,
-    /// harness → task → success
-    pub outcomes: BTreeMap<String, BTreeMap<String, bool>>,
-    /// task → task type
-    pub task_types: BTreeMap<String, String>,
-}
-
-impl schemas::Document for Evidence {
-    const NAME: &'static str = "calibration evidence";
-    const VERSION: u32 = 1;
-}
-
-impl Evidence {
-    /// Validation success rate of a harness (0 when unseen).
-    pub fn success_rate(&self, harness: &str) -> f64 {
-        match self.outcomes.get(harness) {
-            Some(m) if !m.is_empty() => m.values().filter(|s| **s).count() as f64 / m.len() as f64,
-            _ => 0.0,
-        }
-    }
-
-    /// Success rate of a harness on validation tasks of one type, if it saw any.
-    pub fn type_success_rate(&self, harness: &str, task_type: &str) -> Option<f64> {
-        let m = self.outcomes.get(harness)?;
-        let xs: Vec<bool> =
-            m.iter().filter(|(t, _)| self.task_types.get(*t).is_some_and(|tt| tt == task_type)).map(|(_, s)| *s).collect();
-        (!xs.is_empty()).then(|| xs.iter().filter(|s| **s).count() as f64 / xs.len() as f64)
-    }
-}
-
-fn evidence_key(run_id: &str, calibration_id: &str) -> String {
-    format!("runs/{run_id}/calibration/{calibration_id}.json")
-}
 
 /// How a run ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,8 +90,11 @@ impl Scheduler {
         }
         s.push("calibration:0".into());
         for u in 1..=spec.algorithm.updates {
-            for part in ["base", "rescue", "groups", "learn"] {
+            for part in ["base", "rescue", "groups"] {
                 s.push(format!("update:{u}:{part}"));
+            }
+            if spec.algorithm.learn {
+                s.push(format!("update:{u}:learn"));
             }
             let interval = spec.calibration.interval;
             if interval > 0 && u % interval == 0 && u < spec.algorithm.updates {
@@ -177,20 +141,13 @@ impl Scheduler {
     async fn run_stage(&self, stage: &str, st: &mut RunState) -> anyhow::Result<()> {
         let parts: Vec<&str> = stage.split(':').collect();
         match parts.as_slice() {
-            ["baseline"] => self.evaluate(0, None, st).await,
-            ["calibration", "final", n] => {
-                let step: u32 = n.parse()?;
-                self.calibrate(step, "final", st).await
-            }
-            ["calibration", n] => {
-                let step: u32 = n.parse()?;
-                self.calibrate(step, &format!("s{step}"), st).await
-            }
+            ["baseline"] => self.evaluate("baseline", 0, None, st).await,
+            ["calibration", "final", n] | ["calibration", n] => self.calibrate(n.parse()?, stage, st).await,
             ["update", u, "base"] => self.base_rollouts(u.parse()?, st).await,
             ["update", u, "rescue"] => self.rescue_rollouts(u.parse()?, st).await,
             ["update", u, "groups"] => self.form_groups(u.parse()?, st).await,
             ["update", u, "learn"] => self.learn(u.parse()?, st).await,
-            ["evaluation"] => self.evaluate(self.spec().algorithm.updates, st.latest_checkpoint, st).await,
+            ["evaluation"] => self.evaluate("evaluation", self.spec().algorithm.updates, st.latest_checkpoint, st).await,
             ["report"] => {
                 let path = crate::report::write(self.store.as_ref(), self.run_id()).await?;
                 tracing::info!(report = %path, "report written");
@@ -225,6 +182,24 @@ impl Scheduler {
             attempt_index: attempts,
             seed,
         });
+        self.rollout_job_with_id(id, job_kind, step, kind, split, tasks, harness, attempts, seed, checkpoint_step)
+    }
+
+    /// A rollout job envelope with a given job id.
+    #[allow(clippy::too_many_arguments)]
+    fn rollout_job_with_id(
+        &self,
+        id: String,
+        job_kind: JobKind,
+        step: u32,
+        kind: RolloutKind,
+        split: Split,
+        tasks: Vec<String>,
+        harness: HarnessSpec,
+        attempts: u32,
+        seed: u64,
+        checkpoint_step: Option<u32>,
+    ) -> JobEnvelope {
         let input = RolloutInput {
             run_id: self.run_id().to_string(),
             step,
@@ -238,13 +213,17 @@ impl Scheduler {
             sampling: self.sampling(),
             concurrency: 1,
         };
+        self.envelope(id, job_kind, serde_json::to_value(RolloutJob { input, checkpoint_step }).expect("payloads serialise"))
+    }
+
+    fn envelope(&self, job_id: String, kind: JobKind, payload: serde_json::Value) -> JobEnvelope {
         JobEnvelope {
             schema_version: 1,
-            job_id: id,
+            job_id,
             run_id: self.run_id().to_string(),
-            kind: job_kind,
+            kind,
             attempt: 0,
-            payload: serde_json::to_value(RolloutJob { input, checkpoint_step }).expect("payloads serialise"),
+            payload,
             created_at_ms: schemas::now_unix_ms(),
             not_before_ms: None,
             deadline_ms: None,
@@ -320,68 +299,159 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Evaluation under H0 on the test split (Pass@k, Avg@k).
-    async fn evaluate(&self, step: u32, checkpoint: Option<u32>, st: &mut RunState) -> anyhow::Result<()> {
+    /// Evaluation on the test split under H0 (Pass@k, Avg@k), and — after training, with
+    /// a pool — under the router's Rank-1 .. Rank-r harness of each task, fixed across its
+    /// k attempts (Eq. 12), with the rank analysis of Table 5.
+    async fn evaluate(&self, stage: &str, step: u32, checkpoint: Option<u32>, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
-        let stage = if step == 0 && checkpoint.is_none() { "baseline" } else { "evaluation" };
         let seed = unit_seed(spec.run.seed, &["eval"]);
         let tasks = self.inputs.tasks[&Split::Test].ids();
-        let jobs: Vec<JobEnvelope> = tasks
+        let k = spec.evaluation.k;
+        let mut jobs: Vec<JobEnvelope> = tasks
             .iter()
-            .map(|t| {
-                self.rollout_job(JobKind::Eval, stage, step, RolloutKind::Eval, Split::Test, vec![t.clone()], HarnessSpec::h0(), spec.evaluation.k, seed, checkpoint)
-            })
+            .map(|t| self.rollout_job(JobKind::Eval, stage, step, RolloutKind::Eval, Split::Test, vec![t.clone()], HarnessSpec::h0(), k, seed, checkpoint))
             .collect();
-        let rows = self.rollouts(stage, jobs, st).await?;
-        let mut per_task: BTreeMap<&str, Vec<bool>> = BTreeMap::new();
-        for r in &rows {
-            per_task.entry(&r.task_id).or_default().push(r.success);
+        let ranks = if stage == "evaluation" { spec.eval_ranks() as usize } else { 0 };
+        let mut decisions = Vec::new();
+        if ranks > 0 && !self.inputs.pool.is_empty() {
+            // Inference routing uses the latest calibration (the final policy's profiles).
+            let evidence = self.load_evidence(st.calibration_id.as_deref()).await?;
+            let router = self.router(k)?;
+            let pool = self.pool_ids();
+            for info in self.inputs.task_infos(Split::Test, &tasks) {
+                let routed = router.route(&RouteRequest::inference(self.run_id(), step, &info, &pool, &evidence)).await?;
+                let mut seen = std::collections::BTreeSet::new();
+                for h in routed.decision.score_harnesses.iter().take(ranks) {
+                    if h == H0_ID || !seen.insert(h.clone()) {
+                        continue;
+                    }
+                    let harness = self.inputs.harness(h).with_context(|| format!("router ranked unknown harness `{h}`"))?;
+                    // Same seeds as H0: the comparison is paired.
+                    jobs.push(self.rollout_job(JobKind::Eval, stage, step, RolloutKind::Eval, Split::Test, vec![info.task_id.clone()], harness, k, seed, checkpoint));
+                }
+                decisions.push(routed.decision);
+            }
         }
-        let attempts: Vec<Vec<bool>> = per_task.into_values().collect();
-        let (pass, avg) = rescue::pass_and_avg_at_k(&attempts);
-        tracing::info!(stage, pass_at_k = pass, avg_at_k = avg, k = spec.evaluation.k, "evaluation under H0");
-        self.write_metrics(step, stage, &[("pass_at_k", pass), ("avg_at_k", avg)], st).await
+        let rows = self.rollouts(stage, jobs, st).await?;
+        let outcomes = jobs::router::analysis::outcomes(&rows);
+        let h0: Vec<&[bool]> =
+            tasks.iter().filter_map(|t| outcomes.get(&(t.clone(), H0_ID.to_string())).map(|v| v.as_slice())).collect();
+        let (pass, avg) = jobs::router::analysis::pass_avg(&h0);
+        tracing::info!(stage, pass_at_k = pass, avg_at_k = avg, k, "evaluation under H0");
+        self.write_metrics(step, stage, &[("pass_at_k", pass), ("avg_at_k", avg)], st).await?;
+        if !decisions.is_empty() {
+            let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "evaluation:routing", step, ..Default::default() });
+            jobs::router::write_decisions(self.store.as_ref(), self.run_id(), step, &id, &decisions).await?;
+            let table = jobs::router::analysis::rank_analysis(&decisions, &outcomes, H0_ID, ranks);
+            for r in &table {
+                tracing::info!(row = %r.label, tasks = r.tasks, pass_at_k = r.pass_at_k, avg_at_k = r.avg_at_k, h0_rate = ?r.h0_rate, "rank analysis (Table 5)");
+            }
+            let checkpoint_key = checkpoint.map(|s| native::checkpoint::manifest_key(self.run_id(), s));
+            let rows = jobs::router::analysis::metric_rows(&table, self.run_id(), step, "evaluation:ranks", checkpoint_key.as_deref());
+            let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "evaluation:ranks", step, ..Default::default() });
+            write_records(self.store.as_ref(), &keys::metrics_part(self.run_id(), step, &id), &rows).await?;
+        }
+        Ok(())
+    }
+
+    /// Every harness id routing may pick from, H0 first.
+    fn pool_ids(&self) -> Vec<String> {
+        std::iter::once(H0_ID.to_string()).chain(self.inputs.pool.iter().map(|h| h.id.clone())).collect()
+    }
+
+    /// The router of this run for `rollouts` rollouts per decision (K for rescue, k at
+    /// inference).
+    fn router(&self, rollouts: u32) -> anyhow::Result<Router> {
+        let spec = self.spec();
+        let mut config = RouterConfig::new(spec.router.variant(), rollouts, spec.run.seed);
+        if let Some(m) = spec.router.similar_tasks {
+            config.similar_tasks = m;
+        }
+        let mut voters: Vec<Box<dyn jobs::router::Voter>> = Vec::new();
+        for (i, v) in spec.router.voters.iter().enumerate() {
+            let voter = jobs::router::LlmVoter::openai_with(v.openai_config()).with_context(|| format!("router.voters[{i}]"))?;
+            voters.push(Box::new(voter));
+        }
+        Ok(Router::new(config, voters)?)
+    }
+
+    /// The stored evidence of a calibration (validation statistics, profiles, tasks).
+    async fn load_evidence(&self, calibration_id: Option<&str>) -> anyhow::Result<Evidence> {
+        let id = calibration_id.context("no calibration has run yet")?;
+        Ok(jobs::reanchor::load_evidence(self.store.as_ref(), self.run_id(), id).await?)
     }
 
     /// Re-anchoring (§3.4): paired validation rollouts of H0 and every sibling with the
-    /// frozen current checkpoint, same tasks, seeds and limits.
-    async fn calibrate(&self, step: u32, label: &str, st: &mut RunState) -> anyhow::Result<()> {
+    /// frozen current checkpoint (same tasks, seeds and limits), one rollout job per
+    /// harness so workers run them in parallel; then the re-anchoring job, which finds
+    /// those rollouts done (same job ids) and builds statistics, profiles and the
+    /// calibration manifest.
+    async fn calibrate(&self, step: u32, stage: &str, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
-        let calibration_id = format!("calib-{label}");
-        let mut tasks = self.inputs.tasks[&Split::Validation].ids();
+        let calibration_id = calibration_id_for_step(step);
+        let mut task_ids = self.inputs.tasks[&Split::Validation].ids();
         if let Some(n) = spec.calibration.tasks {
-            tasks.truncate(n as usize);
+            task_ids.truncate(n as usize);
         }
         let seed = unit_seed(spec.run.seed, &["calibration", &calibration_id]);
-        let stage = format!("calibration:{label}");
         let harnesses: Vec<HarnessSpec> = std::iter::once(HarnessSpec::h0()).chain(self.inputs.pool.iter().cloned()).collect();
-        let jobs: Vec<JobEnvelope> = harnesses
-            .into_iter()
-            .map(|h| self.rollout_job(JobKind::Reanchor, &stage, step, RolloutKind::Calibration, Split::Validation, tasks.clone(), h, 1, seed, st.latest_checkpoint))
+        let rollout_jobs: Vec<JobEnvelope> = harnesses
+            .iter()
+            .map(|h| {
+                // The id the re-anchoring job gives this harness's paired rollouts.
+                let id = job_id(&JobIdParts {
+                    run_id: self.run_id(),
+                    stage: "calibration",
+                    step,
+                    task_id: &calibration_id,
+                    harness_id: &h.id,
+                    attempt_index: 0,
+                    seed,
+                });
+                self.rollout_job_with_id(id, JobKind::Rollout, step, RolloutKind::Calibration, Split::Validation, task_ids.clone(), h.clone(), 1, seed, st.latest_checkpoint)
+            })
             .collect();
-        let rows = self.rollouts(&stage, jobs, st).await?;
-        let mut ev = Evidence { schema_version: 1, calibration_id: calibration_id.clone(), checkpoint_step: st.latest_checkpoint, ..Default::default() };
-        for r in &rows {
-            ev.outcomes.entry(r.harness_id.clone()).or_default().insert(r.task_id.clone(), r.success);
-            ev.task_types.insert(r.task_id.clone(), r.task_type.clone());
-        }
-        self.store.put(&evidence_key(self.run_id(), &calibration_id), Bytes::from(schemas::encode_document(&ev))).await?;
-        let mut metrics = vec![("h0_validation_success".to_string(), ev.success_rate(H0_ID))];
+        self.rollouts(stage, rollout_jobs, st).await?;
+
+        let input = ReanchorInput {
+            run_id: self.run_id().to_string(),
+            step,
+            calibration_id: calibration_id.clone(),
+            pool: harnesses,
+            tasks: self.inputs.task_infos(Split::Validation, &task_ids),
+            attempts: 1,
+            seed,
+            budgets: self.episode_budgets(),
+            sampling: self.sampling(),
+            concurrency: 1,
+        };
+        let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "reanchor", step, task_id: &calibration_id, ..Default::default() });
+        let payload = serde_json::to_value(ReanchorJob { input, checkpoint_step: st.latest_checkpoint })?;
+        self.exec.run(self.run_id(), stage, vec![self.envelope(id, JobKind::Reanchor, payload)]).await?;
+
+        let ev = self.load_evidence(Some(&calibration_id)).await?;
+        let success = ev.validation_success();
+        let rate = |h: &str| success.get(h).copied().unwrap_or(0.0);
+        let mut metrics = vec![("h0_validation_success".to_string(), rate(H0_ID))];
         for h in &self.inputs.pool {
-            metrics.push((format!("validation_success/{}", h.id), ev.success_rate(&h.id)));
+            metrics.push((format!("validation_success/{}", h.id), rate(&h.id)));
         }
         let refs: Vec<(&str, f64)> = metrics.iter().map(|(n, v)| (n.as_str(), *v)).collect();
         self.write_metrics(step, "calibration", &refs, st).await?;
-        tracing::info!(calibration = %calibration_id, h0_validation_success = ev.success_rate(H0_ID), "re-anchored");
+        let entries: usize = ev.profiles.values().map(Vec::len).sum();
+        tracing::info!(calibration = %calibration_id, h0_validation_success = rate(H0_ID), profile_entries = entries, "re-anchored");
         st.calibration_id = Some(calibration_id);
         Ok(())
     }
 
-    async fn evidence(&self, st: &RunState) -> anyhow::Result<Evidence> {
-        let id = st.calibration_id.clone().context("no calibration has run yet")?;
-        let key = evidence_key(self.run_id(), &id);
-        let bytes = self.store.get(&key).await?;
-        Ok(schemas::decode_document(&self.store.object_url(&key), &bytes)?)
+    /// The calibration rescue routing uses now: the latest one for the adaptive variant,
+    /// the one made before training for the others (fixed profiles).
+    fn routing_calibration(&self, st: &RunState) -> Option<String> {
+        if self.spec().router.variant().reanchors() {
+            st.calibration_id.clone()
+        } else {
+            Some(calibration_id_for_step(0))
+        }
     }
 
     /// The train tasks of update `u` (1-based): a seeded shuffle of the train split,
@@ -434,8 +504,9 @@ impl Scheduler {
         Ok(infra::table::read_prefix(self.store.as_ref(), &prefix).await?)
     }
 
-    /// Algorithm 1, lines 6–8: for every all-fail base group, K distinct auxiliaries
-    /// chosen by the router, one fresh rollout each from the task's initial state.
+    /// Algorithm 1, lines 6–8: for every all-fail base group, K rollouts from the task's
+    /// initial state under auxiliaries chosen by the router (Eq. 9–10; H0 excluded), or
+    /// under H0 again for the `h0` control. Every routing decision is stored.
     async fn rescue_rollouts(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
         let strategy = spec.algorithm.rescue;
@@ -443,73 +514,51 @@ impl Scheduler {
         let by_task = group_by_task(&base);
         let stage = format!("update:{u}:rescue");
         let mut jobs = Vec::new();
-        let mut decisions = Vec::new();
-        let evidence = if strategy == RescueStrategy::Router { Some(self.evidence(st).await?) } else { None };
+        let mut decisions: Vec<RoutingDecision> = Vec::new();
+        let routing = if strategy == RescueStrategy::Router {
+            let evidence = self.load_evidence(self.routing_calibration(st).as_deref()).await?;
+            Some((self.router(spec.algorithm.k)?, evidence, self.pool_ids()))
+        } else {
+            None
+        };
         for (task, rows) in &by_task {
             let outcomes: Vec<Outcome> = rows.iter().map(|r| outcome(r)).collect();
             if !rescue::rescue_fires(strategy, &outcomes) {
                 continue;
             }
             let seed = unit_seed(spec.run.seed, &["rescue", &u.to_string(), task]);
-            match strategy {
-                RescueStrategy::H0 => {
+            match (strategy, &routing) {
+                (RescueStrategy::H0, _) => {
                     jobs.push(self.rollout_job(JobKind::Rescue, &stage, u, RolloutKind::Rescue, Split::Train, vec![task.clone()], HarnessSpec::h0(), spec.algorithm.k, seed, st.latest_checkpoint));
                 }
-                RescueStrategy::Router => {
-                    let ev = evidence.as_ref().expect("loaded for the router");
-                    let task_type = rows.first().map(|r| r.task_type.clone()).unwrap_or_default();
-                    let decision = self.route(u, task, &task_type, ev, seed);
-                    for (i, id) in decision.selected.iter().enumerate() {
-                        let h = self.inputs.harness(id).with_context(|| format!("router chose unknown harness `{id}`"))?;
-                        jobs.push(self.rollout_job(JobKind::Rescue, &stage, u, RolloutKind::Rescue, Split::Train, vec![task.clone()], h, 1, seed + i as u64, st.latest_checkpoint));
+                (RescueStrategy::Router, Some((router, evidence, pool))) => {
+                    let info = self
+                        .inputs
+                        .task_infos(Split::Train, std::slice::from_ref(task))
+                        .pop()
+                        .with_context(|| format!("train task `{task}` is not in the run's task file"))?;
+                    let routed = router.route(&RouteRequest::rescue(self.run_id(), u, &info, pool, evidence)).await?;
+                    // Each rollout gets its own seed: attempts of one harness continue from
+                    // where the previous harness's stopped.
+                    let mut offset = 0u64;
+                    for (h, n) in &routed.allocation {
+                        let harness = self.inputs.harness(h).with_context(|| format!("router chose unknown harness `{h}`"))?;
+                        jobs.push(self.rollout_job(JobKind::Rescue, &stage, u, RolloutKind::Rescue, Split::Train, vec![task.clone()], harness, *n, seed.wrapping_add(offset), st.latest_checkpoint));
+                        offset += u64::from(*n);
                     }
-                    decisions.push(decision);
+                    decisions.push(routed.decision);
                 }
-                RescueStrategy::None | RescueStrategy::Mixed => unreachable!("rescue_fires is false for these"),
+                _ => unreachable!("rescue fires only for the h0 and router strategies"),
             }
         }
         if !decisions.is_empty() {
             let id = job_id(&JobIdParts { run_id: self.run_id(), stage: &stage, step: u, ..Default::default() });
-            write_records(self.store.as_ref(), &keys::routing_part(self.run_id(), u, &id), &decisions).await?;
+            jobs::router::write_decisions(self.store.as_ref(), self.run_id(), u, &id, &decisions).await?;
         }
         if !jobs.is_empty() {
             self.rollouts(&stage, jobs, st).await?;
         }
         Ok(())
-    }
-
-    /// Picks K distinct auxiliaries (H0 excluded) for one task (Eq. 10). `random`: a
-    /// seeded shuffle of the pool; `rule`: validation success on tasks of the same type,
-    /// then overall validation success, then harness id.
-    fn route(&self, u: u32, task: &str, task_type: &str, ev: &Evidence, seed: u64) -> RoutingDecision {
-        let spec = self.spec();
-        let k = spec.algorithm.k as usize;
-        let mut order: Vec<String> = self.inputs.pool.iter().map(|h| h.id.clone()).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
-        let variant = spec.router.variant.clone();
-        let scores: Vec<f64> = match variant.as_str() {
-            "rule" => order
-                .iter()
-                .map(|h| ev.type_success_rate(h, task_type).unwrap_or(0.0) + 1e-3 * ev.success_rate(h))
-                .collect(),
-            _ => (0..order.len()).map(|i| (order.len() - i) as f64).collect(),
-        };
-        let mut ranked: Vec<(String, f64)> = order.iter().cloned().zip(scores.iter().copied()).collect();
-        ranked.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then_with(|| a.0.cmp(&b.0)));
-        RoutingDecision {
-            run_id: self.run_id().to_string(),
-            step: u,
-            task_id: task.to_string(),
-            purpose: RoutePurpose::Rescue,
-            variant,
-            calibration_id: Some(ev.calibration_id.clone()),
-            candidate_order: order.clone(),
-            ballots: vec![],
-            score_harnesses: order,
-            scores,
-            selected: ranked.into_iter().take(k).map(|(h, _)| h).collect(),
-            decided_at_ms: schemas::now_unix_ms(),
-        }
     }
 
     /// Algorithm 1, line 10 and Eq. 5–6: the retained group of every task, with GRPO
@@ -614,17 +663,7 @@ impl Scheduler {
             device: spec.policy.device.clone(),
         };
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
-        let job = JobEnvelope {
-            schema_version: 1,
-            job_id: id,
-            run_id: self.run_id().to_string(),
-            kind: JobKind::Learn,
-            attempt: 0,
-            payload: serde_json::to_value(&input)?,
-            created_at_ms: schemas::now_unix_ms(),
-            not_before_ms: None,
-            deadline_ms: None,
-        };
+        let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);
         let markers = self.exec.run(self.run_id(), &format!("update:{u}:learn"), vec![job]).await?;
         let result = &markers[0].result;
         let loss = result.pointer("/metrics/loss").and_then(|v| v.as_f64()).unwrap_or(0.0);

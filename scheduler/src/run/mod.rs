@@ -46,11 +46,11 @@ pub async fn submit(store: &dyn ObjectStore, loaded: &spec::LoadedSpec) -> anyho
         );
     }
     let stored = inputs::upload(store, loaded).await?;
-    if matches!(stored.spec.algorithm.rescue, jobs::rescue::RescueStrategy::Router)
-        && (stored.pool.len() as u32) < stored.spec.algorithm.k
-    {
+    let variant = stored.spec.router.variant();
+    let needed = stored.spec.algorithm.k.div_ceil(variant.rollouts_per_harness());
+    if matches!(stored.spec.algorithm.rescue, jobs::rescue::RescueStrategy::Router) && (stored.pool.len() as u32) < needed {
         bail!(
-            "algorithm.k = {}: the router needs at least K distinct siblings, the pool has {}",
+            "algorithm.k = {}: router variant `{variant}` needs at least {needed} distinct siblings, the pool has {}",
             stored.spec.algorithm.k,
             stored.pool.len()
         );

@@ -33,7 +33,9 @@
 //! rescue = "router"              # none | h0 | router | mixed
 //!
 //! [router]
-//! variant = "rule"               # random | rule
+//! variant = "topk_adaptive"      # random | rule | llm_4x2 | topk_fixed | topk_adaptive
+//! # voters = [{ base_url = "http://127.0.0.1:8000/v1", model = "qwen" }]  # LLM voters
+//! # profiler = { base_url = "http://127.0.0.1:8000/v1", model = "qwen" } # LLM profiles
 //!
 //! [calibration]
 //! interval = 2                   # re-anchor every N updates
@@ -67,6 +69,13 @@ pub struct RunSpec {
     pub evaluation: EvaluationSection,
     #[serde(default)]
     pub budgets: BudgetSection,
+}
+
+impl RunSpec {
+    /// Ranks of the router evaluated beside H0 at the end (`evaluation.ranks`).
+    pub fn eval_ranks(&self) -> u32 {
+        self.evaluation.ranks.unwrap_or(if self.pool.dir.is_some() { 1 } else { 0 })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -126,6 +135,10 @@ pub struct PolicySection {
     pub base_url: Option<String>,
     /// openai: environment variable holding the API key (never the key itself).
     pub api_key_env: Option<String>,
+    /// openai: `native` (the server's tool calls) or `text` (the documented text protocol,
+    /// for models or servers without tool calling).
+    #[serde(default)]
+    pub tool_protocol: jobs::policy::openai::ToolProtocol,
     /// native: `cpu` or `cuda`.
     #[serde(default = "default_device")]
     pub device: String,
@@ -166,17 +179,57 @@ pub struct AlgorithmSection {
     pub rescue: RescueStrategy,
     /// `mixed` only: the harness ids each group cycles through (default: H0 + the pool).
     pub mixture: Option<Vec<String>>,
+    /// Update the policy after each batch (default). `false` makes a rescue-only run: the
+    /// frozen policy's rollouts, routing, rescue and groups are measured, no checkpoint is
+    /// written (the way to study a pool against a policy served by an endpoint).
+    #[serde(default = "default_true")]
+    pub learn: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouterSection {
+    /// `random`, `rule`, `llm_4x2`, `topk_fixed` or `topk_adaptive` (§3.4, Table 2).
     #[serde(default = "default_variant")]
     pub variant: String,
+    /// LLM voters of the profile variants (`llm_4x2`, `topk_*`), each an OpenAI-compatible
+    /// endpoint. None: those variants vote with the built-in rule voter over profiles
+    /// (recorded as `rule+profiles` on every ballot).
+    #[serde(default)]
+    pub voters: Vec<EndpointSection>,
+    /// LLM profiler used at every calibration besides the statistical one.
+    pub profiler: Option<EndpointSection>,
+    /// Similar validation tasks each voter sees (default 3).
+    pub similar_tasks: Option<usize>,
 }
 
 impl Default for RouterSection {
     fn default() -> Self {
-        RouterSection { variant: default_variant() }
+        RouterSection { variant: default_variant(), voters: vec![], profiler: None, similar_tasks: None }
+    }
+}
+
+impl RouterSection {
+    /// The variant; the spec check guarantees it parses.
+    pub fn variant(&self) -> jobs::router::Variant {
+        self.variant.parse().unwrap_or(jobs::router::Variant::Rule)
+    }
+}
+
+/// An OpenAI-compatible endpoint (vLLM, llama.cpp's server, a hosted API).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EndpointSection {
+    /// Base URL including the API prefix, e.g. `http://127.0.0.1:8080/v1`.
+    pub base_url: String,
+    pub model: String,
+    /// Environment variable holding the API key (never the key itself).
+    pub api_key_env: Option<String>,
+}
+
+impl EndpointSection {
+    pub fn openai_config(&self) -> jobs::policy::openai::OpenAiConfig {
+        let mut c = jobs::policy::openai::OpenAiConfig::new(self.base_url.clone(), self.model.clone());
+        c.api_key_env = self.api_key_env.clone();
+        c
     }
 }
 
@@ -211,11 +264,14 @@ pub struct EvaluationSection {
     /// Evaluate the starting policy too.
     #[serde(default = "default_true")]
     pub baseline: bool,
+    /// Besides H0, evaluate the router's Rank-1 .. Rank-`ranks` harness of every test task
+    /// (Eq. 12; 3 gives Table 5). 0: H0 only. Default: 1 with a pool, else 0.
+    pub ranks: Option<u32>,
 }
 
 impl Default for EvaluationSection {
     fn default() -> Self {
-        EvaluationSection { k: default_eval_k(), baseline: true }
+        EvaluationSection { k: default_eval_k(), baseline: true, ranks: None }
     }
 }
 
@@ -264,7 +320,6 @@ pub struct SpecError {
 }
 
 const ERROR_CLASSES: [&str; 6] = ["infra", "env", "policy", "timeout", "context_length", "invalid_output"];
-const VARIANTS: [&str; 2] = ["random", "rule"];
 
 /// A spec file parsed and checked, with paths resolved against its folder.
 #[derive(Debug, Clone)]
@@ -430,8 +485,40 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
             bad("pool.dir", format!("{} is not a folder", full.display()));
         }
     }
-    if !VARIANTS.contains(&spec.router.variant.as_str()) {
-        bad("router.variant", format!("`{}` is not one of {}", spec.router.variant, VARIANTS.join(", ")));
+    match spec.router.variant.parse::<jobs::router::Variant>() {
+        Err(_) => {
+            let names: Vec<&str> = jobs::router::Variant::ALL.iter().map(|v| v.as_str()).collect();
+            bad("router.variant", format!("`{}` is not one of {}", spec.router.variant, names.join(", ")));
+        }
+        Ok(v) if !v.uses_profiles() && !spec.router.voters.is_empty() => bad(
+            "router.voters",
+            format!("variant `{v}` does not use LLM voters; use llm_4x2, topk_fixed or topk_adaptive, or remove the voters"),
+        ),
+        Ok(_) => {}
+    }
+    for (i, v) in spec.router.voters.iter().chain(spec.router.profiler.iter()).enumerate() {
+        let path = if i < spec.router.voters.len() { format!("router.voters[{i}]") } else { "router.profiler".into() };
+        if !(v.base_url.starts_with("http://") || v.base_url.starts_with("https://")) {
+            bad(&format!("{path}.base_url"), format!("`{}` is not an http(s) URL", v.base_url));
+        }
+        if v.model.is_empty() {
+            bad(&format!("{path}.model"), "is empty".into());
+        }
+    }
+    if spec.router.similar_tasks == Some(0) {
+        bad("router.similar_tasks", "must be at least 1".into());
+    }
+    if a.learn && p.backend == "openai" {
+        bad(
+            "algorithm.learn",
+            "backend = \"openai\" cannot be trained here; use backend = \"native\", or set learn = false for a rescue-only run".into(),
+        );
+    }
+    if spec.evaluation.ranks.is_some_and(|r| r > 0) && spec.pool.dir.is_none() {
+        bad("evaluation.ranks", "routing test tasks needs a pool; set ranks = 0 or give [pool] dir".into());
+    }
+    if a.updates == 0 {
+        bad("algorithm.updates", "must be at least 1".into());
     }
     if spec.evaluation.k == 0 {
         bad("evaluation.k", "must be at least 1".into());
@@ -466,6 +553,7 @@ backend = "openai"
 model = "smollm2"
 base_url = "http://127.0.0.1:1/v1"
 [algorithm]
+learn = false
 k = 2
 tasks_per_update = 2
 updates = 1

@@ -7,3 +7,4 @@ mod rollout;
 mod router;
 mod storage;
 mod training;
+mod variants;

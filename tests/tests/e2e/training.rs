@@ -163,7 +163,7 @@ rescue = "router"
     assert!(!dir.path().join("store/runs").exists(), "nothing was written");
 
     // With the spec fixed, the invalid harness in the pool is still refused, before any job.
-    let fixed = spec.replace("colour = \"red\"\n", "").replace("k = 0", "k = 1").replace(
+    let fixed = spec.replace("colour = \"red\"\n", "").replace("k = 0", "k = 1\nlearn = false").replace(
         "train = \"train.jsonl\"",
         "train = \"train.jsonl\"\nvalidation = \"train.jsonl\"\ntest = \"train.jsonl\"",
     );

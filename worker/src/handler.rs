@@ -22,6 +22,9 @@ pub struct JobContext {
 pub struct JobOutput {
     pub outputs: Vec<OutputEntry>,
     pub result: serde_json::Value,
+    /// The handler committed the job's done-marker itself, as the last step of its own
+    /// protocol (rollout and re-anchoring jobs); the worker then only acknowledges.
+    pub committed: bool,
 }
 
 /// Why a job did not finish. The variant, not the text, decides what happens next.
@@ -98,7 +101,7 @@ pub struct SleepHandler;
 impl Handler for SleepHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
         match jobs::sleep::run(ctx.store.as_ref(), job).await {
-            Ok(outputs) => Ok(JobOutput { outputs, result: serde_json::json!({"diagnostic": "sleep"}) }),
+            Ok(outputs) => Ok(JobOutput { outputs, result: serde_json::json!({"diagnostic": "sleep"}), committed: false }),
             Err(e) if e.is_retryable() => Err(JobFailure::Retryable(e.to_string())),
             Err(e) => Err(JobFailure::Fatal(e.to_string())),
         }

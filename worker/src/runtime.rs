@@ -356,6 +356,11 @@ impl Worker {
         self.metrics.finished_running(kind, elapsed.as_secs_f64());
 
         match result {
+            Ok(output) if output.committed => {
+                tracing::info!(secs = elapsed.as_secs_f64(), "job committed by its handler");
+                self.metrics.succeeded(kind);
+                self.ack(delivery, Outcome::Succeeded).await
+            }
             Ok(output) => {
                 let marker = DoneMarker {
                     schema_version: DoneMarker::VERSION,

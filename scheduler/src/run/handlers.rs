@@ -153,7 +153,7 @@ impl Handler for RolloutHandler {
                 JobFailure::Fatal(e.to_string())
             }
         })?;
-        Ok(JobOutput { outputs: out.outputs, result: serde_json::to_value(&out.summary).unwrap_or_default() })
+        Ok(JobOutput { outputs: out.outputs, result: serde_json::to_value(&out.summary).unwrap_or_default(), committed: true })
     }
 }
 
@@ -200,7 +200,7 @@ impl Handler for ReanchorHandler {
             }
         })?;
         let outputs = if out.already_done { vec![] } else { vec![out.manifest.profile_part.clone()] };
-        Ok(JobOutput { outputs, result: serde_json::json!({ "calibration_id": out.manifest.calibration_id }) })
+        Ok(JobOutput { outputs, result: serde_json::json!({ "calibration_id": out.manifest.calibration_id }), committed: true })
     }
 }
 
@@ -220,7 +220,7 @@ impl Handler for LearnHandler {
             .await
             .map_err(|e| JobFailure::Fatal(format!("the learner panicked: {e}")))?
             .map_err(|e| JobFailure::Fatal(e.to_string()))?;
-        Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out).unwrap_or_default() })
+        Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out).unwrap_or_default(), committed: false })
     }
 }
 

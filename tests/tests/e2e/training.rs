@@ -405,30 +405,27 @@ async fn a_worker_killed_during_rescue_rollouts_loses_nothing() {
         .spawn()
         .unwrap();
 
+    // Kill the doomed worker as soon as it starts a rescue job: the episode is mid-way.
     let started = std::time::Instant::now();
+    let doomed_log = dir.path().join("doomed.log");
     loop {
-        let st: Option<serde_json::Value> = match store.get(&format!("runs/{run_id}/state.json")).await {
-            Ok(b) => serde_json::from_slice(&b).ok(),
-            Err(_) => None,
-        };
-        if st.as_ref().is_some_and(|s| s["stage"] == "update:1:rescue") {
+        let text = plain(&std::fs::read_to_string(&doomed_log).unwrap_or_default());
+        if text.lines().any(|l| l.contains("kind=rescue") && l.contains("job started")) {
             break;
         }
         if let Some(status) = scheduler.try_wait().unwrap() {
-            panic!("the run ended ({status}) before rescue rollouts started: {st:?}");
+            panic!("the run ended ({status}) before the doomed worker started a rescue job:\n{text}");
         }
-        assert!(started.elapsed() < std::time::Duration::from_secs(1800), "rescue never started");
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(started.elapsed() < std::time::Duration::from_secs(1800), "no rescue job started on the doomed worker");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    // Both workers take a rescue job (one unacked delivery each); kill one mid-episode.
-    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
-    doomed.kill().unwrap();
+    doomed.kill().unwrap(); // SIGKILL
     doomed.wait().unwrap();
 
     let status = scheduler.wait().unwrap();
     let _ = Command::new("kill").args(["-TERM", &survivor.id().to_string()]).status();
     let _ = survivor.wait();
-    let log = |name: &str| std::fs::read_to_string(dir.path().join(format!("{name}.log"))).unwrap_or_default();
+    let log = |name: &str| plain(&std::fs::read_to_string(dir.path().join(format!("{name}.log"))).unwrap_or_default());
     assert!(matches!(status.code(), Some(0) | Some(3)), "scheduler: {status}\n{}", log("scheduler"));
 
     let groups: Vec<Group> = read_prefix(store.as_ref(), &format!("runs/{run_id}/groups/")).await.unwrap();
@@ -449,7 +446,25 @@ async fn a_worker_killed_during_rescue_rollouts_loses_nothing() {
     assert!(!repeated, "no trajectory is stored twice");
     let survivor_log = log("survivor");
     assert!(
-        survivor_log.contains("redelivered=true"),
+        survivor_log.lines().any(|l| l.contains("kind=rescue") && l.contains("job started redelivered=true")),
         "the killed worker's job was redelivered to the survivor:\n{survivor_log}"
     );
+}
+
+/// Log text without ANSI colour sequences.
+fn plain(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }

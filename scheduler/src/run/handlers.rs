@@ -35,6 +35,13 @@ pub struct ReanchorJob {
     pub checkpoint_step: Option<u32>,
 }
 
+/// Payload of an evolve job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvolveJob {
+    pub input: jobs::evolve::EvolveInput,
+}
+
 /// Payload of a learn job.
 pub type LearnJob = native::learn::LearnInput;
 
@@ -204,6 +211,75 @@ impl Handler for ReanchorHandler {
     }
 }
 
+/// Runs the evolve stage (§3.2): parents on fresh train tasks, diagnosis, directions,
+/// edits, local evaluation, coverage and parent selection, round by round; the pool is
+/// written under the run. Each batch of episodes is its own idempotent rollout, so a
+/// redelivered evolve job continues where the first delivery stopped.
+pub struct EvolveHandler {
+    shared: Arc<Shared>,
+}
+
+#[async_trait]
+impl Handler for EvolveHandler {
+    async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
+        let payload: EvolveJob = serde_json::from_value(job.payload.clone())
+            .map_err(|e| JobFailure::Fatal(format!("invalid evolve payload: {e}")))?;
+        let store = ctx.store.as_ref();
+        let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
+        let Some(settings) = inputs.spec().evolution.clone() else {
+            return Err(JobFailure::Fatal(format!("run `{}` has no [evolution] section", payload.input.run_id)));
+        };
+        let policy = self.shared.policy(store, &inputs, None).await?;
+        let envs = inputs
+            .env_factory_over(&[schemas::Split::Train, schemas::Split::Validation])
+            .map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
+        let llm: Option<Arc<dyn Policy>> = match &settings.llm {
+            Some(endpoint) => {
+                let mut config = endpoint.openai_config();
+                config.logprobs = false;
+                let p = jobs::policy::openai::OpenAiPolicy::new(config)
+                    .map_err(|e| JobFailure::Fatal(format!("evolution.llm: {e}")))?;
+                Some(Arc::new(p))
+            }
+            None => None,
+        };
+        // Appendix F: the diagnoser and editor answer deterministically.
+        let greedy = jobs::policy::SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![] };
+        let missing = || JobFailure::Fatal("evolution.llm is required for an LLM diagnoser or editor".into());
+        let rule = jobs::evolve::RuleDiagnoser;
+        let llm_diagnoser;
+        let diagnoser: &dyn jobs::evolve::Diagnoser = if settings.diagnoser == "llm" {
+            llm_diagnoser = jobs::evolve::LlmDiagnoser { policy: llm.as_deref().ok_or_else(missing)?, sampling: greedy.clone() };
+            &llm_diagnoser
+        } else {
+            &rule
+        };
+        let template = jobs::evolve::TemplateEditor::default();
+        let llm_editor;
+        let editor: &dyn jobs::evolve::Editor = if settings.editor == "llm" {
+            llm_editor = jobs::evolve::LlmEditor { policy: llm.as_deref().ok_or_else(missing)?, sampling: greedy };
+            &llm_editor
+        } else {
+            &template
+        };
+        let validate = jobs::harness::ValidateOptions {
+            tools: Some(jobs::env::dbbench::tools().into_iter().map(|t| t.name).collect()),
+        };
+        let ectx = jobs::evolve::EvolveContext { store, policy: policy.as_ref(), envs: &envs, diagnoser, editor, validate };
+        let out = jobs::evolve::run(&ectx, &payload.input).await.map_err(|e| match &e {
+            jobs::evolve::EvolveError::InvalidInput { .. } => JobFailure::Fatal(e.to_string()),
+            // Rollout, store and endpoint trouble may pass; batches already done are kept.
+            _ => JobFailure::Retryable(e.to_string()),
+        })?;
+        let members: Vec<&str> = out.manifest.members.iter().map(|m| m.id.as_str()).collect();
+        Ok(JobOutput {
+            outputs: vec![],
+            result: serde_json::json!({ "members": members, "rejected": out.manifest.rejected.len(), "rounds": out.rounds }),
+            committed: false,
+        })
+    }
+}
+
 /// Runs learner updates (GRPO, Appendix B) and writes checkpoints.
 pub struct LearnHandler;
 
@@ -232,6 +308,7 @@ pub fn registry() -> Registry {
         r.register(kind, RolloutHandler { shared: shared.clone() });
     }
     r.register(JobKind::Reanchor, ReanchorHandler { shared: shared.clone() });
+    r.register(JobKind::Evolve, EvolveHandler { shared: shared.clone() });
     r.register(JobKind::Learn, LearnHandler);
     r
 }

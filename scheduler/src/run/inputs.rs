@@ -95,6 +95,14 @@ pub fn read_pool(dir: &std::path::Path) -> anyhow::Result<Vec<HarnessSpec>> {
     Ok(pool)
 }
 
+/// The members of another run's evolved pool, H0 left out (it is implicit).
+pub async fn evolved_pool(store: &dyn ObjectStore, from_run: &str) -> anyhow::Result<Vec<HarnessSpec>> {
+    let (_, specs) = jobs::evolve::pool::load_pool(store, from_run)
+        .await
+        .with_context(|| format!("pool.from_run: cannot load the pool of run `{from_run}` from {}", store.url()))?;
+    Ok(specs.into_iter().filter(|h| h.id != schemas::H0_ID).collect())
+}
+
 /// Whether a spec makes no edits to the base harness.
 fn is_unedited(h: &HarnessSpec) -> bool {
     h.prompt_rules.is_empty()
@@ -110,9 +118,10 @@ fn is_unedited(h: &HarnessSpec) -> bool {
 pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Result<StoredRun> {
     let spec = &loaded.spec;
     let run_id = &loaded.run_id;
-    let pool = match &spec.pool.dir {
-        Some(dir) => read_pool(&loaded.resolve(dir))?,
-        None => vec![],
+    let pool = match (&spec.pool.dir, &spec.pool.from_run) {
+        (Some(dir), _) => read_pool(&loaded.resolve(dir))?,
+        (None, Some(from)) => evolved_pool(store, from).await?,
+        (None, None) => vec![],
     };
     let mut texts: BTreeMap<&'static str, String> = BTreeMap::new();
     match &spec.tasks.generate {
@@ -210,6 +219,17 @@ impl RunInputs {
     pub fn task_infos(&self, split: Split, ids: &[String]) -> Vec<jobs::profile::TaskInfo> {
         let set = &self.tasks[&split];
         ids.iter().filter_map(|id| set.get(id)).map(|t| jobs::profile::TaskInfo::from_db_task(t)).collect()
+    }
+
+    /// One environment per episode over the tasks of several splits (evolution diagnoses
+    /// train tasks and measures coverage on validation tasks); task ids must not repeat.
+    pub fn env_factory_over(&self, splits: &[Split]) -> anyhow::Result<DbBenchFactory> {
+        let mut factory = self.env_factory(splits[0])?;
+        let tasks: Vec<jobs::env::dbbench::DbTask> =
+            splits.iter().flat_map(|s| self.tasks[s].iter().map(|t| t.as_ref().clone())).collect();
+        let merged = TaskSet::from_tasks(tasks).map_err(|e| anyhow::anyhow!("the train and validation task files share ids: {e}"))?;
+        factory.tasks = Arc::new(merged);
+        Ok(factory)
     }
 
     /// One environment per episode, over the tasks of one split.

@@ -41,6 +41,14 @@ pub enum Finish {
     Degraded,
 }
 
+/// What one pass of [`Scheduler::drive`] ended with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drive {
+    Finished(Finish),
+    /// Evolution wrote the run's pool: drive again with the inputs read anew.
+    PoolChanged,
+}
+
 /// Drives one run.
 pub struct Scheduler {
     pub store: Arc<dyn ObjectStore>,
@@ -85,6 +93,9 @@ impl Scheduler {
     pub fn stages(&self) -> Vec<String> {
         let spec = self.spec();
         let mut s = vec![];
+        if spec.evolution.is_some() {
+            s.push("evolve".to_string());
+        }
         if spec.evaluation.baseline {
             s.push("baseline".to_string());
         }
@@ -108,7 +119,7 @@ impl Scheduler {
     }
 
     /// Runs every stage not yet done; persists state after each.
-    pub async fn drive(&self, st: &mut RunState) -> anyhow::Result<Finish> {
+    pub async fn drive(&self, st: &mut RunState) -> anyhow::Result<Drive> {
         st.status = RunStatus::Running;
         st.message = None;
         state::save(self.store.as_ref(), st).await?;
@@ -128,19 +139,23 @@ impl Scheduler {
                     return Err(e.context(format!("stage `{stage}`")));
                 }
             }
-            st.completed.push(stage);
+            st.completed.push(stage.clone());
             state::save(self.store.as_ref(), st).await?;
+            if stage == "evolve" {
+                return Ok(Drive::PoolChanged);
+            }
         }
         let degraded = st.failures.values().any(|n| *n > 0);
         st.status = if degraded { RunStatus::Degraded } else { RunStatus::Completed };
         st.stage = "finished".into();
         state::save(self.store.as_ref(), st).await?;
-        Ok(if degraded { Finish::Degraded } else { Finish::Completed })
+        Ok(Drive::Finished(if degraded { Finish::Degraded } else { Finish::Completed }))
     }
 
     async fn run_stage(&self, stage: &str, st: &mut RunState) -> anyhow::Result<()> {
         let parts: Vec<&str> = stage.split(':').collect();
         match parts.as_slice() {
+            ["evolve"] => self.evolve().await,
             ["baseline"] => self.evaluate("baseline", 0, None, st).await,
             ["calibration", "final", n] | ["calibration", n] => self.calibrate(n.parse()?, stage, st).await,
             ["update", u, "base"] => self.base_rollouts(u.parse()?, st).await,
@@ -155,6 +170,51 @@ impl Scheduler {
             }
             _ => bail!("unknown stage `{stage}`"),
         }
+    }
+
+    /// Directional Harness Evolution (§3.2) with the starting policy frozen: one evolve
+    /// job; its pool (H0 left out) becomes the run's pool.
+    async fn evolve(&self) -> anyhow::Result<()> {
+        let spec = self.spec();
+        let e = spec.evolution.as_ref().context("no [evolution] section")?;
+        let mut train = self.inputs.tasks[&Split::Train].ids();
+        if let Some(n) = e.train_tasks {
+            train.truncate(n as usize);
+        }
+        let mut validation = self.inputs.tasks[&Split::Validation].ids();
+        if let Some(n) = e.validation_tasks {
+            validation.truncate(n as usize);
+        }
+        let settings = jobs::evolve::EvolveSettings {
+            proposal_budgets: e.proposal_budgets.clone(),
+            parent_slots: e.parent_slots,
+            local_max_tasks: e.local_max_tasks,
+            local_max_controls: e.local_max_controls,
+            budgets: self.episode_budgets(),
+            // Table 8: greedy decoding, one rollout per task.
+            sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: spec.policy.max_tokens, seed: Some(spec.run.seed), stop: vec![] },
+            ..Default::default()
+        };
+        let input = jobs::evolve::EvolveInput {
+            run_id: self.run_id().to_string(),
+            train_task_ids: train,
+            validation_task_ids: validation,
+            settings,
+            seed_from: e.seed_from.clone(),
+            seed: spec.run.seed,
+        };
+        let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "evolve", ..Default::default() });
+        let payload = serde_json::to_value(super::handlers::EvolveJob { input })?;
+        self.exec.run(self.run_id(), "evolve", vec![self.envelope(id, JobKind::Evolve, payload)]).await?;
+
+        let members = super::inputs::evolved_pool(self.store.as_ref(), self.run_id()).await?;
+        super::check_pool_size(spec, members.len()).context("the evolved pool is too small for rescue")?;
+        let mut stored = self.inputs.stored.clone();
+        stored.pool = members.iter().map(|h| h.id.clone()).collect();
+        let key = super::inputs::run_json_key(self.run_id());
+        self.store.put(&key, bytes::Bytes::from(schemas::encode_document(&stored))).await?;
+        tracing::info!(members = ?stored.pool, "evolved pool is the run's pool");
+        Ok(())
     }
 
     /// One rollout job envelope.

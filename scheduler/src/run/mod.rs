@@ -19,11 +19,12 @@ use infra::store::ObjectStore;
 use schemas::JobKind;
 
 use executor::Executor;
-use machine::{Finish, Scheduler};
+use machine::{Drive, Finish, Scheduler};
 use state::RunState;
 
 /// Kinds the in-process workers of an embedded run consume.
-pub const RUN_KINDS: [JobKind; 5] = [JobKind::Rollout, JobKind::Rescue, JobKind::Reanchor, JobKind::Eval, JobKind::Learn];
+pub const RUN_KINDS: [JobKind; 6] =
+    [JobKind::Evolve, JobKind::Rollout, JobKind::Rescue, JobKind::Reanchor, JobKind::Eval, JobKind::Learn];
 
 /// Exit code for a finished run.
 pub fn exit_code(f: Finish) -> u8 {
@@ -46,14 +47,8 @@ pub async fn submit(store: &dyn ObjectStore, loaded: &spec::LoadedSpec) -> anyho
         );
     }
     let stored = inputs::upload(store, loaded).await?;
-    let variant = stored.spec.router.variant();
-    let needed = stored.spec.algorithm.k.div_ceil(variant.rollouts_per_harness());
-    if matches!(stored.spec.algorithm.rescue, jobs::rescue::RescueStrategy::Router) && (stored.pool.len() as u32) < needed {
-        bail!(
-            "algorithm.k = {}: router variant `{variant}` needs at least {needed} distinct siblings, the pool has {}",
-            stored.spec.algorithm.k,
-            stored.pool.len()
-        );
+    if stored.spec.evolution.is_none() {
+        check_pool_size(&stored.spec, stored.pool.len())?;
     }
     let pool_version = {
         let joined = stored.pool.join(",");
@@ -62,6 +57,16 @@ pub async fn submit(store: &dyn ObjectStore, loaded: &spec::LoadedSpec) -> anyho
     let mut st = RunState::new(&loaded.run_id, pool_version);
     state::save(store, &mut st).await?;
     Ok(st)
+}
+
+/// Rescue by the router needs K distinct siblings (K/2 for `llm_4x2`).
+pub fn check_pool_size(spec: &spec::RunSpec, pool: usize) -> anyhow::Result<()> {
+    let variant = spec.router.variant();
+    let needed = spec.algorithm.k.div_ceil(variant.rollouts_per_harness());
+    if matches!(spec.algorithm.rescue, jobs::rescue::RescueStrategy::Router) && (pool as u32) < needed {
+        bail!("algorithm.k = {}: router variant `{variant}` needs at least {needed} distinct siblings, the pool has {pool}", spec.algorithm.k);
+    }
+    Ok(())
 }
 
 /// Loads a run's state for driving; refuses finished runs.
@@ -80,10 +85,17 @@ pub async fn state_for_drive(store: &dyn ObjectStore, run_id: &str) -> anyhow::R
 /// Drives a run with the given queue (workers consume it elsewhere or in-process).
 pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &str, bars: bool) -> anyhow::Result<Finish> {
     let mut st = state_for_drive(store.as_ref(), run_id).await?;
-    let inputs = Arc::new(inputs::RunInputs::load(store.as_ref(), run_id).await?);
     let poll = if queue.url().starts_with("memory:") { Duration::from_millis(100) } else { Duration::from_millis(500) };
-    let sched = Scheduler { store: store.clone(), exec: Executor { store, queue, poll, bars }, inputs };
-    sched.drive(&mut st).await
+    loop {
+        // Inputs are read again after evolution wrote the run's pool.
+        let inputs = Arc::new(inputs::RunInputs::load(store.as_ref(), run_id).await?);
+        let exec = Executor { store: store.clone(), queue: queue.clone(), poll, bars };
+        let sched = Scheduler { store: store.clone(), exec, inputs };
+        match sched.drive(&mut st).await? {
+            Drive::Finished(f) => return Ok(f),
+            Drive::PoolChanged => continue,
+        }
+    }
 }
 
 /// Drives a run in this process: a memory queue and `workers` in-process workers.

@@ -24,6 +24,7 @@
 //!
 //! [pool]
 //! dir = "pool"                   # a folder of harness spec JSON files (H0 is implicit)
+//! # from_run = "evolve-1"        # or the evolved pool of another run in the store
 //!
 //! [algorithm]
 //! k = 4
@@ -36,6 +37,10 @@
 //! variant = "topk_adaptive"      # random | rule | llm_4x2 | topk_fixed | topk_adaptive
 //! # voters = [{ base_url = "http://127.0.0.1:8000/v1", model = "qwen" }]  # LLM voters
 //! # profiler = { base_url = "http://127.0.0.1:8000/v1", model = "qwen" } # LLM profiles
+//!
+//! # [evolution]                  # evolve the pool first instead (§3.2); see EvolutionSection
+//! # proposal_budgets = [7, 8, 8]
+//! # editor = "template"          # or "llm" with llm = { base_url, model }
 //!
 //! [calibration]
 //! interval = 2                   # re-anchor every N updates
@@ -69,12 +74,20 @@ pub struct RunSpec {
     pub evaluation: EvaluationSection,
     #[serde(default)]
     pub budgets: BudgetSection,
+    /// Directional harness evolution (§3.2) before training: the run's pool is what it
+    /// evolves.
+    pub evolution: Option<EvolutionSection>,
 }
 
 impl RunSpec {
     /// Ranks of the router evaluated beside H0 at the end (`evaluation.ranks`).
     pub fn eval_ranks(&self) -> u32 {
-        self.evaluation.ranks.unwrap_or(if self.pool.dir.is_some() { 1 } else { 0 })
+        self.evaluation.ranks.unwrap_or(if self.has_pool() { 1 } else { 0 })
+    }
+
+    /// Whether the run has sibling harnesses: a folder, another run's pool, or evolution.
+    pub fn has_pool(&self) -> bool {
+        self.pool.dir.is_some() || self.pool.from_run.is_some() || self.evolution.is_some()
     }
 }
 
@@ -167,6 +180,58 @@ fn default_max_tokens() -> u32 {
 pub struct PoolSection {
     /// Folder of sibling harness specs (`*.json`), relative to the spec file.
     pub dir: Option<PathBuf>,
+    /// The evolved pool of another run in the same store (its members except H0).
+    pub from_run: Option<String>,
+}
+
+/// `[evolution]`: Directional Harness Evolution (§3.2, Appendix E–F); defaults are the
+/// paper's Table 8.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvolutionSection {
+    /// Proposals per round; the number of entries is the number of rounds.
+    #[serde(default = "default_proposal_budgets")]
+    pub proposal_budgets: Vec<u32>,
+    /// Parent slots B of Eq. 3.
+    #[serde(default = "default_parent_slots")]
+    pub parent_slots: usize,
+    /// Train tasks to diagnose (default: the whole train split), one chunk per round.
+    pub train_tasks: Option<u32>,
+    /// Validation tasks for the coverage V(H) (default: the whole validation split).
+    pub validation_tasks: Option<u32>,
+    /// Local evaluation of a child: tasks at most, successful controls at most.
+    #[serde(default = "default_local_max_tasks")]
+    pub local_max_tasks: usize,
+    #[serde(default = "default_local_max_controls")]
+    pub local_max_controls: usize,
+    /// `rule` (built-in, no LLM) or `llm` (the `llm` endpoint reads the trajectories).
+    #[serde(default = "default_diagnoser")]
+    pub diagnoser: String,
+    /// `template` (built-in library of repairs, no LLM) or `llm` (Appendix F instructions).
+    #[serde(default = "default_editor")]
+    pub editor: String,
+    /// The endpoint of the LLM diagnoser or editor.
+    pub llm: Option<EndpointSection>,
+    /// Start from another run's pool in the same store.
+    pub seed_from: Option<String>,
+}
+
+fn default_proposal_budgets() -> Vec<u32> {
+    vec![7, 8, 8]
+}
+fn default_parent_slots() -> usize {
+    4
+}
+fn default_local_max_tasks() -> usize {
+    30
+}
+fn default_local_max_controls() -> usize {
+    10
+}
+fn default_diagnoser() -> String {
+    "rule".into()
+}
+fn default_editor() -> String {
+    "template".into()
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -476,8 +541,45 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if a.mixture.is_some() && a.rescue != RescueStrategy::Mixed {
         bad("algorithm.mixture", "only used with rescue = \"mixed\"".into());
     }
-    if matches!(a.rescue, RescueStrategy::Router | RescueStrategy::Mixed) && spec.pool.dir.is_none() {
-        bad("pool.dir", format!("rescue = \"{}\" needs a pool of sibling harnesses", a.rescue.as_str()));
+    if matches!(a.rescue, RescueStrategy::Router | RescueStrategy::Mixed) && !spec.has_pool() {
+        bad(
+            "pool.dir",
+            format!("rescue = \"{}\" needs a pool of sibling harnesses ([pool] dir or from_run, or [evolution])", a.rescue.as_str()),
+        );
+    }
+    if spec.pool.dir.is_some() && spec.pool.from_run.is_some() {
+        bad("pool.from_run", "give a pool folder or another run's pool, not both".into());
+    }
+    if let Some(run) = &spec.pool.from_run {
+        if run.is_empty() || !run.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+            bad("pool.from_run", format!("`{run}` is not a run id"));
+        }
+    }
+    if let Some(e) = &spec.evolution {
+        if spec.pool.dir.is_some() || spec.pool.from_run.is_some() {
+            bad("evolution", "evolution makes the run's pool: remove [pool] (start from another run's pool with evolution.seed_from)".into());
+        }
+        if e.proposal_budgets.is_empty() {
+            bad("evolution.proposal_budgets", "is empty: give one budget per round, e.g. [7, 8, 8]".into());
+        }
+        if e.parent_slots == 0 {
+            bad("evolution.parent_slots", "must be at least 1".into());
+        }
+        if e.local_max_tasks == 0 {
+            bad("evolution.local_max_tasks", "must be at least 1".into());
+        }
+        if e.train_tasks == Some(0) || e.validation_tasks == Some(0) {
+            bad("evolution.train_tasks", "train_tasks and validation_tasks must be at least 1".into());
+        }
+        if !["rule", "llm"].contains(&e.diagnoser.as_str()) {
+            bad("evolution.diagnoser", format!("`{}` is not `rule` or `llm`", e.diagnoser));
+        }
+        if !["template", "llm"].contains(&e.editor.as_str()) {
+            bad("evolution.editor", format!("`{}` is not `template` or `llm`", e.editor));
+        }
+        if (e.diagnoser == "llm" || e.editor == "llm") && e.llm.is_none() {
+            bad("evolution.llm", "required with diagnoser = \"llm\" or editor = \"llm\": { base_url, model }".into());
+        }
     }
     if let Some(dir) = &spec.pool.dir {
         let full = if dir.is_absolute() { dir.clone() } else { base_dir.join(dir) };
@@ -496,8 +598,14 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         ),
         Ok(_) => {}
     }
-    for (i, v) in spec.router.voters.iter().chain(spec.router.profiler.iter()).enumerate() {
-        let path = if i < spec.router.voters.len() { format!("router.voters[{i}]") } else { "router.profiler".into() };
+    let evolution_llm = spec.evolution.as_ref().and_then(|e| e.llm.as_ref());
+    for (i, v) in spec.router.voters.iter().chain(spec.router.profiler.iter()).chain(evolution_llm).enumerate() {
+        let n = spec.router.voters.len();
+        let path = match i {
+            i if i < n => format!("router.voters[{i}]"),
+            i if i == n && spec.router.profiler.is_some() => "router.profiler".into(),
+            _ => "evolution.llm".into(),
+        };
         if !(v.base_url.starts_with("http://") || v.base_url.starts_with("https://")) {
             bad(&format!("{path}.base_url"), format!("`{}` is not an http(s) URL", v.base_url));
         }
@@ -514,7 +622,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
             "backend = \"openai\" cannot be trained here; use backend = \"native\", or set learn = false for a rescue-only run".into(),
         );
     }
-    if spec.evaluation.ranks.is_some_and(|r| r > 0) && spec.pool.dir.is_none() {
+    if spec.evaluation.ranks.is_some_and(|r| r > 0) && !spec.has_pool() {
         bad("evaluation.ranks", "routing test tasks needs a pool; set ranks = 0 or give [pool] dir".into());
     }
     if a.updates == 0 {

@@ -83,3 +83,106 @@ async fn llm_editor_output_is_validated_and_invalid_edits_never_enter_the_pool()
         assert!(check_spec(&spec, &validate()).is_empty());
     }
 }
+
+/// A rescue-only run over the llama.cpp server: one update, K = 2, router `rule`.
+fn run_spec(id: &str, pool: &str) -> String {
+    format!(
+        r#"
+[run]
+id = "{id}"
+seed = 42
+[environment]
+kind = "dbbench"
+engine = "sqlite"
+max_rounds = 3
+[tasks.generate]
+seed = 13
+train = 8
+validation = 2
+test = 1
+difficulty = "easy"
+[policy]
+backend = "openai"
+model = "{model}"
+base_url = "{url}"
+tool_protocol = "text"
+max_tokens = 48
+[algorithm]
+k = 2
+tasks_per_update = 2
+updates = 1
+learning_rate = 1e-6
+rescue = "router"
+learn = false
+[calibration]
+interval = 0
+tasks = 1
+[evaluation]
+k = 1
+baseline = false
+[budgets]
+episode_model_calls = 3
+episode_context_tokens = 2048
+{pool}
+"#,
+        model = openai_model(),
+        url = openai_url(),
+    )
+}
+
+fn harness_s(args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(harness_s_tests::harness_s_bin()).args(args).output().expect("run harness-s");
+    let text = format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// The evolve stage of a run (built-in diagnoser and template editor, no LLM; two rounds
+/// with budgets 2 / 2) writes a pool of valid, distinct siblings with lineage, and the
+/// run's rescue routes over it; a second run takes that pool with `[pool] from_run` and
+/// rescues with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_evolves_its_pool_and_another_run_rescues_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store_url = format!("file://{}", dir.path().join("store").display());
+    let store = infra::store::open_store(&store_url).await.unwrap();
+
+    let evolution = "[evolution]\nproposal_budgets = [2, 2]\nparent_slots = 2\nlocal_max_tasks = 2\nlocal_max_controls = 1\n";
+    let spec = dir.path().join("evolve.toml");
+    std::fs::write(&spec, run_spec("evolve-pool", evolution)).unwrap();
+    let (code, out) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
+    assert!(code == 0 || code == 3, "exit {code}\n{out}");
+
+    let state: serde_json::Value = serde_json::from_slice(&store.get("runs/evolve-pool/state.json").await.unwrap()).unwrap();
+    assert_eq!(state["completed"][0], "evolve", "{state}");
+    let (manifest, specs) = load_pool(store.as_ref(), "evolve-pool").await.unwrap();
+    let siblings: Vec<&schemas::HarnessSpec> = specs.iter().filter(|h| h.id != "h0").collect();
+    let log = String::from_utf8_lossy(&store.get("runs/evolve-pool/pool/manifest.json").await.unwrap()).to_string();
+    assert!(siblings.len() >= 3, "at least 3 valid siblings; pool manifest:\n{log}");
+    let versions: std::collections::BTreeSet<String> = siblings.iter().map(|h| h.version_hash()).collect();
+    assert_eq!(versions.len(), siblings.len(), "siblings are distinct");
+    for h in &siblings {
+        assert!(check_spec(h, &validate()).is_empty(), "{} is valid", h.id);
+        let entry = manifest.member(&h.id).unwrap();
+        // Round 1 children descend from H0, round 2 children from a selected round-1 parent.
+        let parent = entry.parent.as_deref().expect("every sibling names its parent");
+        assert!(parent == "h0" || specs.iter().any(|s| s.id == parent && s.id != h.id), "lineage: {entry:?}");
+        assert!(entry.round == 1 || parent != "h0", "round-2 children descend from a sibling: {entry:?}");
+        assert!(!entry.causes.is_empty() && entry.direction.is_some(), "lineage names the direction: {entry:?}");
+        assert!(entry.local.is_some(), "local evaluation recorded: {entry:?}");
+    }
+    let run_json: serde_json::Value = serde_json::from_slice(&store.get("runs/evolve-pool/inputs/run.json").await.unwrap()).unwrap();
+    let pool: Vec<&str> = run_json["pool"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(pool.len(), siblings.len(), "the evolved siblings are the run's pool: {pool:?}");
+
+    // A second run rescues with the first run's evolved pool.
+    let spec = dir.path().join("reuse.toml");
+    std::fs::write(&spec, run_spec("reuse-pool", "[pool]\nfrom_run = \"evolve-pool\"\n")).unwrap();
+    let (code, out) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
+    assert!(code == 0 || code == 3, "exit {code}\n{out}");
+    let groups: Vec<schemas::Group> = infra::table::read_prefix(store.as_ref(), "runs/reuse-pool/groups/").await.unwrap();
+    let rescued: Vec<&schemas::Group> = groups.iter().filter(|g| g.rescue_fired).collect();
+    assert!(!rescued.is_empty(), "the small policy fails a group, so rescue fires: {groups:?}");
+    for g in rescued {
+        assert!(g.harnesses.iter().all(|h| pool.contains(&h.as_str())), "rescue used the evolved siblings: {g:?}");
+    }
+}

@@ -118,6 +118,29 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     assert!(store.head("runs/e2e-embedded/checkpoints/step=1/manifest.json").await.unwrap().is_some());
     assert!(store.head("runs/e2e-embedded/reports/signals.png").await.unwrap().is_some());
 
+    // Re-anchoring: one calibration per checkpoint, each naming the checkpoint it froze;
+    // rescue routing names the calibration it used (the rule router keeps the first).
+    let manifest = |id: &str| {
+        let store = store.clone();
+        let key = format!("runs/e2e-embedded/profiles/calib={id}/calibration.json");
+        async move { serde_json::from_slice::<serde_json::Value>(&store.get(&key).await.unwrap()).unwrap() }
+    };
+    let (before, after) = (manifest("step-0000").await, manifest("step-0001").await);
+    let frozen = |m: &serde_json::Value| m["policy_checkpoint"].as_str().unwrap().to_string();
+    assert!(frozen(&after).ends_with("checkpoints/step=1/manifest.json"), "{}", frozen(&after));
+    assert_ne!(frozen(&before), frozen(&after), "each calibration freezes its own checkpoint");
+    for m in [&before, &after] {
+        let stats = m["stats"].as_object().unwrap();
+        assert_eq!(stats.len(), 4, "H0 and the three siblings: {stats:?}");
+    }
+    let decisions: Vec<schemas::RoutingDecision> = read_prefix(store.as_ref(), "runs/e2e-embedded/routing/").await.unwrap();
+    let rescue_decisions: Vec<_> = decisions.iter().filter(|d| d.purpose == schemas::RoutePurpose::Rescue).collect();
+    assert_eq!(rescue_decisions.len(), groups.iter().filter(|g| g.rescue_fired).count());
+    for d in rescue_decisions {
+        assert_eq!(d.calibration_id.as_deref(), Some("step-0000"), "{d:?}");
+        assert_eq!(d.variant, "rule");
+    }
+
     // A finished run refuses to resume, with a non-zero exit code.
     let (code, _, err) = harness_s(&["resume", "e2e-embedded", "--store", &store_url]);
     assert_eq!(code, 1, "{err}");

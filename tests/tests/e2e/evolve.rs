@@ -98,7 +98,7 @@ max_rounds = 3
 [tasks.generate]
 seed = 13
 train = 8
-validation = 2
+validation = 1
 test = 1
 difficulty = "easy"
 [policy]
@@ -109,7 +109,7 @@ tool_protocol = "text"
 max_tokens = 48
 [algorithm]
 k = 2
-tasks_per_update = 2
+tasks_per_update = 1
 updates = 1
 learning_rate = 1e-6
 rescue = "router"

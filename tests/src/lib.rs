@@ -56,6 +56,12 @@ pub fn harness_s_bin() -> PathBuf {
     bin
 }
 
+/// Runs the `harness-s` binary to completion: (exit code, stdout, stderr).
+pub fn harness_s(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(harness_s_bin()).args(args).output().expect("run harness-s");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
 /// Base URL (with `/v1`) of the real OpenAI-compatible policy server, from
 /// `HARNESS_S_TEST_OPENAI_URL` (llama-cpp-python's server with SmolLM2-135M-Instruct).
 pub fn openai_url() -> String {

@@ -132,6 +132,23 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
     }
 }
 
+/// A job failure that a later delivery may or may not get past.
+fn failure(retryable: bool, e: impl std::fmt::Display) -> JobFailure {
+    if retryable {
+        JobFailure::Retryable(e.to_string())
+    } else {
+        JobFailure::Fatal(e.to_string())
+    }
+}
+
+/// An endpoint model asked for text only (profiler, diagnoser, editor): no log-probabilities.
+fn text_model(endpoint: &super::spec::EndpointSection, field: &str) -> Result<Arc<dyn Policy>, JobFailure> {
+    let mut config = endpoint.openai_config();
+    config.logprobs = false;
+    let p = jobs::policy::openai::OpenAiPolicy::new(config).map_err(|e| JobFailure::Fatal(format!("{field}: {e}")))?;
+    Ok(Arc::new(p))
+}
+
 /// Runs rollout, rescue, calibration and evaluation jobs.
 pub struct RolloutHandler {
     shared: Arc<Shared>,
@@ -153,13 +170,7 @@ impl Handler for RolloutHandler {
             job_id: &job.job_id,
             delivery_attempt: job.attempt,
         };
-        let out = jobs::rollout::run(&rctx, &payload.input).await.map_err(|e| {
-            if e.is_retryable() {
-                JobFailure::Retryable(e.to_string())
-            } else {
-                JobFailure::Fatal(e.to_string())
-            }
-        })?;
+        let out = jobs::rollout::run(&rctx, &payload.input).await.map_err(|e| failure(e.is_retryable(), e))?;
         Ok(JobOutput { outputs: out.outputs, result: serde_json::to_value(&out.summary).unwrap_or_default(), committed: true })
     }
 }
@@ -180,16 +191,7 @@ impl Handler for ReanchorHandler {
         let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
         let policy = self.shared.policy(store, &inputs, payload.checkpoint_step).await?;
         let envs = inputs.env_factory(schemas::Split::Validation).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
-        let profiler: Option<Arc<dyn Policy>> = match &inputs.spec().router.profiler {
-            Some(endpoint) => {
-                let mut config = endpoint.openai_config();
-                config.logprobs = false;
-                let p = jobs::policy::openai::OpenAiPolicy::new(config)
-                    .map_err(|e| JobFailure::Fatal(format!("router.profiler: {e}")))?;
-                Some(Arc::new(p))
-            }
-            None => None,
-        };
+        let profiler = inputs.spec().router.profiler.as_ref().map(|e| text_model(e, "router.profiler")).transpose()?;
         let rctx = jobs::reanchor::ReanchorContext {
             store,
             policy: policy.as_ref(),
@@ -199,13 +201,7 @@ impl Handler for ReanchorHandler {
             job_id: &job.job_id,
             delivery_attempt: job.attempt,
         };
-        let out = jobs::reanchor::run(&rctx, &payload.input).await.map_err(|e| {
-            if e.is_retryable() {
-                JobFailure::Retryable(e.to_string())
-            } else {
-                JobFailure::Fatal(e.to_string())
-            }
-        })?;
+        let out = jobs::reanchor::run(&rctx, &payload.input).await.map_err(|e| failure(e.is_retryable(), e))?;
         let outputs = if out.already_done { vec![] } else { vec![out.manifest.profile_part.clone()] };
         Ok(JobOutput { outputs, result: serde_json::json!({ "calibration_id": out.manifest.calibration_id }), committed: true })
     }
@@ -233,16 +229,7 @@ impl Handler for EvolveHandler {
         let envs = inputs
             .env_factory_over(&[schemas::Split::Train, schemas::Split::Validation])
             .map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
-        let llm: Option<Arc<dyn Policy>> = match &settings.llm {
-            Some(endpoint) => {
-                let mut config = endpoint.openai_config();
-                config.logprobs = false;
-                let p = jobs::policy::openai::OpenAiPolicy::new(config)
-                    .map_err(|e| JobFailure::Fatal(format!("evolution.llm: {e}")))?;
-                Some(Arc::new(p))
-            }
-            None => None,
-        };
+        let llm = settings.llm.as_ref().map(|e| text_model(e, "evolution.llm")).transpose()?;
         // Appendix F: the diagnoser and editor answer deterministically.
         let greedy = jobs::policy::SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![] };
         let missing = || JobFailure::Fatal("evolution.llm is required for an LLM diagnoser or editor".into());

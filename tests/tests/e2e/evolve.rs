@@ -130,12 +130,6 @@ episode_context_tokens = 2048
     )
 }
 
-fn harness_s(args: &[&str]) -> (i32, String) {
-    let out = std::process::Command::new(harness_s_tests::harness_s_bin()).args(args).output().expect("run harness-s");
-    let text = format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.code().unwrap_or(-1), text)
-}
-
 /// The evolve stage of a run (built-in diagnoser and template editor, no LLM; two rounds
 /// with budgets 2 / 2) writes a pool of valid, distinct siblings with lineage, and the
 /// run's rescue routes over it; a second run takes that pool with `[pool] from_run` and
@@ -149,8 +143,8 @@ async fn a_run_evolves_its_pool_and_another_run_rescues_with_it() {
     let evolution = "[evolution]\nproposal_budgets = [2, 2]\nparent_slots = 2\nlocal_max_tasks = 2\nlocal_max_controls = 1\n";
     let spec = dir.path().join("evolve.toml");
     std::fs::write(&spec, run_spec("evolve-pool", evolution)).unwrap();
-    let (code, out) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
-    assert!(code == 0 || code == 3, "exit {code}\n{out}");
+    let (code, out, err) = harness_s_tests::harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
+    assert!(code == 0 || code == 3, "exit {code}\n{out}\n{err}");
 
     let state: serde_json::Value = serde_json::from_slice(&store.get("runs/evolve-pool/state.json").await.unwrap()).unwrap();
     assert_eq!(state["completed"][0], "evolve", "{state}");
@@ -177,8 +171,8 @@ async fn a_run_evolves_its_pool_and_another_run_rescues_with_it() {
     // A second run rescues with the first run's evolved pool.
     let spec = dir.path().join("reuse.toml");
     std::fs::write(&spec, run_spec("reuse-pool", "[pool]\nfrom_run = \"evolve-pool\"\n")).unwrap();
-    let (code, out) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
-    assert!(code == 0 || code == 3, "exit {code}\n{out}");
+    let (code, out, err) = harness_s_tests::harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
+    assert!(code == 0 || code == 3, "exit {code}\n{out}\n{err}");
     let groups: Vec<schemas::Group> = infra::table::read_prefix(store.as_ref(), "runs/reuse-pool/groups/").await.unwrap();
     let rescued: Vec<&schemas::Group> = groups.iter().filter(|g| g.rescue_fired).collect();
     assert!(!rescued.is_empty(), "the small policy fails a group, so rescue fires: {groups:?}");

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use harness_s_tests::harness_s_bin;
+use harness_s_tests::{harness_s, harness_s_bin};
 use infra::store::open_store;
 use infra::table::read_prefix;
 use schemas::{Group, MetricRow, RetainedKind, RolloutKind, Trajectory};
@@ -61,11 +61,6 @@ episode_model_calls = 3
     let path = dir.join(format!("{id}.toml"));
     std::fs::write(&path, spec).unwrap();
     path
-}
-
-fn harness_s(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(harness_s_bin()).args(args).output().expect("run harness-s");
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,9 +6,8 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use harness_s_tests::{harness_s_bin, openai_model, openai_url};
+use harness_s_tests::{harness_s, openai_model, openai_url};
 use infra::store::open_store;
 use infra::table::read_prefix;
 use schemas::{Group, MetricRow, ProfileEntry, RoutePurpose, RoutingDecision};
@@ -86,8 +85,7 @@ async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_su
     for variant in ["random", "rule", "llm_4x2", "topk_fixed", "topk_adaptive"] {
         let id = format!("variant-{}", variant.replace('_', "-"));
         let spec = variant_spec(dir.path(), &id, variant);
-        let out = Command::new(harness_s_bin()).args(["run", spec.to_str().unwrap(), "--store", &store_url]).output().unwrap();
-        let (code, stdout, stderr) = (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let (code, stdout, stderr) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
         assert!(code == 0 || code == 3, "{variant}: exit {code}\nstdout:\n{stdout}\nstderr:\n{stderr}");
 
         let state: serde_json::Value = serde_json::from_slice(&store.get(&format!("runs/{id}/state.json")).await.unwrap()).unwrap();

@@ -168,6 +168,31 @@ fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(&str
     Ok(())
 }
 
+/// The evolved pool's figures (Figure 1a, Figure 5) and table, when this run evolved or
+/// seeded a pool with validation coverage; writes `repairs.png` and `overlap.png`.
+async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Path) -> anyhow::Result<Option<String>> {
+    use jobs::evolve::report::{plot_overlap, plot_repairs, pool_repair_counts, repair_table};
+    let key = jobs::evolve::pool::manifest_key(run_id);
+    if store.head(&key).await?.is_none() {
+        return Ok(None);
+    }
+    let m = jobs::evolve::pool::load_manifest(store, run_id).await?;
+    let Some(counts) = pool_repair_counts(&m) else { return Ok(None) };
+    if counts.is_empty() {
+        return Ok(None);
+    }
+    for (file, draw) in [("repairs.png", plot_repairs as fn(_, &std::path::Path) -> _), ("overlap.png", plot_overlap)] {
+        let path = dir.join(file);
+        draw(&counts, &path)?;
+        store.put(&format!("runs/{run_id}/reports/{file}"), Bytes::from(std::fs::read(&path)?)).await?;
+    }
+    Ok(Some(format!(
+        "\n## Sibling pool: repairs relative to H0 on {} validation tasks (Figure 1a, Figure 5)\n\n{}\n![repairs](repairs.png)\n![overlap](overlap.png)\n",
+        m.validation_tasks.len(),
+        repair_table(&counts)
+    )))
+}
+
 /// Writes `runs/<run>/reports/{report.md, signals.png, validation.png, rescue.png}`;
 /// returns the report's URL.
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
@@ -217,6 +242,9 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     if let Some(t) = rank_table(&s) {
         md.push_str("\n## Evaluation under the router's ranks (Table 5 layout)\n\n");
         md.push_str(&t);
+    }
+    if let Some(section) = pool_section(store, run_id, dir.path()).await? {
+        md.push_str(&section);
     }
     let key = format!("runs/{run_id}/reports/report.md");
     store.put(&key, Bytes::from(md)).await?;

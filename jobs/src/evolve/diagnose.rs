@@ -36,6 +36,8 @@ pub mod codes {
     pub const WRONG_ANSWER: &str = "wrong_answer";
     pub const WRITE_NOT_EXECUTED: &str = "write_not_executed";
     pub const NO_QUERY: &str = "no_query";
+    pub const UNPARSED_ACTION: &str = "unparsed_action";
+    pub const RESULT_NOT_COMMITTED: &str = "result_not_committed";
     pub const UNRESOLVED: &str = "unresolved";
 
     /// Every code with its one-line meaning (shown to LLM diagnosers and editors).
@@ -53,6 +55,8 @@ pub mod codes {
         (WRONG_ANSWER, "a well-formed answer that the verifier rejected"),
         (WRITE_NOT_EXECUTED, "a write task committed without running INSERT/UPDATE/DELETE"),
         (NO_QUERY, "the agent answered without querying the database"),
+        (UNPARSED_ACTION, "a reply wrote SQL outside a ```sql block, so no query ran"),
+        (RESULT_NOT_COMMITTED, "a query returned a single value and the episode ended without committing it"),
     ];
 }
 
@@ -179,6 +183,18 @@ fn is_identifier_error(text: &str) -> bool {
         .any(|p| t.contains(p))
 }
 
+/// A DBBench result of exactly one row with one value, e.g. `[(2,)]` or `[('Sam',)]`.
+fn is_single_value(text: &str) -> bool {
+    let t = text.trim();
+    t.starts_with("[(") && t.ends_with(",)]") && t.matches('(').count() == 1 && t != "[(None,)]"
+}
+
+/// The SQL statement a prose reply wrote (outside a ```sql block, which would have run).
+fn stated_sql(text: &str) -> Option<&str> {
+    let upper = text.to_ascii_uppercase();
+    ["SELECT ", "INSERT INTO", "UPDATE ", "DELETE FROM"].iter().filter_map(|kw| upper.find(kw)).min().map(|i| &text[i..])
+}
+
 fn is_empty_result(text: &str) -> bool {
     let t = text.trim();
     t == "No response from database." || t == "[]" || t == "[(None,)]"
@@ -237,6 +253,19 @@ pub fn diagnose_trajectory(row: &Trajectory) -> Vec<Finding> {
     if prose > 0 {
         let first = row.turns.iter().find(|t| t.source == TurnSource::Policy && t.tool_name.is_none() && !t.text.trim().is_empty());
         add(&mut out, codes::PROSE_ANSWER, format!("{prose} repl(ies) without a tool call, e.g. \"{}\"", clip(first.map(|t| t.text.as_str()).unwrap_or(""), 80)));
+    }
+    let unparsed = row
+        .turns
+        .iter()
+        .filter(|t| t.source == TurnSource::Policy && t.tool_name.is_none())
+        .find_map(|t| stated_sql(&t.text));
+    if let Some(sql) = unparsed {
+        add(&mut out, codes::UNPARSED_ACTION, format!("SQL in prose, never run: `{}`", clip(sql, 80)));
+    }
+    if commit.is_none() {
+        if let Some((q, r)) = queries.iter().rev().find_map(|a| Some((query_of(a)?, a.result.filter(|r| is_single_value(r))?))) {
+            add(&mut out, codes::RESULT_NOT_COMMITTED, format!("`{}` returned {} and nothing was committed", clip(&q, 60), clip(r, 40)));
+        }
     }
     if let Some(op) = wanted_aggregate(&row.task_type) {
         let last = queries.iter().rev().find_map(|a| query_of(a));
@@ -456,7 +485,22 @@ mod tests {
             turn(Role::Assistant, TurnSource::Policy, "The output is 2.", None),
             turn(Role::User, TurnSource::Harness, "Your reply called no tool.", None),
         ]);
-        assert_eq!(causes(&r), vec!["prose_answer", "never_committed", "budget_exhausted"]);
+        assert_eq!(causes(&r), vec!["prose_answer", "result_not_committed", "never_committed", "budget_exhausted"]);
+    }
+
+    #[test]
+    fn sql_written_in_prose_is_an_unparsed_action() {
+        let r = row("counting", Termination::BudgetExhausted, vec![
+            task("Question: How many cities have area greater than 25?"),
+            turn(Role::Assistant, TurnSource::Policy, "Shorter version:\nSELECT COUNT(*) FROM cities WHERE area > 25;", None),
+            turn(Role::User, TurnSource::Harness, "Your reply called no tool.", None),
+        ]);
+        let found = diagnose_trajectory(&r);
+        assert_eq!(found[1].cause, "unparsed_action");
+        assert!(found[1].evidence.contains("`SELECT COUNT(*) FROM cities WHERE area > 25;`"), "{found:?}");
+        // A multi-row result is not a single value left uncommitted.
+        let rows = row("ranking", Termination::BudgetExhausted, vec![task("t"), sql("SELECT name FROM t"), result("[('a',), ('b',)]")]);
+        assert!(!causes(&rows).contains(&"result_not_committed".to_string()));
     }
 
     #[test]

@@ -51,10 +51,12 @@ impl Default for DirectionSettings {
 /// The family of a cause code; unknown codes (from an LLM diagnoser) form their own family.
 pub fn family(cause: &str) -> &str {
     match cause {
-        codes::NEVER_COMMITTED | codes::BUDGET_EXHAUSTED | codes::ROUND_LIMIT | codes::PROSE_ANSWER => "finish",
+        codes::NEVER_COMMITTED | codes::BUDGET_EXHAUSTED | codes::ROUND_LIMIT | codes::PROSE_ANSWER | codes::RESULT_NOT_COMMITTED => {
+            "finish"
+        }
         codes::IDENTIFIER_ERROR | codes::SQL_ERROR | codes::EMPTY_RESULT => "sql",
         codes::WRONG_AGGREGATE | codes::ANSWER_FORMAT | codes::WRONG_ANSWER | codes::WRITE_NOT_EXECUTED => "answer",
-        codes::REPEATED_ACTION | codes::NO_QUERY => "control",
+        codes::REPEATED_ACTION | codes::NO_QUERY | codes::UNPARSED_ACTION => "control",
         other => other,
     }
 }

@@ -36,6 +36,8 @@ pub struct EditRequest<'a> {
     pub feedback: Option<String>,
     /// Briefs of the other candidates of this round (to seek different mechanisms).
     pub other_briefs: Vec<String>,
+    /// Children already proposed this round: an editor seeks mechanisms they do not use.
+    pub earlier: Vec<HarnessSpec>,
     /// Validation options (the environment's tool names).
     pub validate: &'a ValidateOptions,
 }
@@ -80,12 +82,39 @@ const COMMIT_NOW: &str = "Execution budget is low. Commit now: reply with the si
 const COMMIT_AFTER_RESULT: &str = "If this result answers the question, commit it now with the single line Final Answer: [\"<value>\"], e.g. for [(2,)] write Final Answer: [\"2\"].";
 const NO_PROSE: &str = "Do not write the answer as a sentence. Either run a query in a ```sql block, or commit with the single line Final Answer: [\"<value>\"].";
 
-/// The repair library: for a cause, its mechanisms in order (prompt, hook, skill, ...).
-/// `threshold` parameterises budget hooks.
+/// SQL a reply wrote outside a ```sql block: the first SELECT / INSERT / UPDATE / DELETE
+/// statement, up to `;`, a code fence, a blank line or the end.
+pub const STATED_SQL_PATTERN: &str = r"(?is)\b((?:SELECT|INSERT\s+INTO|UPDATE|DELETE\s+FROM)\b[^;`]*?)\s*(?:;|```|\n\s*\n|$)";
+/// The answer a reply states: the words after "answer is" / "answer:", without quotes.
+pub const STATED_ANSWER_PATTERN: &str =
+    r#"(?i)\banswer\b[^:\n]{0,12}?(?:\bis\b|:)\s*:?\s*["'“*]*([^"'”*\n]{1,60}?)["'”*]*\s*(?:[.\n]|$)"#;
+/// A name the reply gives as its answer: capitalised words after "answer is" (or opening
+/// the reply), followed by has / is / was or the end of the sentence.
+pub const STATED_NAME_PATTERN: &str = r#"(?:(?i:answer)[^:\n]{0,20}?(?i:is|:)\s*:?\s*|^\s*)["'*]*([A-Z][A-Za-z0-9_'-]*(?:\s+[A-Z][A-Za-z0-9_'-]*){0,2})["'*]*(?:\s+(?:has|had|is|was)\s|\s*[."\n]|$)"#;
+/// The first number after "answer", "is", "are", "was", "total" or "of".
+pub const STATED_NUMBER_PATTERN: &str = r"(?i)(?:answer|is|are|was|total|of)\s[^.\n0-9]{0,40}?(-?[0-9]+(?:\.[0-9]+)?)";
+/// The value of a one-row, one-column DBBench result: `[(2,)]` → 2, `[('Sam',)]` → Sam.
+pub const SINGLE_VALUE_PATTERN: &str = r"^\s*\[\(\s*'?([^()]*?)'?\s*,\s*\)\]\s*$";
+
+fn extract(name: &str, from: &str, pattern: &str) -> Value {
+    json!({ name: {"from": from, "pattern": pattern} })
+}
+
+/// A before_decision hook that commits what a prose reply stated, read by `pattern`.
+fn commit_stated(id: &str, pattern: &str) -> Value {
+    json!({"hooks": [hook(id, "before_decision", json!("text_only_reply"), "force_action", "",
+        json!({"max_fires": 1, "extract": extract("answer", "state.last_reply", pattern),
+               "tool": "commit_final_answer", "args": {"answers": ["{{extract.answer}}"]}}))]})
+}
+
+/// The repair library: for a cause, its mechanisms, the most direct repair first (for the
+/// finishing causes: commit what the reply already stated), then reminders, prompts and
+/// skills. `threshold` parameterises budget hooks.
 pub fn repairs_for(cause: &str, threshold: u32) -> Vec<Repair> {
     let r = |mechanism, diff| Repair { mechanism, diff };
     match cause {
         codes::NEVER_COMMITTED | codes::BUDGET_EXHAUSTED | codes::ROUND_LIMIT => vec![
+            r("hook:commit-stated-number", commit_stated("commit-stated-number", STATED_NUMBER_PATTERN)),
             r("hook:low-budget", json!({"hooks": [hook("commit-when-low", "after_tool", json!("remaining_steps_lte"), "warn", COMMIT_NOW, json!({"threshold": threshold}))]})),
             r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
                 json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
@@ -93,9 +122,26 @@ pub fn repairs_for(cause: &str, threshold: u32) -> Vec<Repair> {
                 "First run one SELECT in a ```sql block. As soon as the result contains the answer, commit it with the line Final Answer: [\"<value>\"]. Never end an episode without committing an answer."}]})),
         ],
         codes::PROSE_ANSWER => vec![
+            r("hook:commit-stated-name", commit_stated("commit-stated-name", STATED_NAME_PATTERN)),
+            r("hook:commit-stated-answer", commit_stated("commit-stated-answer", STATED_ANSWER_PATTERN)),
             r("hook:no-prose", json!({"hooks": [hook("no-prose", "before_decision", json!("text_only_reply"), "warn", NO_PROSE, json!({}))]})),
             r("skill:commit", json!({"skills": [{"name": "commit-answer", "text":
                 "1. Run one SELECT that computes the value.\n2. Read the value from the result, e.g. [(2,)] means 2.\n3. Call commit_final_answer with answers: [\"2\"]."}]})),
+            r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
+                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
+        ],
+        codes::UNPARSED_ACTION => vec![
+            r("hook:run-stated-sql", json!({"hooks": [hook("run-stated-sql", "before_decision", json!("text_only_reply"), "force_action", "",
+                json!({"max_fires": 2, "extract": extract("sql", "state.last_reply", STATED_SQL_PATTERN),
+                       "tool": "execute_sql", "args": {"query": "{{extract.sql}}"}}))]})),
+            r("prompt:sql-fence", json!({"prompt_rules": [{"slot": "answer_format", "text":
+                "Write every query inside a ```sql block; SQL anywhere else is not run."}]})),
+        ],
+        codes::RESULT_NOT_COMMITTED => vec![
+            r("hook:commit-single-value", json!({"hooks": [hook("commit-single-value", "after_tool",
+                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "force_action", "",
+                json!({"max_fires": 1, "extract": extract("value", "observation.text", SINGLE_VALUE_PATTERN),
+                       "tool": "commit_final_answer", "args": {"answers": ["{{extract.value}}"]}}))]})),
             r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
                 json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
         ],
@@ -213,20 +259,21 @@ impl Default for TemplateEditor {
 }
 
 impl TemplateEditor {
-    /// The diff for a direction: for the seed cause the `variant`-th mechanism, for each
-    /// partner the mechanism after it, so that variants differ in every component.
-    pub fn diff(&self, direction: &Direction, variant: usize) -> Option<(Value, Vec<&'static str>)> {
+    /// The diff for a direction: for every cause its `variant`-th mechanism (the most
+    /// direct repair for variant 0). A mechanism in `taken` (already in the parent, used by
+    /// another child of this round, or by the version being revised) or already chosen for
+    /// another cause of this direction is passed over for the next one of its cause; when
+    /// all are taken the cause adds nothing.
+    pub fn diff(&self, direction: &Direction, variant: usize, taken: &[&'static str]) -> Option<(Value, Vec<&'static str>)> {
         let mut merged = Map::new();
         let mut mechanisms = Vec::new();
-        for (i, cause) in direction.causes.iter().enumerate() {
+        for cause in &direction.causes {
             let repairs = repairs_for(cause, self.low_budget_threshold);
-            if repairs.is_empty() {
-                continue;
-            }
-            let pick = &repairs[(variant + i) % repairs.len()];
-            if mechanisms.contains(&pick.mechanism) {
-                continue;
-            }
+            let n = repairs.len();
+            let free = (0..n)
+                .map(|j| &repairs[(variant + j) % n])
+                .find(|r| !taken.contains(&r.mechanism) && !mechanisms.contains(&r.mechanism));
+            let Some(pick) = free else { continue };
             mechanisms.push(pick.mechanism);
             for (k, v) in pick.diff.as_object().expect("repairs are objects") {
                 let list = merged.entry(k.clone()).or_insert_with(|| Value::Array(vec![]));
@@ -241,13 +288,50 @@ impl TemplateEditor {
     }
 }
 
+impl TemplateEditor {
+    /// The library mechanisms a spec already carries: every component of the repair is in
+    /// the spec (hooks compared without their ids, which may have been suffixed).
+    pub fn mechanisms_in(&self, spec: &HarnessSpec) -> Vec<&'static str> {
+        let have = serde_json::to_value(spec).unwrap_or(Value::Null);
+        let strip_id = |v: &Value| {
+            let mut v = v.clone();
+            if let Some(m) = v.as_object_mut() {
+                m.remove("id");
+            }
+            v
+        };
+        let mut out = Vec::new();
+        for (cause, _) in codes::ALL {
+            for repair in repairs_for(cause, self.low_budget_threshold) {
+                if out.contains(&repair.mechanism) {
+                    continue;
+                }
+                let present = repair.diff.as_object().is_some_and(|diff| {
+                    diff.iter().all(|(key, items)| {
+                        let list: Vec<Value> = have.get(key).and_then(Value::as_array).map(|l| l.iter().map(strip_id).collect()).unwrap_or_default();
+                        items.as_array().is_some_and(|items| items.iter().all(|i| list.contains(&strip_id(i))))
+                    })
+                });
+                if present {
+                    out.push(repair.mechanism);
+                }
+            }
+        }
+        out
+    }
+}
+
 #[async_trait]
 impl Editor for TemplateEditor {
     fn name(&self) -> &str {
         "template"
     }
     async fn edit(&self, req: &EditRequest<'_>) -> Result<HarnessSpec, EditError> {
-        let Some((diff, mechanisms)) = self.diff(req.direction, req.variant) else {
+        let mut taken = self.mechanisms_in(req.parent);
+        for child in &req.earlier {
+            taken.extend(self.mechanisms_in(child));
+        }
+        let Some((diff, mechanisms)) = self.diff(req.direction, req.variant, &taken) else {
             return Err(EditError::NoRepair { child: req.child_id.clone(), causes: req.direction.causes.join(", ") });
         };
         let text = format!("{} via {}", req.direction.summary, mechanisms.join(", "));
@@ -266,7 +350,10 @@ memory [{key, text}]; hooks [{id, event, condition, action, message, parameters}
 before_decision, before_action, after_tool, action one of warn, block_and_prompt (before_action only), \
 rewrite_action, force_action, condition a named predicate (remaining_steps_lte with parameters.threshold, \
 last_action_failed, repeated_action, no_answer_committed, text_only_reply, pagination_present, always) or an \
-expression such as {\"eq\": [\"action.tool\", \"execute_sql\"]}. Answer with ONE JSON object holding only the \
+expression such as {\"eq\": [\"action.tool\", \"execute_sql\"]}. rewrite_action and force_action take \
+parameters.tool and parameters.args, whose strings may hold {{path}} placeholders; parameters.extract \
+{\"<name>\": {\"from\": \"state.last_reply\", \"pattern\": \"<regex>\"}} captures text for {{extract.<name>}} \
+(the hook fires only when every pattern matches). Answer with ONE JSON object holding only the \
 components to ADD, e.g. {\"hooks\": [{\"id\": \"commit-now\", \"event\": \"after_tool\", \"condition\": \
 \"remaining_steps_lte\", \"action\": \"warn\", \"message\": \"Commit the answer now.\", \"parameters\": \
 {\"threshold\": 2}}]}. Never claim unrun tests.";
@@ -375,16 +462,65 @@ mod tests {
             for variant in 0..3 {
                 let d = direction(&[cause, codes::PROSE_ANSWER]);
                 let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: format!("c-{cause}-{variant}"),
-                    generation: 1, variant, feedback: None, other_briefs: vec![], validate: &o };
+                    generation: 1, variant, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
                 let child = editor.edit(&req).await.unwrap_or_else(|e| panic!("{cause} v{variant}: {e}"));
                 assert!(check_spec(&child, &o).is_empty());
                 assert_eq!(child.parent.as_deref(), Some("h0"));
             }
         }
         let d = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
-        let a = editor.diff(&d, 0).unwrap().0;
-        let b = editor.diff(&d, 1).unwrap().0;
+        let a = editor.diff(&d, 0, &[]).unwrap().0;
+        let b = editor.diff(&d, 1, &[]).unwrap().0;
         assert_ne!(a, b);
+    }
+
+    #[tokio::test]
+    async fn children_of_one_round_use_different_mechanisms() {
+        let editor = TemplateEditor::default();
+        let o = opts();
+        // Two directions whose rotations would both pick the same prose repair.
+        let d1 = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
+        let d2 = direction(&[codes::PROSE_ANSWER, codes::NEVER_COMMITTED]);
+        let first = EditRequest { parent: &HarnessSpec::h0(), direction: &d1, child_id: "c1".into(), generation: 1, variant: 0,
+            feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
+        let c1 = editor.edit(&first).await.unwrap();
+        let m1 = editor.mechanisms_in(&c1);
+        assert_eq!(m1.len(), 2, "{m1:?}");
+        let second = EditRequest { direction: &d2, child_id: "c2".into(), variant: 1, earlier: vec![c1.clone()], ..first.clone() };
+        let c2 = editor.edit(&second).await.unwrap();
+        let m2 = editor.mechanisms_in(&c2);
+        assert!(m2.iter().all(|m| !m1.contains(m)), "{m1:?} vs {m2:?}");
+        // A child of c1 does not re-add what c1 has.
+        let grand = EditRequest { parent: &c1, child_id: "c3".into(), generation: 2, ..first.clone() };
+        let c3 = editor.edit(&grand).await.unwrap();
+        assert!(editor.mechanisms_in(&c3).len() > m1.len());
+        assert!(editor.mechanisms_in(&HarnessSpec::h0()).is_empty());
+    }
+
+    #[test]
+    fn library_patterns_read_what_small_models_write() {
+        let first = |pattern: &str, text: &str| {
+            regex::Regex::new(pattern).unwrap().captures(text).and_then(|c| c.get(1)).map(|m| m.as_str().trim().to_string())
+        };
+        // Replies SmolLM2-135M gave on generated DBBench tasks.
+        assert_eq!(first(STATED_SQL_PATTERN, "Shorter version:\nSELECT COUNT(*) FROM cities WHERE city > 25;").as_deref(),
+                   Some("SELECT COUNT(*) FROM cities WHERE city > 25"));
+        assert_eq!(first(STATED_SQL_PATTERN, "Here:\n```\nSELECT * FROM Products WHERE Product = 'Fan'\n```").as_deref(),
+                   Some("SELECT * FROM Products WHERE Product = 'Fan'"));
+        assert_eq!(first(STATED_SQL_PATTERN, "I'm ready to help. What's the question?"), None);
+        assert_eq!(first(STATED_ANSWER_PATTERN, "The answer is: \"42\"").as_deref(), Some("42"));
+        assert_eq!(first(STATED_ANSWER_PATTERN, "Students: 2,348\nThe answer is 751.").as_deref(), Some("751"));
+        assert_eq!(first(STATED_ANSWER_PATTERN, "Based on the given data, Blue River has more copies."), None);
+        assert_eq!(first(STATED_NAME_PATTERN, "The answer is: Joao has a higher goals than Luka.").as_deref(), Some("Joao"));
+        assert_eq!(first(STATED_NAME_PATTERN, "The answer is Mateo.").as_deref(), Some("Mateo"));
+        assert_eq!(first(STATED_NAME_PATTERN, "Blue River has a higher number of copies.").as_deref(), Some("Blue River"));
+        assert_eq!(first(STATED_NAME_PATTERN, "The answer is: The employee with the lowest years of service."), None);
+        assert_eq!(first(STATED_NUMBER_PATTERN, "The answer to this question is: The lowest area of all cities is 1.").as_deref(), Some("1"));
+        assert_eq!(first(STATED_NUMBER_PATTERN, "I'm ready to help."), None);
+        assert_eq!(first(SINGLE_VALUE_PATTERN, "[(266,)]").as_deref(), Some("266"));
+        assert_eq!(first(SINGLE_VALUE_PATTERN, "[('Iron Gate',)]").as_deref(), Some("Iron Gate"));
+        assert_eq!(first(SINGLE_VALUE_PATTERN, "[(1,), (2,)]"), None);
+        assert_eq!(first(SINGLE_VALUE_PATTERN, "[('Sam', 3)]"), None);
     }
 
     #[tokio::test]
@@ -392,7 +528,7 @@ mod tests {
         let editor = TemplateEditor::default();
         let o = opts();
         let d = direction(&[codes::NEVER_COMMITTED, codes::ROUND_LIMIT]);
-        let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: "c1".into(), generation: 1, variant: 0, feedback: None, other_briefs: vec![], validate: &o };
+        let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: "c1".into(), generation: 1, variant: 0, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
         let c1 = editor.edit(&req).await.unwrap();
         let req2 = EditRequest { parent: &c1, child_id: "c2".into(), generation: 2, variant: 0, ..req.clone() };
         let c2 = editor.edit(&req2).await.unwrap();
@@ -404,7 +540,7 @@ mod tests {
     fn invalid_llm_replies_are_rejected_with_the_field_named() {
         let o = opts();
         let d = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
-        let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: "x".into(), generation: 1, variant: 0, feedback: None, other_briefs: vec![], validate: &o };
+        let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: "x".into(), generation: 1, variant: 0, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
         assert!(child_from_reply(&req, "I would add a hook.").unwrap_err().contains("no JSON object"));
         let err = child_from_reply(&req, r#"{"hooks": [{"event": "on_lunch", "condition": "always", "action": "warn", "message": "m"}]}"#).unwrap_err();
         assert!(err.contains("hooks[0].event: unknown event `on_lunch`"), "{err}");

@@ -375,6 +375,8 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
 
         // 2c–e: edit, validate, evaluate locally, measure V(H).
         let mut valid: Vec<Candidate> = Vec::new();
+        // Children kept so far this round (so the editor seeks other mechanisms).
+        let mut proposed: Vec<HarnessSpec> = Vec::new();
         let mut rejected = 0usize;
         for (k, parent, direction, failed, ok) in &plans {
             let child_id = loop {
@@ -392,7 +394,7 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
             let others: Vec<String> = briefs.iter().filter(|b| !b.starts_with(&direction.summary)).cloned().collect();
             let mut req = EditRequest {
                 parent, direction, child_id: child_id.clone(), generation: parent.generation + 1,
-                variant: k + ri, feedback: None, other_briefs: others, validate: &ctx.validate,
+                variant: k + ri, feedback: None, other_briefs: others, earlier: proposed.clone(), validate: &ctx.validate,
             };
             let first = match ctx.editor.edit(&req).await {
                 Ok(child) => measure(ctx, input, round, direction, failed, ok, &specs, child).await?,
@@ -407,6 +409,10 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
             };
             if needs_revision && s.revisions > 0 {
                 req.variant += 1;
+                // The revision seeks mechanisms the first version did not use.
+                if let Ok((first_child, _)) = &kept {
+                    req.earlier.push(first_child.clone());
+                }
                 req.feedback = Some(match &kept {
                     Err(reason) => format!("invalid: {reason}"),
                     Ok((_, l)) => format!("repaired {} of {} targeted tasks; regressed {} of {} controls", l.repaired.len(), l.targeted.len(), l.regressed.len(), l.controls.len()),
@@ -441,6 +447,7 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
                     continue;
                 }
             };
+            proposed.push(child.clone());
             let rows = batch(ctx, input, "validation", round, &child, &input.validation_task_ids, Split::Validation).await?;
             let coverage = solved(&rows);
             put_member(ctx.store, &input.run_id, &child).await?;

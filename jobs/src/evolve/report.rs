@@ -30,6 +30,43 @@ pub fn repair_counts(tasks: &BTreeSet<String>, h0: &BTreeSet<String>, siblings: 
         .collect()
 }
 
+/// Figure 1a's counts for a pool: every sibling against the pool's `h0` member on the
+/// pool's validation tasks; `None` when the pool has no `h0` (nothing to compare with).
+pub fn pool_repair_counts(m: &super::pool::PoolManifest) -> Option<Vec<RepairCount>> {
+    let h0 = m.member(schemas::H0_ID)?;
+    let tasks: BTreeSet<String> = m.validation_tasks.iter().cloned().collect();
+    let base: BTreeSet<String> = h0.validation_coverage.iter().cloned().collect();
+    let siblings: BTreeMap<String, BTreeSet<String>> = m
+        .members
+        .iter()
+        .filter(|e| e.id != schemas::H0_ID)
+        .map(|e| (e.id.clone(), e.validation_coverage.iter().cloned().collect()))
+        .collect();
+    Some(repair_counts(&tasks, &base, &siblings))
+}
+
+/// Figure 1a and 5 as a Markdown table: repaired and regressed tasks per sibling (with
+/// the repaired ids), the union of repairs and the mean directed overlap.
+pub fn repair_table(counts: &[RepairCount]) -> String {
+    let mut md = String::from("| sibling | repaired | regressed | repaired tasks |\n|---|---:|---:|---|\n");
+    for c in counts {
+        let ids: Vec<&str> = c.repaired.iter().map(String::as_str).collect();
+        md.push_str(&format!("| {} | {} | {} | {} |\n", c.sibling, c.repaired.len(), c.regressed.len(), ids.join(", ")));
+    }
+    let union: BTreeSet<&String> = counts.iter().flat_map(|c| c.repaired.iter()).collect();
+    let distinct: BTreeSet<&BTreeSet<String>> = counts.iter().filter(|c| !c.repaired.is_empty()).map(|c| &c.repaired).collect();
+    md.push_str(&format!(
+        "\nUnion of repairs: {} task(s); {} distinct non-empty repaired set(s); mean directed repair overlap: {}.\n",
+        union.len(),
+        distinct.len(),
+        match mean_overlap(&overlap_matrix(counts)) {
+            Some(v) => format!("{:.1}%", v * 100.0),
+            None => "n/a (fewer than two siblings with repairs)".into(),
+        }
+    ));
+    md
+}
+
 /// Figure 5: cell (i, j) = |R_i ∩ R_j| / |R_i| (row-normalised, so directional); `None` on
 /// the diagonal and for rows with no repairs.
 pub fn overlap_matrix(counts: &[RepairCount]) -> Vec<Vec<Option<f64>>> {
@@ -186,6 +223,10 @@ mod tests {
         assert_eq!(m[0][2], Some(0.0));
         let mean = mean_overlap(&m).unwrap();
         assert!((mean - (1.0 + 0.0 + 2.0 / 3.0 + 0.0) / 4.0).abs() < 1e-9);
+        let table = repair_table(&c);
+        assert!(table.contains("| s1 | 2 | 1 | 2, 3 |"), "{table}");
+        assert!(table.contains("| s3 | 0 | 0 |  |"), "{table}");
+        assert!(table.contains("Union of repairs: 3 task(s); 2 distinct non-empty repaired set(s); mean directed repair overlap: 41.7%."), "{table}");
     }
 
     #[test]

@@ -2,6 +2,10 @@
 //! evaluation. Conditions are data: a named predicate or a small expression tree
 //! (all / any / not / eq / ne / lt / lte / gt / gte / contains) over read-only paths.
 //! Evaluation is a pure function of the episode snapshot; nothing from a spec is executed.
+//! A hook may also declare *extractions* (`parameters.extract`): named regular expressions
+//! over a string path whose first capture group fills `{{extract.<name>}}` placeholders.
+//! A hook fires only when all its extractions match. Patterns are data too: the `regex`
+//! crate matches in linear time, and validation bounds their size.
 //!
 //! The same tables drive validation ([`super::validate`]), so a path or predicate the
 //! runtime cannot evaluate is rejected before an episode starts.
@@ -51,6 +55,7 @@ pub const STATE_FIELDS: &[(&str, ValueType, &str)] = &[
     ("hints_injected", ValueType::Number, "harness texts injected so far"),
     ("task_type", ValueType::String, "the task category, e.g. `counting`"),
     ("last_tool", ValueType::String, "tool of the latest action (empty before the first)"),
+    ("last_reply", ValueType::String, "text of the policy's latest reply (empty before the first)"),
 ];
 
 /// `observation.<field>` paths: the latest observation (the task itself at episode start).
@@ -163,8 +168,93 @@ pub fn check_path(path: &str, event: HookEvent) -> Result<ValueType, String> {
                  observation.action_failed, observation.done"
             )
         }),
-        _ => Err(format!("unknown path `{path}`; paths start with `state.`, `action.` or `observation.`")),
+        "extract" => {
+            if rest.is_empty() || rest.contains('.') {
+                Err(format!("`{path}` names no extraction; write extract.<name> for a name under parameters.extract"))
+            } else {
+                Ok(ValueType::String)
+            }
+        }
+        _ => Err(format!(
+            "unknown path `{path}`; paths start with `state.`, `action.`, `observation.` or `extract.`"
+        )),
     }
+}
+
+/// Longest extraction pattern a spec may carry.
+pub const MAX_PATTERN_BYTES: usize = 512;
+/// Compiled-size limit of one extraction pattern (the regex crate's `size_limit`).
+const PATTERN_SIZE_LIMIT: usize = 1024 * 1024;
+
+/// One named extraction of a hook: `pattern` applied to the string at `from`.
+#[derive(Debug, Clone)]
+pub struct Extraction {
+    pub name: String,
+    pub from: String,
+    pub pattern: regex::Regex,
+}
+
+/// Parses `parameters.extract` (`{"<name>": {"from": "<path>", "pattern": "<regex>"}}`).
+/// Errors name the extraction and what is wrong; paths are checked by the caller.
+pub fn parse_extractions(params: &BTreeMap<String, Value>) -> Result<Vec<Extraction>, Vec<(String, String)>> {
+    let Some(spec) = params.get("extract") else { return Ok(vec![]) };
+    let Value::Object(map) = spec else {
+        return Err(vec![(String::new(), "expected an object of named extractions: {\"<name>\": {\"from\": \"<path>\", \"pattern\": \"<regex>\"}}".into())]);
+    };
+    let mut out = Vec::new();
+    let mut problems = Vec::new();
+    for (name, item) in map {
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            problems.push((name.clone(), "extraction names use letters, digits and `_`".into()));
+            continue;
+        }
+        let from = item.get("from").and_then(Value::as_str);
+        let pattern = item.get("pattern").and_then(Value::as_str);
+        let unknown: Vec<&String> = item.as_object().map(|m| m.keys().filter(|k| *k != "from" && *k != "pattern").collect()).unwrap_or_default();
+        if !unknown.is_empty() {
+            problems.push((name.clone(), format!("unknown key `{}`; an extraction has `from` and `pattern`", unknown[0])));
+            continue;
+        }
+        let (Some(from), Some(pattern)) = (from, pattern) else {
+            problems.push((name.clone(), "needs `from` (a path) and `pattern` (a regular expression), both strings".into()));
+            continue;
+        };
+        if pattern.len() > MAX_PATTERN_BYTES {
+            problems.push((name.clone(), format!("pattern exceeds {MAX_PATTERN_BYTES} bytes")));
+            continue;
+        }
+        match regex::RegexBuilder::new(pattern).size_limit(PATTERN_SIZE_LIMIT).build() {
+            Ok(re) => out.push(Extraction { name: name.clone(), from: from.to_string(), pattern: re }),
+            Err(e) => problems.push((name.clone(), format!("pattern does not compile: {}", e.to_string().lines().last().unwrap_or("invalid")))),
+        }
+    }
+    if problems.is_empty() {
+        Ok(out)
+    } else {
+        Err(problems)
+    }
+}
+
+/// Runs a hook's extractions: each yields its first capture group (or the whole match),
+/// trimmed. `None` when one does not match or matches only whitespace: the hook does not
+/// fire. Strings are searched as they are; other values as their JSON text.
+pub fn run_extractions(extractions: &[Extraction], s: &Scope<'_>) -> Option<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for e in extractions {
+        let text = match s.resolve(&e.from) {
+            Value::String(t) => t,
+            Value::Null => return None,
+            other => other.to_string(),
+        };
+        let caps = e.pattern.captures(&text)?;
+        let m = caps.get(1).or_else(|| caps.get(0))?;
+        let value = m.as_str().trim();
+        if value.is_empty() {
+            return None;
+        }
+        out.insert(e.name.clone(), value.to_string());
+    }
+    Some(out)
 }
 
 pub fn event_name(event: HookEvent) -> &'static str {
@@ -194,6 +284,7 @@ pub struct StateView {
     pub hints_injected: u32,
     pub task_type: String,
     pub last_tool: String,
+    pub last_reply: String,
     pub features: Map<String, Value>,
 }
 
@@ -215,6 +306,7 @@ impl StateView {
             "hints_injected" => self.hints_injected.into(),
             "task_type" => self.task_type.clone().into(),
             "last_tool" => self.last_tool.clone().into(),
+            "last_reply" => self.last_reply.clone().into(),
             _ => Value::Null,
         }
     }
@@ -235,6 +327,8 @@ pub struct Scope<'a> {
     pub text_only_reply: bool,
     /// The hook's parameters.
     pub params: &'a BTreeMap<String, Value>,
+    /// Values of the hook's extractions (`extract.<name>`).
+    pub extracted: &'a BTreeMap<String, String>,
 }
 
 impl Scope<'_> {
@@ -261,6 +355,7 @@ impl Scope<'_> {
                 },
                 None => Value::Null,
             },
+            "extract" => self.extracted.get(rest).map(|v| Value::String(v.clone())).unwrap_or(Value::Null),
             _ => Value::Null,
         }
     }
@@ -456,6 +551,7 @@ mod tests {
         history: Vec<ToolCall>,
         text_only: bool,
         params: BTreeMap<String, Value>,
+        extracted: BTreeMap<String, String>,
         event: HookEvent,
     }
 
@@ -468,6 +564,7 @@ mod tests {
                 history: vec![],
                 text_only: false,
                 params: BTreeMap::new(),
+                extracted: BTreeMap::new(),
                 event: HookEvent::BeforeAction,
             }
         }
@@ -480,6 +577,7 @@ mod tests {
                 history: &self.history,
                 text_only_reply: self.text_only,
                 params: &self.params,
+                extracted: &self.extracted,
             }
         }
         fn holds(&self, cond: Value) -> bool {
@@ -614,6 +712,44 @@ mod tests {
         assert!(check_path("state.remaning_steps", HookEvent::AfterTool).unwrap_err().contains("unknown path"));
         assert!(check_path("env.secret", HookEvent::AfterTool).is_err());
         assert!(check_path("action.args.", HookEvent::AfterTool).is_err());
+    }
+
+    #[test]
+    fn extractions_take_the_first_capture_and_fail_closed() {
+        let mut f = Fixture::new();
+        f.state.last_reply = "The answer is: \"42\".".into();
+        let params: BTreeMap<String, Value> = serde_json::from_value(json!({"extract": {
+            "answer": {"from": "state.last_reply", "pattern": "answer is:? \"?([^\".]*)"},
+            "table": {"from": "state.features.table_name", "pattern": "\\w+"}
+        }})).unwrap();
+        let ex = parse_extractions(&params).unwrap();
+        f.state.features.insert("table_name".into(), json!("Team Stats"));
+        let got = run_extractions(&ex, &f.scope()).unwrap();
+        assert_eq!(got["answer"], "42");
+        assert_eq!(got["table"], "Team", "no capture group: the whole match");
+        // One extraction that does not match stops the hook.
+        f.state.last_reply = "No idea.".into();
+        assert!(run_extractions(&ex, &f.scope()).is_none());
+        // A missing path is no match, not an empty value.
+        f.state.last_reply = "The answer is 7".into();
+        f.state.features.clear();
+        assert!(run_extractions(&ex, &f.scope()).is_none());
+        // extract.<name> resolves from the scope.
+        f.extracted.insert("answer".into(), "7".into());
+        assert!(f.holds(json!({"eq": ["extract.answer", "7"]})));
+    }
+
+    #[test]
+    fn bad_extractions_name_what_is_wrong() {
+        let parse = |v: Value| parse_extractions(&serde_json::from_value(v).unwrap()).unwrap_err();
+        assert!(parse(json!({"extract": []}))[0].1.contains("expected an object"));
+        let e = parse(json!({"extract": {"x": {"from": "state.last_reply", "pattern": "(unclosed"}}}));
+        assert_eq!(e[0].0, "x");
+        assert!(e[0].1.contains("does not compile"), "{e:?}");
+        assert!(parse(json!({"extract": {"x": {"from": "state.last_reply"}}}))[0].1.contains("needs `from`"));
+        assert!(parse(json!({"extract": {"x y": {"from": "a", "pattern": "b"}}}))[0].1.contains("letters"));
+        let long = "a".repeat(MAX_PATTERN_BYTES + 1);
+        assert!(parse(json!({"extract": {"x": {"from": "state.last_reply", "pattern": long}}}))[0].1.contains("exceeds"));
     }
 
     #[test]

@@ -32,7 +32,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::condition::{eval, render_template, Scope, StateView};
+use super::condition::{eval, parse_extractions, render_template, run_extractions, Extraction, Scope, StateView};
 use crate::env::{EpisodeStart, Observation, ToolCall, ToolSpec};
 use crate::policy::{Message, PolicyOutput, SamplingParams};
 use schemas::{HarnessSpec, Hook, HookAction, HookEvent, Role, Termination, Turn, TurnSource};
@@ -139,6 +139,9 @@ pub struct Session {
     queued: Option<(ToolCall, String, String)>,
     deferred_hints: Vec<(String, String)>,
     fires: Vec<u32>,
+    /// Each hook's compiled extractions (validation guarantees they compile; a hook whose
+    /// extractions do not gets none and can never fire).
+    extractions: Vec<Option<Vec<Extraction>>>,
     usage: Usage,
     /// Tokens the backend counted at the latest call (prompt + completion), and the number
     /// of turns at that point: the base of the context estimate.
@@ -167,6 +170,7 @@ impl Session {
             queued: None,
             deferred_hints: Vec::new(),
             fires: vec![0; spec.hooks.len()],
+            extractions: spec.hooks.iter().map(|h| parse_extractions(&h.parameters).ok()).collect(),
             usage: Usage::default(),
             calibration: None,
         };
@@ -246,6 +250,8 @@ impl Session {
                 HookAction::Warn => self.hint(fired.message, fired.hook_id),
                 HookAction::ForceAction => {
                     if let Some(call) = fired.call {
+                        // The harness acted on the latest reply: it no longer awaits one.
+                        self.text_only_reply = false;
                         self.push_harness_call(&call, fired.message, fired.hook_id);
                         return Next::Act(call);
                     }
@@ -269,6 +275,7 @@ impl Session {
     /// A reply without a tool call gets a reminder and the driver asks again.
     pub fn record_reply(&mut self, out: PolicyOutput) -> Option<ToolCall> {
         let call = out.tool_calls.first().cloned();
+        self.state.last_reply = out.text.clone();
         self.usage.prompt_tokens += u64::from(out.prompt_tokens);
         self.usage.completion_tokens += u64::from(out.completion_tokens);
         let turn = Turn {
@@ -474,7 +481,8 @@ impl Session {
             if is_mediation && mediated {
                 continue;
             }
-            let scope = Scope {
+            let Some(extractions) = &self.extractions[index] else { continue };
+            let mut scope = Scope {
                 event,
                 state: &self.state,
                 action,
@@ -482,7 +490,17 @@ impl Session {
                 history: &self.history,
                 text_only_reply: self.text_only_reply,
                 params: &hook.parameters,
+                extracted: &BTreeMap::new(),
             };
+            let extracted = if extractions.is_empty() {
+                BTreeMap::new()
+            } else {
+                match run_extractions(extractions, &scope) {
+                    Some(values) => values,
+                    None => continue,
+                }
+            };
+            scope.extracted = &extracted;
             if !eval(&hook.condition, &scope) {
                 continue;
             }
@@ -835,6 +853,41 @@ mod tests {
             other => panic!("expected a forced commit, got {other:?}"),
         }
         assert_eq!(s.usage().model_calls, 1);
+    }
+
+    #[test]
+    fn extractions_turn_a_prose_reply_into_an_action_and_gate_the_hook() {
+        // Run the SQL a reply wrote outside a ```sql block; commit a single-value result.
+        let mut s = session(json!([
+            {"id": "run-sql", "event": "before_decision", "condition": "text_only_reply", "action": "force_action",
+             "parameters": {"extract": {"sql": {"from": "state.last_reply", "pattern": "(?is)\\b(SELECT\\b[^;]*)"}},
+                            "tool": "execute_sql", "args": {"query": "{{extract.sql}}"}}},
+            {"id": "commit-value", "event": "after_tool", "condition": {"eq": ["action.tool", "execute_sql"]}, "action": "force_action",
+             "parameters": {"extract": {"value": {"from": "observation.text", "pattern": "^\\[\\('?([^()']*)'?,\\)\\]$"}},
+                            "tool": "commit_final_answer", "args": {"answers": ["{{extract.value}}"]}}}
+        ]));
+        ask(&mut s);
+        // A prose reply without SQL: no extraction matches, so the policy is asked again.
+        assert_eq!(s.record_reply(reply("I think it is two.", None)), None);
+        assert!(matches!(s.next_step(), Next::Ask(_)));
+        assert_eq!(s.state().last_reply, "I think it is two.");
+        // Unfenced SQL: the harness runs it.
+        assert_eq!(s.record_reply(reply("Use SELECT count(*) FROM t WHERE age > 30; to count.", None)), None);
+        let call = match s.next_step() {
+            Next::Act(c) => c,
+            other => panic!("expected the stated SQL to run, got {other:?}"),
+        };
+        assert_eq!(call, sql("SELECT count(*) FROM t WHERE age > 30"));
+        // A two-row result does not match the single-value pattern: nothing is committed.
+        assert_eq!(s.after_tool(&call, rows("[(1,), (2,)]")), None);
+        assert!(matches!(s.next_step(), Next::Ask(_)));
+        s.record_reply(reply("", Some(sql("SELECT 2"))));
+        s.after_tool(&sql("SELECT 2"), rows("[('Sam',)]"));
+        match s.next_step() {
+            Next::Act(c) => assert_eq!(c, ToolCall { name: "commit_final_answer".into(), args: json!({"answers": ["Sam"]}) }),
+            other => panic!("expected a forced commit, got {other:?}"),
+        }
+        assert_masks(s.turns());
     }
 
     #[test]

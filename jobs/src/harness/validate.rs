@@ -9,7 +9,7 @@ use std::fmt;
 
 use serde_json::{Map, Value};
 
-use super::condition::{check_path, event_name, predicate, template_paths, ValueType, PREDICATES};
+use super::condition::{check_path, event_name, parse_extractions, predicate, template_paths, ValueType, PREDICATES};
 use schemas::{HarnessSpec, HookEvent};
 
 /// Longest text (message, rule, skill, description) a spec may carry, in bytes.
@@ -89,7 +89,7 @@ pub fn check_spec(spec: &HarnessSpec, opts: &ValidateOptions) -> Vec<Problem> {
 
 /// Every problem of a spec given as JSON, in document order.
 pub fn validate_value(value: &Value, opts: &ValidateOptions) -> Vec<Problem> {
-    let mut v = Validator { problems: Vec::new(), opts };
+    let mut v = Validator { problems: Vec::new(), opts, extractions: Vec::new() };
     v.spec(value);
     v.problems
 }
@@ -97,6 +97,8 @@ pub fn validate_value(value: &Value, opts: &ValidateOptions) -> Vec<Problem> {
 struct Validator<'o> {
     problems: Vec<Problem>,
     opts: &'o ValidateOptions,
+    /// Extraction names the hook being checked declares (`parameters.extract`).
+    extractions: Vec<String>,
 }
 
 fn join(path: &str, key: &str) -> String {
@@ -119,6 +121,20 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 impl Validator<'_> {
+    /// [`check_path`], plus: an `extract.<name>` path must name one of the hook's extractions.
+    fn check_path(&self, path: &str, event: HookEvent) -> Result<ValueType, String> {
+        let ty = check_path(path, event)?;
+        if let Some(name) = path.strip_prefix("extract.") {
+            if !self.extractions.iter().any(|n| n == name) {
+                return Err(format!(
+                    "`{path}` names no extraction of this hook; declare it under parameters.extract (declared: {})",
+                    if self.extractions.is_empty() { "none".to_string() } else { self.extractions.join(", ") }
+                ));
+            }
+        }
+        Ok(ty)
+    }
+
     fn problem(&mut self, path: impl Into<String>, message: impl Into<String>) {
         self.problems.push(Problem { path: path.into(), message: message.into() });
     }
@@ -350,6 +366,12 @@ impl Validator<'_> {
             }
         });
 
+        self.extractions = h
+            .get("parameters")
+            .and_then(|p| p.get("extract"))
+            .and_then(Value::as_object)
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
         // Which predicates the condition uses decides which parameters it reads.
         let mut used = Vec::new();
         if let Some(c) = h.get("condition") {
@@ -446,7 +468,7 @@ impl Validator<'_> {
             return;
         };
         let ty = match event {
-            Some(ev) => match check_path(path_str, ev) {
+            Some(ev) => match self.check_path(path_str, ev) {
                 Ok(t) => t,
                 Err(msg) => {
                     self.problem(format!("{path}[0]"), msg);
@@ -454,7 +476,7 @@ impl Validator<'_> {
                 }
             },
             // The event is already reported; still catch paths unknown everywhere.
-            None => match check_path(path_str, HookEvent::AfterTool) {
+            None => match self.check_path(path_str, HookEvent::AfterTool) {
                 Ok(t) => t,
                 Err(msg) => {
                     self.problem(format!("{path}[0]"), msg);
@@ -506,6 +528,7 @@ impl Validator<'_> {
         // Allowed keys: those of the predicates used, of the action, and `max_fires`.
         let mut allowed: BTreeMap<&str, &str> = BTreeMap::new();
         allowed.insert("max_fires", "hook");
+        allowed.insert("extract", "hook");
         for name in used {
             if let Some(p) = predicate(name) {
                 for (param, required) in p.params {
@@ -545,6 +568,30 @@ impl Validator<'_> {
                 "max_fires" if value.as_u64().is_none_or(|n| n < 1) => {
                     self.problem(kp, format!("expected a positive integer, found {value}"));
                 }
+                "extract" => {
+                    let params: BTreeMap<String, Value> = map.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                    match parse_extractions(&params) {
+                        Ok(list) => {
+                            for e in list {
+                                let ep = join(&join(&kp, &e.name), "from");
+                                let check = self.check_path(&e.from, event.unwrap_or(HookEvent::AfterTool));
+                                match check {
+                                    Ok(_) if e.from.starts_with("extract.") => {
+                                        self.problem(ep, "an extraction reads a state, action or observation path, not another extraction")
+                                    }
+                                    Ok(_) => {}
+                                    Err(msg) => self.problem(ep, msg),
+                                }
+                            }
+                        }
+                        Err(problems) => {
+                            for (name, msg) in problems {
+                                let p = if name.is_empty() { kp.clone() } else { join(&kp, &name) };
+                                self.problem(p, msg);
+                            }
+                        }
+                    }
+                }
                 "tool" => {
                     if let Some(t) = self.text(&kp, value, true) {
                         self.known_tool(&kp, &t);
@@ -560,8 +607,8 @@ impl Validator<'_> {
                     }
                     for tp in template_paths(value) {
                         let check = match event {
-                            Some(ev) => check_path(&tp, ev),
-                            None => check_path(&tp, HookEvent::AfterTool),
+                            Some(ev) => self.check_path(&tp, ev),
+                            None => self.check_path(&tp, HookEvent::AfterTool),
                         };
                         if let Err(msg) = check {
                             self.problem(kp.clone(), format!("placeholder {{{{{tp}}}}}: {msg}"));
@@ -581,6 +628,23 @@ mod tests {
 
     fn problems(v: Value) -> Vec<String> {
         validate_value(&v, &ValidateOptions::default()).iter().map(|p| p.to_string()).collect()
+    }
+
+    #[test]
+    fn extraction_paths_and_placeholders_are_checked() {
+        let hook = |params: Value| {
+            problems(json!({"id": "s1", "parent": "h0", "hooks": [{"id": "f", "event": "before_decision",
+                "condition": "text_only_reply", "action": "force_action", "parameters": params}]}))
+        };
+        let good = hook(json!({"extract": {"sql": {"from": "state.last_reply", "pattern": "(SELECT[^;]*)"}},
+                               "tool": "execute_sql", "args": {"query": "{{extract.sql}}"}}));
+        assert!(good.is_empty(), "{good:?}");
+        let undeclared = hook(json!({"tool": "execute_sql", "args": {"query": "{{extract.sql}}"}}));
+        assert!(undeclared[0].contains("names no extraction of this hook"), "{undeclared:?}");
+        let bad_path = hook(json!({"extract": {"sql": {"from": "action.args.query", "pattern": "x"}}, "tool": "execute_sql"}));
+        assert!(bad_path[0].starts_with("hooks[0].parameters.extract.sql.from:") && bad_path[0].contains("not available"), "{bad_path:?}");
+        let bad_regex = hook(json!({"extract": {"sql": {"from": "state.last_reply", "pattern": "(("}}, "tool": "execute_sql"}));
+        assert!(bad_regex[0].starts_with("hooks[0].parameters.extract.sql:") && bad_regex[0].contains("does not compile"), "{bad_regex:?}");
     }
 
     #[test]

@@ -132,34 +132,15 @@ async fn diff(args: DiffArgs) -> anyhow::Result<u8> {
 }
 
 async fn report(args: ReportArgs) -> anyhow::Result<u8> {
-    use jobs::evolve::report::{mean_overlap, overlap_matrix, plot_overlap, plot_repairs, repair_counts};
-    use std::collections::{BTreeMap, BTreeSet};
+    use jobs::evolve::report::{plot_overlap, plot_repairs, pool_repair_counts, repair_table};
     let store = infra::store::open_store(&args.store.store).await.context("--store")?;
     let m = load_manifest(store.as_ref(), &args.run).await?;
-    let h0 = m.member(schemas::H0_ID).with_context(|| format!("pool of run `{}` has no `h0` member to compare with", args.run))?;
-    let tasks: BTreeSet<String> = m.validation_tasks.iter().cloned().collect();
-    let base: BTreeSet<String> = h0.validation_coverage.iter().cloned().collect();
-    let siblings: BTreeMap<String, BTreeSet<String>> = m
-        .members
-        .iter()
-        .filter(|e| e.id != schemas::H0_ID)
-        .map(|e| (e.id.clone(), e.validation_coverage.iter().cloned().collect()))
-        .collect();
-    let counts = repair_counts(&tasks, &base, &siblings);
+    let counts = pool_repair_counts(&m).with_context(|| format!("pool of run `{}` has no `h0` member to compare with", args.run))?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
     plot_repairs(&counts, &args.out.join("repairs.png"))?;
     plot_overlap(&counts, &args.out.join("overlap.png"))?;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{:<14} {:>8} {:>9}", "sibling", "repaired", "regressed")?;
-    for c in &counts {
-        writeln!(out, "{:<14} {:>8} {:>9}", c.sibling, c.repaired.len(), c.regressed.len())?;
-    }
-    let union: BTreeSet<&String> = counts.iter().flat_map(|c| c.repaired.iter()).collect();
-    writeln!(out, "union of repairs: {} tasks", union.len())?;
-    match mean_overlap(&overlap_matrix(&counts)) {
-        Some(v) => writeln!(out, "mean directed repair overlap: {:.1}%", v * 100.0)?,
-        None => writeln!(out, "mean directed repair overlap: n/a (fewer than two siblings with repairs)")?,
-    }
+    write!(out, "{}", repair_table(&counts))?;
     writeln!(out, "figures: {} {}", args.out.join("repairs.png").display(), args.out.join("overlap.png").display())?;
     Ok(exit::OK)
 }

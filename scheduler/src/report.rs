@@ -172,19 +172,19 @@ fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(&str
 /// seeded a pool with validation coverage; writes `repairs.png` and `overlap.png`.
 async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Path) -> anyhow::Result<Option<String>> {
     use jobs::evolve::report::{plot_overlap, plot_repairs, pool_repair_counts, repair_table};
-    let key = jobs::evolve::pool::manifest_key(run_id);
-    if store.head(&key).await?.is_none() {
-        return Ok(None);
-    }
-    let m = jobs::evolve::pool::load_manifest(store, run_id).await?;
+    let m = match jobs::evolve::pool::load_manifest(store, run_id).await {
+        Ok(m) => m,
+        Err(jobs::evolve::PoolError::Missing { .. }) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
     let Some(counts) = pool_repair_counts(&m) else { return Ok(None) };
     if counts.is_empty() {
         return Ok(None);
     }
-    for (file, draw) in [("repairs.png", plot_repairs as fn(_, &std::path::Path) -> _), ("overlap.png", plot_overlap)] {
-        let path = dir.join(file);
-        draw(&counts, &path)?;
-        store.put(&format!("runs/{run_id}/reports/{file}"), Bytes::from(std::fs::read(&path)?)).await?;
+    plot_repairs(&counts, &dir.join("repairs.png"))?;
+    plot_overlap(&counts, &dir.join("overlap.png"))?;
+    for file in ["repairs.png", "overlap.png"] {
+        store.put(&format!("runs/{run_id}/reports/{file}"), Bytes::from(std::fs::read(dir.join(file))?)).await?;
     }
     Ok(Some(format!(
         "\n## Sibling pool: repairs relative to H0 on {} validation tasks (Figure 1a, Figure 5)\n\n{}\n![repairs](repairs.png)\n![overlap](overlap.png)\n",

@@ -18,6 +18,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::reading;
 use crate::policy::{Message, Policy, SamplingParams};
 use schemas::{ErrorClass, Role, Termination, Trajectory, TurnSource};
 
@@ -183,18 +184,6 @@ fn is_identifier_error(text: &str) -> bool {
         .any(|p| t.contains(p))
 }
 
-/// A DBBench result of exactly one row with one value, e.g. `[(2,)]` or `[('Sam',)]`.
-fn is_single_value(text: &str) -> bool {
-    let t = text.trim();
-    t.starts_with("[(") && t.ends_with(",)]") && t.matches('(').count() == 1 && t != "[(None,)]"
-}
-
-/// The SQL statement a prose reply wrote (outside a ```sql block, which would have run).
-fn stated_sql(text: &str) -> Option<&str> {
-    let upper = text.to_ascii_uppercase();
-    ["SELECT ", "INSERT INTO", "UPDATE ", "DELETE FROM"].iter().filter_map(|kw| upper.find(kw)).min().map(|i| &text[i..])
-}
-
 fn is_empty_result(text: &str) -> bool {
     let t = text.trim();
     t == "No response from database." || t == "[]" || t == "[(None,)]"
@@ -258,12 +247,12 @@ pub fn diagnose_trajectory(row: &Trajectory) -> Vec<Finding> {
         .turns
         .iter()
         .filter(|t| t.source == TurnSource::Policy && t.tool_name.is_none())
-        .find_map(|t| stated_sql(&t.text));
+        .find_map(|t| reading::stated_sql(&t.text));
     if let Some(sql) = unparsed {
         add(&mut out, codes::UNPARSED_ACTION, format!("SQL in prose, never run: `{}`", clip(sql, 80)));
     }
     if commit.is_none() {
-        if let Some((q, r)) = queries.iter().rev().find_map(|a| Some((query_of(a)?, a.result.filter(|r| is_single_value(r))?))) {
+        if let Some((q, r)) = queries.iter().rev().find_map(|a| Some((query_of(a)?, a.result.filter(|r| reading::single_value(r).is_some())?))) {
             add(&mut out, codes::RESULT_NOT_COMMITTED, format!("`{}` returned {} and nothing was committed", clip(&q, 60), clip(r, 40)));
         }
     }

@@ -18,6 +18,7 @@ use serde_json::{json, Map, Value};
 
 use super::diagnose::codes;
 use super::direction::Direction;
+use super::reading::{SINGLE_VALUE_PATTERN, STATED_ANSWER_PATTERN, STATED_NAME_PATTERN, STATED_NUMBER_PATTERN, STATED_SQL_PATTERN};
 use crate::harness::{check_spec, spec_from_value, ValidateOptions};
 use crate::policy::{Message, Policy, SamplingParams};
 use schemas::{HarnessSpec, Role};
@@ -81,20 +82,6 @@ fn hook(id: &str, event: &str, condition: Value, action: &str, message: &str, pa
 const COMMIT_NOW: &str = "Execution budget is low. Commit now: reply with the single line Final Answer: [\"<value from the last result>\"] (commit_final_answer); do not run more queries.";
 const COMMIT_AFTER_RESULT: &str = "If this result answers the question, commit it now with the single line Final Answer: [\"<value>\"], e.g. for [(2,)] write Final Answer: [\"2\"].";
 const NO_PROSE: &str = "Do not write the answer as a sentence. Either run a query in a ```sql block, or commit with the single line Final Answer: [\"<value>\"].";
-
-/// SQL a reply wrote outside a ```sql block: the first SELECT / INSERT / UPDATE / DELETE
-/// statement, up to `;`, a code fence, a blank line or the end.
-pub const STATED_SQL_PATTERN: &str = r"(?is)\b((?:SELECT|INSERT\s+INTO|UPDATE|DELETE\s+FROM)\b[^;`]*?)\s*(?:;|```|\n\s*\n|$)";
-/// The answer a reply states: the words after "answer is" / "answer:", without quotes.
-pub const STATED_ANSWER_PATTERN: &str =
-    r#"(?i)\banswer\b[^:\n]{0,12}?(?:\bis\b|:)\s*:?\s*["'“*]*([^"'”*\n]{1,60}?)["'”*]*\s*(?:[.\n]|$)"#;
-/// A name the reply gives as its answer: capitalised words after "answer is" (or opening
-/// the reply), followed by has / is / was or the end of the sentence.
-pub const STATED_NAME_PATTERN: &str = r#"(?:(?i:answer)[^:\n]{0,20}?(?i:is|:)\s*:?\s*|^\s*)["'*]*([A-Z][A-Za-z0-9_'-]*(?:\s+[A-Z][A-Za-z0-9_'-]*){0,2})["'*]*(?:\s+(?:has|had|is|was)\s|\s*[."\n]|$)"#;
-/// The first number after "answer", "is", "are", "was", "total" or "of".
-pub const STATED_NUMBER_PATTERN: &str = r"(?i)(?:answer|is|are|was|total|of)\s[^.\n0-9]{0,40}?(-?[0-9]+(?:\.[0-9]+)?)";
-/// The value of a one-row, one-column DBBench result: `[(2,)]` → 2, `[('Sam',)]` → Sam.
-pub const SINGLE_VALUE_PATTERN: &str = r"^\s*\[\(\s*'?([^()]*?)'?\s*,\s*\)\]\s*$";
 
 fn extract(name: &str, from: &str, pattern: &str) -> Value {
     json!({ name: {"from": from, "pattern": pattern} })

@@ -4,6 +4,7 @@
 //! - [`diagnose`]: failed trajectories → root causes per task (rule-based or LLM).
 //! - [`direction`]: causes → repair directions (2–3 related causes, ≥ 2 tasks each).
 //! - [`editor`]: Edit(H, d): the built-in template editor and the LLM editor.
+//! - [`reading`]: the patterns that read a reply or result (shared by diagnoser and editor).
 //! - [`select`]: parent selection maximising |∪ V(H)| with at most B parents (Eq. 3).
 //! - [`pool`]: the pool as a versioned artifact with lineage under `runs/<run>/pool/`.
 //! - [`job`]: the evolve stage, built from rollout jobs.
@@ -23,6 +24,7 @@ pub mod direction;
 pub mod editor;
 pub mod job;
 pub mod pool;
+pub mod reading;
 pub mod report;
 pub mod select;
 

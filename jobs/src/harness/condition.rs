@@ -194,10 +194,11 @@ pub struct Extraction {
     pub pattern: regex::Regex,
 }
 
-/// Parses `parameters.extract` (`{"<name>": {"from": "<path>", "pattern": "<regex>"}}`).
-/// Errors name the extraction and what is wrong; paths are checked by the caller.
-pub fn parse_extractions(params: &BTreeMap<String, Value>) -> Result<Vec<Extraction>, Vec<(String, String)>> {
-    let Some(spec) = params.get("extract") else { return Ok(vec![]) };
+/// Parses a hook's `parameters.extract` (`{"<name>": {"from": "<path>", "pattern": "<regex>"}}`;
+/// `None`: no extractions). Errors name the extraction and what is wrong; paths are
+/// checked by the caller.
+pub fn parse_extractions(spec: Option<&Value>) -> Result<Vec<Extraction>, Vec<(String, String)>> {
+    let Some(spec) = spec else { return Ok(vec![]) };
     let Value::Object(map) = spec else {
         return Err(vec![(String::new(), "expected an object of named extractions: {\"<name>\": {\"from\": \"<path>\", \"pattern\": \"<regex>\"}}".into())]);
     };
@@ -722,7 +723,7 @@ mod tests {
             "answer": {"from": "state.last_reply", "pattern": "answer is:? \"?([^\".]*)"},
             "table": {"from": "state.features.table_name", "pattern": "\\w+"}
         }})).unwrap();
-        let ex = parse_extractions(&params).unwrap();
+        let ex = parse_extractions(params.get("extract")).unwrap();
         f.state.features.insert("table_name".into(), json!("Team Stats"));
         let got = run_extractions(&ex, &f.scope()).unwrap();
         assert_eq!(got["answer"], "42");
@@ -741,7 +742,7 @@ mod tests {
 
     #[test]
     fn bad_extractions_name_what_is_wrong() {
-        let parse = |v: Value| parse_extractions(&serde_json::from_value(v).unwrap()).unwrap_err();
+        let parse = |v: Value| parse_extractions(v.get("extract")).unwrap_err();
         assert!(parse(json!({"extract": []}))[0].1.contains("expected an object"));
         let e = parse(json!({"extract": {"x": {"from": "state.last_reply", "pattern": "(unclosed"}}}));
         assert_eq!(e[0].0, "x");

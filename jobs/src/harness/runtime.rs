@@ -170,7 +170,7 @@ impl Session {
             queued: None,
             deferred_hints: Vec::new(),
             fires: vec![0; spec.hooks.len()],
-            extractions: spec.hooks.iter().map(|h| parse_extractions(&h.parameters).ok()).collect(),
+            extractions: spec.hooks.iter().map(|h| parse_extractions(h.parameters.get("extract")).ok()).collect(),
             usage: Usage::default(),
             calibration: None,
         };

@@ -569,8 +569,7 @@ impl Validator<'_> {
                     self.problem(kp, format!("expected a positive integer, found {value}"));
                 }
                 "extract" => {
-                    let params: BTreeMap<String, Value> = map.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                    match parse_extractions(&params) {
+                    match parse_extractions(Some(value)) {
                         Ok(list) => {
                             for e in list {
                                 let ep = join(&join(&kp, &e.name), "from");

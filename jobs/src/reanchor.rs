@@ -370,6 +370,7 @@ mod tests {
                 None
             };
             Ok(PolicyOutput {
+            prompt_hash: None,
                 text: if call.is_none() { "The output is 2.".into() } else { String::new() },
                 tool_calls: call.into_iter().collect(),
                 token_ids: vec![],

@@ -281,6 +281,8 @@ async fn rollout_one(ctx: &RolloutContext<'_>, input: &RolloutInput, task_id: &s
         duration_ms: clock.elapsed().as_millis() as u64,
         policy_ms: episode.policy_ms,
         env_ms: episode.env_ms,
+        temperature: input.sampling.temperature,
+        tool_view: serde_json::to_string(&episode.tools).expect("tool specs serialise"),
         turns: episode.turns,
     }
 }
@@ -300,6 +302,8 @@ pub struct Episode {
     pub detail: String,
     pub policy_ms: u64,
     pub env_ms: u64,
+    /// The tools the policy was shown (after the harness's tool view).
+    pub tools: Vec<crate::env::ToolSpec>,
 }
 
 impl Episode {
@@ -316,6 +320,7 @@ impl Episode {
             detail: String::new(),
             policy_ms: 0,
             env_ms: 0,
+            tools: vec![],
         }
     }
 }
@@ -406,13 +411,14 @@ pub async fn run_episode(
             }
         }
     };
+    let tools = session.tools().to_vec();
     let (turns, usage) = session.finish();
     let termination = if error.is_some() && termination != Termination::ContextLimit { Termination::Error } else { termination };
     let (error_class, error_message) = match error {
         Some((c, m)) => (Some(c), Some(m)),
         None => (None, None),
     };
-    Episode { task_type, turns, usage, termination, error_class, error_message, reward, success, detail, policy_ms, env_ms }
+    Episode { task_type, turns, usage, termination, error_class, error_message, reward, success, detail, policy_ms, env_ms, tools }
 }
 
 /// Counts of a batch of rows, by task type, termination and error class.
@@ -480,6 +486,7 @@ mod tests {
 
     fn say(text: &str, call: Option<(&str, serde_json::Value)>) -> Result<PolicyOutput, fn() -> PolicyError> {
         Ok(PolicyOutput {
+            prompt_hash: None,
             text: text.into(),
             tool_calls: call.map(|(n, a)| ToolCall { name: n.into(), args: a }).into_iter().collect(),
             token_ids: vec![11, 12],

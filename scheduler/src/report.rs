@@ -54,7 +54,12 @@ pub fn update_table(s: &Series) -> String {
         "rollouts_base",
         "rollouts_rescue",
         "rollouts_relative_to_grpo",
+        "policy_tokens_trained",
         "loss",
+        "grad_norm",
+        "mismatch_mean",
+        "mismatch_max",
+        "tis_clipped_share",
     ];
     let steps: std::collections::BTreeSet<u32> = cols.iter().flat_map(|c| s.get(c).iter().map(|p| p.0)).collect();
     let mut out = String::from("| update | ");
@@ -67,7 +72,7 @@ pub fn update_table(s: &Series) -> String {
         for c in cols {
             match s.get(c).iter().find(|p| p.0 == step) {
                 Some((_, v)) => {
-                    let _ = write!(out, " {v:.3} |");
+                    let _ = write!(out, " {} |", number(*v));
                 }
                 None => out.push_str(" – |"),
             }
@@ -75,6 +80,18 @@ pub fn update_table(s: &Series) -> String {
         out.push('\n');
     }
     out
+}
+
+/// A table cell: three decimals, or scientific notation for small non-zero values (the
+/// training–inference mismatch lives around 1e-5), integers as integers.
+pub fn number(v: f64) -> String {
+    if v != 0.0 && v.abs() < 0.01 {
+        format!("{v:.2e}")
+    } else if v.fract() == 0.0 && v.abs() >= 10.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.3}")
+    }
 }
 
 /// Training stage of update `u` of `n` (Table 2, Figure 3): the updates split in thirds.
@@ -139,13 +156,17 @@ fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(&str
     root.fill(&WHITE)?;
     let max_x = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.0)).max().unwrap_or(1).max(1);
     let min_x = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.0)).min().unwrap_or(0);
-    let max_y = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.1)).fold(1.0f64, f64::max);
+    let max_y = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.1)).fold(f64::MIN, f64::max);
+    let min_y = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.1)).fold(0.0f64, f64::min);
+    // Fractions keep a 0–1 axis; other quantities (loss, gradient norm) get their own range.
+    let max_y = if max_y <= 1.0 && max_y > 0.2 && min_y >= 0.0 { 1.0 } else if max_y == f64::MIN { 1.0 } else { max_y.max(min_y + 1e-9) };
+    let pad = (max_y - min_y) * 0.05;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(48)
-        .build_cartesian_2d(min_x as f64 - 0.5..max_x as f64 + 0.5, 0f64..max_y * 1.05)?;
+        .build_cartesian_2d(min_x as f64 - 0.5..max_x as f64 + 0.5, (min_y - if min_y < 0.0 { pad } else { 0.0 })..max_y + pad)?;
     chart
         .configure_mesh()
         .x_desc("update")
@@ -198,7 +219,7 @@ async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Pa
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
     let s = Series::load(store, run_id).await?;
     let dir = tempfile::tempdir().context("cannot create a temporary folder for plots")?;
-    let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 3] = [
+    let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 5] = [
         (
             "signals.png",
             "Training signal by update",
@@ -211,6 +232,13 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
             "Rescue by update",
             "fraction",
             vec![("rescue rate", s.get("rescue_rate")), ("rescue success", s.get("rescue_success"))],
+        ),
+        ("learner.png", "GRPO update by update", "value", vec![("loss", s.get("loss")), ("gradient norm", s.get("grad_norm"))]),
+        (
+            "mismatch.png",
+            "Training-inference mismatch |log q - log pi_old|",
+            "nats",
+            vec![("mean", s.get("mismatch_mean")), ("max", s.get("mismatch_max"))],
         ),
     ];
     for (file, title, y, series) in &plots {
@@ -229,7 +257,11 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     }
     md.push_str("\n## Training updates\n\n");
     md.push_str(&update_table(&s));
-    md.push_str("\n![training signal](signals.png)\n\n## H0 validation success by calibration\n\n| checkpoint step | H0 validation success |\n|---:|---:|\n");
+    let untrained: Vec<String> = s.get("trained").iter().filter(|p| p.1 == 0.0).map(|p| p.0.to_string()).collect();
+    if !untrained.is_empty() {
+        let _ = writeln!(md, "\nUpdates that trained nothing (no retained group had a policy token; the weights stayed as they were): {}.", untrained.join(", "));
+    }
+    md.push_str("\n![training signal](signals.png)\n![learner](learner.png)\n![mismatch](mismatch.png)\n\n## H0 validation success by calibration\n\n| checkpoint step | H0 validation success |\n|---:|---:|\n");
     for (step, v) in s.get("h0_validation_success") {
         let _ = writeln!(md, "| {step} | {v:.3} |");
     }

@@ -31,9 +31,17 @@ pub struct CheckpointManifest {
     pub rng_state: String,
     pub metrics: BTreeMap<String, f64>,
     pub created_at_ms: i64,
+    /// Whether this step's update trained any policy token. A step with nothing to train
+    /// writes a manifest without files that says so.
+    pub trained: bool,
+    /// The step whose folder holds this checkpoint's weights and optimizer state: `step`
+    /// itself when it trained, the last step that trained when it did not, and none while
+    /// nothing has been trained yet (the weights are the base model's).
+    pub weights_step: Option<u32>,
 }
 
 impl Document for CheckpointManifest {
     const NAME: &'static str = "checkpoint manifest";
-    const VERSION: u32 = 1;
+    /// 2: `trained` and `weights_step` (steps that train nothing write no weights).
+    const VERSION: u32 = 2;
 }

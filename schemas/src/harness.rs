@@ -30,6 +30,10 @@ pub struct HarnessSpec {
     pub context: Vec<ContextItem>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub memory: Vec<MemoryItem>,
+    /// Demonstrations: short worked conversations placed as chat turns between the system
+    /// prompt and the task (few-shot), so the policy sees the protocol used once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub examples: Vec<Example>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_view: Option<ToolView>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -48,6 +52,7 @@ impl HarnessSpec {
             skills: vec![],
             context: vec![],
             memory: vec![],
+            examples: vec![],
             tool_view: None,
             hooks: vec![],
         }
@@ -83,6 +88,24 @@ pub struct Skill {
 #[serde(deny_unknown_fields)]
 pub struct ContextItem {
     pub name: String,
+    pub text: String,
+}
+
+/// A worked conversation shown before the task: user, assistant and tool turns, starting
+/// with a user turn and ending with an assistant turn. Its turns are harness text (never
+/// trained on); the policy imitates them with its own tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Example {
+    pub name: String,
+    pub turns: Vec<ExampleTurn>,
+}
+
+/// One turn of an [`Example`]: `role` is `user`, `assistant` or `tool`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExampleTurn {
+    pub role: String,
     pub text: String,
 }
 

@@ -45,7 +45,7 @@ pub use metrics::MetricRow;
 pub use profile::{Polarity, ProfileEntry};
 pub use record::{decode_document, encode_document, Document, Record, RECORD_KEY, VERSION_KEY};
 pub use routing::{Ballot, RoutePurpose, RoutingDecision};
-pub use trajectory::{ErrorClass, Role, RolloutKind, Split, Termination, Trajectory, Turn, TurnSource};
+pub use trajectory::{prompt_hash, ErrorClass, Role, RolloutKind, Split, Termination, Trajectory, Turn, TurnSource};
 
 /// Milliseconds since the Unix epoch, the time unit of every `*_ms` timestamp column.
 pub fn now_unix_ms() -> i64 {

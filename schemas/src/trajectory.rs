@@ -113,6 +113,24 @@ pub struct Turn {
     pub tool_args: Option<String>,
     /// Id of the hook that injected or rewrote this turn, if any.
     pub hook_id: Option<String>,
+    /// Policy turns: the number of prompt tokens the policy was conditioned on when it
+    /// sampled this turn (0 when the backend did not say).
+    pub prompt_token_count: u32,
+    /// Policy turns: [`prompt_hash`] of those prompt token ids, when the backend gave
+    /// them. The learner rebuilds the prompt and refuses to train on a turn whose rebuilt
+    /// prompt has another hash, so what it scores is what the policy saw, token for token.
+    pub prompt_hash: Option<String>,
+}
+
+/// Fingerprint of a prompt's token ids: SHA-256 over the ids as little-endian u32, first
+/// 128 bits in hex.
+pub fn prompt_hash(ids: &[u32]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for id in ids {
+        h.update(id.to_le_bytes());
+    }
+    hex::encode(&h.finalize()[..16])
 }
 
 /// One rollout: a policy acting in an environment through a harness. One row per rollout,
@@ -158,10 +176,17 @@ pub struct Trajectory {
     pub duration_ms: u64,
     pub policy_ms: u64,
     pub env_ms: u64,
+    /// Sampling temperature of the policy's turns (the distribution `logprobs` are under;
+    /// the learner scores π_old at the same temperature).
+    pub temperature: f32,
+    /// The tools the policy was shown (after the harness's tool view), as a JSON array of
+    /// `{name, description, parameters}`: part of the prompt the policy sampled from.
+    pub tool_view: String,
     pub turns: Vec<Turn>,
 }
 
 impl Record for Trajectory {
     const NAME: &'static str = "trajectory";
-    const VERSION: u32 = 1;
+    /// 2: turns carry their prompt fingerprint; rows carry temperature and tool view.
+    const VERSION: u32 = 2;
 }

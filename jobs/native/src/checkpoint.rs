@@ -128,11 +128,62 @@ pub async fn save(store: &dyn ObjectStore, learner: &Learner, tokenizer: Option<
         rng_state: learner.rng_state(),
         metrics: info.metrics.clone(),
         created_at_ms: schemas::now_unix_ms(),
+        trained: true,
+        weights_step: Some(info.step),
     };
     let key = manifest_key(&info.run_id, info.step);
     store.put(&key, Bytes::from(encode_document(&manifest))).await?;
     tracing::info!(key = %key, "checkpoint written");
     Ok(key)
+}
+
+/// Records a step that trained nothing: a manifest without files whose `weights_step`
+/// names the checkpoint that still holds the weights (`None`: the base model). No copy of
+/// unchanged weights is written; [`load`] and [`latest`] follow the reference.
+pub async fn save_untrained(store: &dyn ObjectStore, info: &SaveInfo, weights_step: Option<u32>, rng_state: String, architecture: String) -> Result<String, NativeError> {
+    let manifest = CheckpointManifest {
+        schema_version: CheckpointManifest::VERSION,
+        run_id: info.run_id.clone(),
+        step: info.step,
+        parent: info.parent.clone(),
+        architecture,
+        files: vec![],
+        data_cursor: info.data_cursor,
+        rng_state,
+        metrics: info.metrics.clone(),
+        created_at_ms: schemas::now_unix_ms(),
+        trained: false,
+        weights_step,
+    };
+    let key = manifest_key(&info.run_id, info.step);
+    store.put(&key, Bytes::from(encode_document(&manifest))).await?;
+    tracing::info!(key = %key, weights_step = ?weights_step, "untrained step recorded (no weights written)");
+    Ok(key)
+}
+
+/// Whether every file `manifest` lists (or, for an untrained step, the checkpoint its
+/// weights live in lists) is present with its recorded size.
+async fn is_complete(store: &dyn ObjectStore, run_id: &str, manifest: &CheckpointManifest) -> Result<bool, NativeError> {
+    let (files_of, step) = match manifest.weights_step {
+        Some(w) if w != manifest.step => match read_manifest(store, &manifest_key(run_id, w)).await {
+            Ok(m) if m.weights_step == Some(w) => (m, w),
+            _ => return Ok(false),
+        },
+        // The base model: nothing stored to check.
+        None => return Ok(true),
+        Some(_) => (manifest.clone(), manifest.step),
+    };
+    let dir = keys::checkpoint_dir(run_id, step);
+    for f in &files_of.files {
+        match store.head(&format!("{dir}{}", f.name)).await? {
+            Some(meta) if meta.size == f.size => {}
+            _ => {
+                tracing::warn!(key = %manifest_key(run_id, manifest.step), file = %f.name, "skipping a checkpoint whose files do not match its manifest");
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
 }
 
 /// The newest complete checkpoint of a run: the highest step whose manifest exists, parses
@@ -155,18 +206,7 @@ pub async fn latest(store: &dyn ObjectStore, run_id: &str) -> Result<Option<Chec
                 continue;
             }
         };
-        let dir = keys::checkpoint_dir(run_id, step);
-        let mut complete = true;
-        for f in &manifest.files {
-            match store.head(&format!("{dir}{}", f.name)).await? {
-                Some(meta) if meta.size == f.size => {}
-                _ => {
-                    tracing::warn!(key = %key, file = %f.name, "skipping a checkpoint whose files do not match its manifest");
-                    complete = false;
-                    break;
-                }
-            }
-        }
+        let complete = is_complete(store, run_id, &manifest).await?;
         if complete {
             return Ok(Some(manifest));
         }
@@ -206,9 +246,27 @@ pub struct Loaded {
     pub tokenizer: Option<Tokenizer>,
 }
 
-/// Loads the checkpoint of `step`: weights, optimizer moments and RNG state.
+/// Loads the checkpoint of `step`: weights, optimizer moments and RNG state. For a step
+/// that trained nothing, the weights of the step it names; a step whose weights are still
+/// the base model's is refused (load the base model instead).
 pub async fn load(store: &dyn ObjectStore, run_id: &str, step: u32, device: Device, config: LearnerConfig) -> Result<Loaded, NativeError> {
     let manifest = read_manifest(store, &manifest_key(run_id, step)).await?;
+    match manifest.weights_step {
+        Some(w) if w == step => {}
+        Some(w) if w < step => {
+            let mut loaded = Box::pin(load(store, run_id, w, device, config)).await?;
+            loaded.learner.set_rng_state(&manifest.rng_state)?;
+            loaded.manifest = manifest;
+            return Ok(loaded);
+        }
+        Some(w) => return Err(ckpt_err(store.object_url(&manifest_key(run_id, step)), format!("names the weights of a later step ({w})"))),
+        None => {
+            return Err(ckpt_err(
+                store.object_url(&manifest_key(run_id, step)),
+                "trained nothing and nothing before it was trained: its weights are the base model's; load the base model",
+            ))
+        }
+    }
     let dir = keys::checkpoint_dir(run_id, step);
     let url = |name: &str| store.object_url(&format!("{dir}{name}"));
     let missing = |name: &str| ckpt_err(url(name), format!("listed file `{name}` is missing from the manifest"));
@@ -252,8 +310,8 @@ mod tests {
         Batch {
             tasks: vec!["a".into()],
             samples: vec![
-                Sample { task: 0, context: vec![1, 2], completion: vec![3, 4], mask: vec![true, true], logq: vec![], advantage: 1.0 },
-                Sample { task: 0, context: vec![1, 2], completion: vec![5], mask: vec![true], logq: vec![], advantage: -1.0 },
+                Sample { task: 0, context: vec![1, 2], completion: vec![3, 4], mask: vec![true, true], logq: vec![], advantage: 1.0, temperature: 1.0 },
+                Sample { task: 0, context: vec![1, 2], completion: vec![5], mask: vec![true], logq: vec![], advantage: -1.0, temperature: 1.0 },
             ],
         }
     }

@@ -52,6 +52,11 @@ pub struct LearnOutput {
     pub metrics: StepMetrics,
     /// True when the checkpoint already existed (redelivered job): nothing was trained.
     pub already_done: bool,
+    /// Whether this step trained any policy token.
+    pub trained: bool,
+    /// The step whose checkpoint holds the weights after this step (`None`: still the base
+    /// model). Later rollouts load these weights.
+    pub weights_step: Option<u32>,
 }
 
 /// Parses `cpu`, `cuda` or `cuda:N`.
@@ -77,8 +82,10 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
             return Ok(LearnOutput {
                 manifest_key: checkpoint::manifest_key(&input.run_id, m.step),
                 parent: m.parent.clone(),
-                metrics: StepMetrics::default(),
+                metrics: StepMetrics::from_map(&m.metrics),
                 already_done: true,
+                trained: m.trained,
+                weights_step: m.weights_step,
             });
         }
         if m.step > input.step {
@@ -89,7 +96,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
         }
     }
 
-    let (mut learner, tokenizer, parent) = match &latest {
+    let (mut learner, tokenizer, parent) = match latest.as_ref().filter(|m| m.weights_step.is_some()) {
         Some(m) => {
             let loaded = checkpoint::load(store, &input.run_id, m.step, device, input.learner.clone()).await?;
             let tok = match loaded.tokenizer {
@@ -100,7 +107,8 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
         }
         None => {
             let (model, tok) = crate::loader::load(&input.base_model, device)?;
-            (Learner::new(model, input.learner.clone()), tok, None)
+            let parent = latest.as_ref().map(|m| checkpoint::manifest_key(&input.run_id, m.step));
+            (Learner::new(model, input.learner.clone()), tok, parent)
         }
     };
 
@@ -111,8 +119,21 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
     let metrics = learner.update(&batch)?;
 
     let info = SaveInfo { run_id: input.run_id.clone(), step: input.step, parent: parent.clone(), data_cursor: input.data_cursor, metrics: metrics.to_map() };
+    if metrics.policy_tokens == 0 {
+        // Nothing to train: say so, and record the step without copying unchanged weights.
+        let weights_step = latest.as_ref().and_then(|m| m.weights_step);
+        tracing::warn!(
+            run = %input.run_id,
+            step = input.step,
+            tasks = batch.tasks.len(),
+            weights = %weights_step.map(|w| format!("step {w}")).unwrap_or_else(|| "the base model".into()),
+            "learn step trained nothing: no retained group has a policy token; the weights stay as they were"
+        );
+        let key = checkpoint::save_untrained(store, &info, weights_step, learner.rng_state(), learner.model.config.model_type.clone()).await?;
+        return Ok(LearnOutput { manifest_key: key, parent, metrics, already_done: false, trained: false, weights_step });
+    }
     let manifest_key = checkpoint::save(store, &learner, Some(&tokenizer), &info).await?;
-    Ok(LearnOutput { manifest_key, parent, metrics, already_done: false })
+    Ok(LearnOutput { manifest_key, parent, metrics, already_done: false, trained: true, weights_step: Some(input.step) })
 }
 
 #[cfg(test)]
@@ -139,6 +160,8 @@ mod tests {
             tool_name: None,
             tool_args: None,
             hook_id: None,
+            prompt_token_count: 0,
+            prompt_hash: None,
         }
     }
 
@@ -175,6 +198,8 @@ mod tests {
             duration_ms: 0,
             policy_ms: 0,
             env_ms: 0,
+            temperature: 1.0,
+            tool_view: String::new(),
             turns: vec![
                 turn(0, Role::System, TurnSource::Harness, "answer yes or no", vec![]),
                 turn(1, Role::User, TurnSource::Env, "count rows", vec![]),
@@ -199,7 +224,10 @@ mod tests {
         std::fs::write(base.join("tokenizer.json"), tok.to_json().unwrap()).unwrap();
 
         // "yes" (id 10) succeeds, "no" (id 11) fails; a dropped group must be ignored
-        let trajs = vec![trajectory("a", 1.0, 10), trajectory("b", 0.0, 11), trajectory("c", 0.0, 11), trajectory("d", 0.0, 11)];
+        let mut trajs = vec![trajectory("a", 1.0, 10), trajectory("b", 0.0, 11), trajectory("c", 0.0, 11), trajectory("d", 0.0, 11)];
+        for t in &mut trajs {
+            data::fingerprint(t, &tok).unwrap();
+        }
         write_records(&store, "runs/r/trajectories/step=1/kind=rescue/part-x.parquet", &trajs).await.unwrap();
         let group = |id: &str, retained: bool, ids: Vec<&str>| Group {
             run_id: "r".into(),
@@ -236,8 +264,10 @@ mod tests {
         let out = run(&store, &input).await.unwrap();
         assert_eq!(out.manifest_key, "runs/r/checkpoints/step=1/manifest.json");
         assert_eq!(out.metrics.policy_tokens, 3);
-        assert_eq!(out.metrics.tasks, 1);
-        assert!(!out.already_done);
+        // Eq. 15 divides by every task of the batch, the unretained group's task included
+        assert_eq!(out.metrics.tasks, 2);
+        assert!(!out.already_done && out.trained);
+        assert_eq!(out.weights_step, Some(1));
 
         let loaded = checkpoint::load(&store, "r", 1, Device::Cpu, LearnerConfig::default()).await.unwrap();
         assert_eq!(loaded.manifest.data_cursor, 4);
@@ -252,5 +282,51 @@ mod tests {
 
         let again = run(&store, &input).await.unwrap();
         assert!(again.already_done);
+        assert_eq!(again.metrics.policy_tokens, 3, "a redelivery reports the recorded metrics");
+    }
+
+    /// A step whose groups have no reward contrast trains nothing: it says so, writes a
+    /// manifest without weights that names the weights still in use, and the next step
+    /// trains from them.
+    #[tokio::test]
+    async fn a_step_with_nothing_to_train_writes_no_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(dir.path().join("store")).unwrap();
+        let tok = word_level(&WORDS);
+        let model = Llama::new(LlamaConfig::tiny(tok.vocab_size() as i64, 64, 2), Device::Cpu, 4).unwrap();
+        let base = dir.path().join("base");
+        std::fs::create_dir_all(&base).unwrap();
+        std::fs::write(base.join("config.json"), model.config.to_hf_json().to_string()).unwrap();
+        std::fs::write(base.join("model.safetensors"), crate::hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
+        std::fs::write(base.join("tokenizer.json"), tok.to_json().unwrap()).unwrap();
+        let mut group = |step: u32, retained: bool, ids: &[&str]| {
+            let mut trajs: Vec<Trajectory> = ids.iter().enumerate().map(|(i, id)| Trajectory { step, ..trajectory(id, if retained && i == 0 { 1.0 } else { 0.0 }, 10 + (i as u32 % 2)) }).collect();
+            for t in &mut trajs {
+                data::fingerprint(t, &tok).unwrap();
+            }
+            let g = Group {
+                run_id: "r".into(), step, group_id: format!("g{step}"), task_id: "t1".into(), split: Split::Train, k: ids.len() as u32,
+                base_successes: 0, rescue_fired: false, rescue_strategy: "none".into(), harnesses: vec!["h0".into(); ids.len()],
+                rescue_successes: 0, retained, retained_kind: RetainedKind::Base, filter_reason: None, mean_reward: 0.0, reward_std: 0.0,
+                advantages: vec![], trajectory_ids: ids.iter().map(|s| s.to_string()).collect(), policy_tokens: ids.len() as u64,
+            };
+            (trajs, g)
+        };
+        let (t1, g1) = group(1, false, &["a1", "b1"]);
+        let (t2, g2) = group(2, true, &["a2", "b2"]);
+        for (step, t, g) in [(1, t1, g1), (2, t2, g2)] {
+            write_records(&store, &format!("runs/r/trajectories/step={step}/kind=base/part-x.parquet"), &t).await.unwrap();
+            write_records(&store, &format!("runs/r/groups/step={step}/part-x.parquet"), &[g]).await.unwrap();
+        }
+        let input = |step| LearnInput { run_id: "r".into(), step, base_model: base.clone(), learner: LearnerConfig::default(), data_cursor: 0, device: "cpu".into() };
+        let first = run(&store, &input(1)).await.unwrap();
+        assert!(!first.trained && first.weights_step.is_none() && first.metrics.policy_tokens == 0, "{first:?}");
+        let listed: Vec<String> = store.list("runs/r/checkpoints/").await.unwrap().into_iter().map(|m| m.key).collect();
+        assert_eq!(listed, vec!["runs/r/checkpoints/step=1/manifest.json".to_string()], "no weights for an untrained step");
+        let m = checkpoint::latest(&store, "r").await.unwrap().unwrap();
+        assert!(!m.trained && m.files.is_empty());
+        let second = run(&store, &input(2)).await.unwrap();
+        assert!(second.trained && second.weights_step == Some(2) && second.metrics.policy_tokens > 0, "{second:?}");
+        assert_eq!(second.parent.as_deref(), Some("runs/r/checkpoints/step=1/manifest.json"));
     }
 }

@@ -63,6 +63,13 @@ fn with_tools(messages: &[Message], tools: &[ToolSpec]) -> Vec<Message> {
     out
 }
 
+/// The prompt token ids the native backend samples from for `messages` and `tools`: the
+/// tool instructions in the system message, the chat template, the tokenizer. The learner
+/// rebuilds each policy turn's prompt with this same function.
+pub fn prompt_ids(tokenizer: &Tokenizer, messages: &[Message], tools: &[ToolSpec]) -> Result<Vec<u32>, NativeError> {
+    tokenizer.encode_chat(&with_tools(messages, tools))
+}
+
 fn native_err(e: NativeError) -> PolicyError {
     match e {
         NativeError::Config { field, detail } if field == "prompt" && detail.contains("context") => PolicyError::InvalidOutput { detail },
@@ -77,13 +84,14 @@ impl Policy for NativePolicy {
     }
 
     async fn chat(&self, messages: &[Message], tools: &[ToolSpec], sampling: &SamplingParams) -> Result<PolicyOutput, PolicyError> {
-        let messages = with_tools(messages, tools);
+        let messages = messages.to_vec();
+        let tools_shown = tools.to_vec();
         let offered: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
         let sampling = sampling.clone();
         let inner = self.inner.clone();
         tokio::task::spawn_blocking(move || {
             let g = inner.lock().unwrap_or_else(|p| p.into_inner());
-            let prompt = g.tokenizer.encode_chat(&messages).map_err(native_err)?;
+            let prompt = prompt_ids(&g.tokenizer, &messages, &tools_shown).map_err(native_err)?;
             let limit = g.model.config.max_position_embeddings as u64;
             if prompt.len() as u64 >= limit {
                 return Err(PolicyError::ContextLength { tokens: prompt.len() as u64, limit });
@@ -113,6 +121,7 @@ impl Policy for NativePolicy {
                 tool_calls,
                 prompt_tokens: prompt.len() as u32,
                 completion_tokens: gen.tokens.len() as u32,
+                prompt_hash: Some(schemas::prompt_hash(&prompt)),
                 token_ids: gen.tokens,
                 logprobs: gen.logprobs,
                 finish_reason: match gen.finish {

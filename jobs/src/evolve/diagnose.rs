@@ -434,7 +434,7 @@ mod tests {
     fn turn(role: Role, source: TurnSource, text: &str, tool: Option<(&str, Value)>) -> Turn {
         Turn {
             index: 0, role, source, text: text.into(), token_ids: vec![], logprobs: vec![], loss_mask: vec![],
-            tool_name: tool.as_ref().map(|t| t.0.to_string()), tool_args: tool.map(|t| t.1.to_string()), hook_id: None,
+            tool_name: tool.as_ref().map(|t| t.0.to_string()), tool_args: tool.map(|t| t.1.to_string()), hook_id: None, prompt_token_count: 0, prompt_hash: None,
         }
     }
 
@@ -445,7 +445,7 @@ mod tests {
             harness_version: "v".into(), policy_checkpoint: "p".into(), seed: 1, reward: 0.0, success: false, termination,
             error_class: None, error_message: None, advantage: None, retained: false, retained_reason: None, prompt_tokens: 0,
             completion_tokens: 0, harness_tokens: 0, model_calls: 3, env_actions: 2, started_at_ms: 0, duration_ms: 0,
-            policy_ms: 0, env_ms: 0, turns,
+            policy_ms: 0, env_ms: 0, temperature: 1.0, tool_view: String::new(), turns,
         }
     }
 

@@ -223,6 +223,17 @@ impl Session {
         if !system.is_empty() {
             self.push(Role::System, TurnSource::Harness, system.join("\n\n"), None, None);
         }
+        // Demonstrations as chat turns (validation guarantees user first, assistant last).
+        for example in &spec.examples {
+            for turn in &example.turns {
+                let role = match turn.role.as_str() {
+                    "assistant" => Role::Assistant,
+                    "tool" => Role::Tool,
+                    _ => Role::User,
+                };
+                self.push(role, TurnSource::Harness, turn.text.clone(), None, None);
+            }
+        }
         let mut preamble: Vec<String> = rules("task_preamble").into_iter().map(str::to_string).collect();
         preamble.extend(spec.context.iter().map(|c| format!("## {}\n{}", c.name, c.text)));
         if !preamble.is_empty() {
@@ -288,6 +299,8 @@ impl Session {
             tool_name: call.as_ref().map(|c| c.name.clone()),
             tool_args: call.as_ref().map(|c| c.args.to_string()),
             hook_id: None,
+            prompt_token_count: out.prompt_tokens,
+            prompt_hash: out.prompt_hash,
             text: out.text,
         };
         self.turns.push(turn);
@@ -414,31 +427,9 @@ impl Session {
         (self.turns, usage)
     }
 
-    /// The chat messages the policy sees: turns in order, adjacent system or user turns
-    /// merged (one system message; the task and harness notes in one user message).
+    /// The chat messages the policy sees ([`chat_messages`] of the transcript).
     pub fn messages(&self) -> Vec<Message> {
-        let mut out: Vec<Message> = Vec::new();
-        for t in &self.turns {
-            let mergeable = matches!(t.role, Role::System | Role::User);
-            if mergeable {
-                if let Some(last) = out.last_mut() {
-                    if last.role == t.role {
-                        last.content.push_str("\n\n");
-                        last.content.push_str(&t.text);
-                        continue;
-                    }
-                }
-            }
-            let mut m = Message::new(t.role, t.text.clone());
-            if t.role == Role::Assistant {
-                if let Some(name) = &t.tool_name {
-                    let args = t.tool_args.as_deref().and_then(|a| serde_json::from_str(a).ok()).unwrap_or(Value::Null);
-                    m.tool_calls.push(ToolCall { name: name.clone(), args });
-                }
-            }
-            out.push(m);
-        }
-        out
+        chat_messages(&self.turns)
     }
 
     fn refresh_state(&mut self) {
@@ -547,9 +538,42 @@ impl Session {
             tool_name: call.map(|c| c.name.clone()),
             tool_args: call.map(|c| c.args.to_string()),
             hook_id,
+            prompt_token_count: 0,
+            prompt_hash: None,
         });
     }
 }
+
+/// The chat messages a policy is shown for a transcript: turns in order, adjacent system
+/// or user turns merged (one system message; the task and harness notes in one user
+/// message), assistant turns with their tool call. The rollout asks the policy with these
+/// and the learner rebuilds each policy turn's prompt from the turns before it with the
+/// same function, so both see one rendering.
+pub fn chat_messages(turns: &[Turn]) -> Vec<Message> {
+        let mut out: Vec<Message> = Vec::new();
+        for t in turns {
+            let mergeable = matches!(t.role, Role::System | Role::User);
+            if mergeable {
+                if let Some(last) = out.last_mut() {
+                    if last.role == t.role {
+                        last.content.push_str("\n\n");
+                        last.content.push_str(&t.text);
+                        continue;
+                    }
+                }
+            }
+            let mut m = Message::new(t.role, t.text.clone());
+            if t.role == Role::Assistant {
+                if let Some(name) = &t.tool_name {
+                    let args = t.tool_args.as_deref().and_then(|a| serde_json::from_str(a).ok()).unwrap_or(Value::Null);
+                    m.tool_calls.push(ToolCall { name: name.clone(), args });
+                }
+            }
+            out.push(m);
+        }
+        out
+    }
+
 
 fn hook_id(hook: &Hook, index: usize) -> String {
     hook.id.clone().unwrap_or_else(|| format!("hooks[{index}]"))
@@ -655,6 +679,7 @@ mod tests {
 
     fn reply(text: &str, call: Option<ToolCall>) -> PolicyOutput {
         PolicyOutput {
+            prompt_hash: None,
             text: text.into(),
             tool_calls: call.into_iter().collect(),
             token_ids: vec![1, 2, 3],

@@ -222,7 +222,7 @@ impl Validator<'_> {
 
     fn spec(&mut self, v: &Value) {
         const FIELDS: &[&str] = &[
-            "id", "parent", "generation", "direction", "prompt_rules", "skills", "context", "memory", "tool_view", "hooks",
+            "id", "parent", "generation", "direction", "prompt_rules", "skills", "context", "memory", "examples", "tool_view", "hooks",
         ];
         let Some(map) = self.object("", v, FIELDS, &["id"]) else { return };
         if let Some(id) = map.get("id") {
@@ -266,6 +266,9 @@ impl Validator<'_> {
         self.named_texts(map, "skills", "name", "skill name");
         self.named_texts(map, "context", "name", "context name");
         self.named_texts(map, "memory", "key", "memory key");
+        if let Some(examples) = map.get("examples") {
+            self.examples(examples);
+        }
         if let Some(tv) = map.get("tool_view") {
             self.tool_view(tv);
         }
@@ -290,6 +293,44 @@ impl Validator<'_> {
                 self.unique(&mut seen, what, name, &join(&path, key));
                 if let Some(t) = obj.get("text") {
                     self.text(&join(&path, "text"), t, true);
+                }
+            }
+        }
+    }
+
+    fn examples(&mut self, v: &Value) {
+        let mut seen = HashMap::new();
+        for (i, item) in self.list("examples", v).iter().enumerate() {
+            let path = format!("examples[{i}]");
+            let Some(obj) = self.object(&path, item, &["name", "turns"], &["name", "turns"]) else { continue };
+            let name = obj.get("name").and_then(|n| self.ident(&join(&path, "name"), n));
+            self.unique(&mut seen, "example name", name, &join(&path, "name"));
+            let Some(turns) = obj.get("turns") else { continue };
+            let turns_path = join(&path, "turns");
+            let turns = self.list(&turns_path, turns);
+            if turns.is_empty() {
+                self.problem(turns_path.clone(), "an example needs at least a user turn and an assistant turn".to_string());
+            }
+            let mut roles = vec![];
+            for (j, turn) in turns.iter().enumerate() {
+                let tp = format!("{turns_path}[{j}]");
+                let Some(t) = self.object(&tp, turn, &["role", "text"], &["role", "text"]) else { continue };
+                if let Some(role) = t.get("role").and_then(|r| self.text(&join(&tp, "role"), r, true)) {
+                    if !["user", "assistant", "tool"].contains(&role.as_str()) {
+                        self.problem(join(&tp, "role"), format!("unknown role `{role}`; expected user, assistant or tool"));
+                    }
+                    roles.push(role);
+                }
+                if let Some(text) = t.get("text") {
+                    self.text(&join(&tp, "text"), text, true);
+                }
+            }
+            if !turns.is_empty() && roles.len() == turns.len() {
+                if roles.first().map(String::as_str) != Some("user") {
+                    self.problem(format!("{turns_path}[0].role"), "an example starts with a user turn".to_string());
+                }
+                if roles.last().map(String::as_str) != Some("assistant") {
+                    self.problem(format!("{turns_path}[{}].role", roles.len() - 1), "an example ends with an assistant turn (the answer it demonstrates)".to_string());
                 }
             }
         }
@@ -787,22 +828,39 @@ mod tests {
     }
 
     #[test]
-    fn the_example_pool_validates_against_dbbench_tools() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/pool");
+    fn the_example_pools_validate_against_dbbench_tools() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
         let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]) };
-        let mut ids = Vec::new();
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            let text = std::fs::read_to_string(&path).unwrap();
-            let spec = parse_spec(&path.display().to_string(), &text, &opts).unwrap_or_else(|e| panic!("{e}"));
-            if spec.id != schemas::H0_ID {
-                assert_eq!(spec.parent.as_deref(), Some("h0"), "{}", path.display());
-                assert!(!spec.hooks.is_empty() && spec.direction.is_some(), "{}: a sibling is a repair", path.display());
+        let load = |folder: &str| -> Vec<HarnessSpec> {
+            let mut specs: Vec<HarnessSpec> = std::fs::read_dir(root.join(folder))
+                .unwrap()
+                .map(|entry| {
+                    let path = entry.unwrap().path();
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    let spec = parse_spec(&path.display().to_string(), &text, &opts).unwrap_or_else(|e| panic!("{e}"));
+                    if spec.id != schemas::H0_ID {
+                        assert_eq!(spec.parent.as_deref(), Some("h0"), "{}", path.display());
+                        assert!(spec.direction.is_some() && spec != HarnessSpec { id: spec.id.clone(), parent: spec.parent.clone(), direction: spec.direction.clone(), generation: spec.generation, ..HarnessSpec::h0() }, "{}: a sibling is a repair", path.display());
+                    }
+                    spec
+                })
+                .collect();
+            specs.sort_by(|a, b| a.id.cmp(&b.id));
+            specs
+        };
+        let pool = load("pool");
+        let ids: Vec<&str> = pool.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(ids, vec!["h0", "s1-example-answer", "s2-example-query", "s3-example-rank"]);
+        // The default pool rescues through the policy's own tokens: demonstrations, rules,
+        // guidance — never a hook that forces or rewrites the action (harness tokens are
+        // not trained on, so the policy would learn nothing it keeps under H0).
+        for s in &pool {
+            for h in &s.hooks {
+                assert!(!matches!(h.action, schemas::HookAction::ForceAction | schemas::HookAction::RewriteAction), "{}: {h:?}", s.id);
             }
-            ids.push(spec.id);
         }
-        ids.sort();
-        assert_eq!(ids, vec!["h0", "s1-inspect-schema", "s2-commit-answer", "s3-quote-identifiers"]);
+        let hooks: Vec<String> = load("hooks").into_iter().map(|s| s.id).collect();
+        assert_eq!(hooks, vec!["h0", "s1-inspect-schema", "s2-commit-answer", "s3-quote-identifiers"]);
     }
 
     #[test]

@@ -65,6 +65,9 @@ pub struct PolicyOutput {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub finish_reason: FinishReason,
+    /// [`schemas::prompt_hash`] of the prompt token ids the reply was sampled from, when
+    /// the backend knows them (the native backend; endpoints that return prompt ids).
+    pub prompt_hash: Option<String>,
 }
 
 /// Typed policy failures; the class decides retry, masking or failing the group.

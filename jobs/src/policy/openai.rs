@@ -456,6 +456,7 @@ impl Policy for OpenAiPolicy {
             "policy call done"
         );
         Ok(PolicyOutput {
+            prompt_hash: None,
             text: completion.text,
             tool_calls,
             token_ids,

@@ -258,7 +258,7 @@ mod tests {
             let mut seen = self.seen.lock().unwrap();
             let text = self.answers.get(seen.len()).copied().unwrap_or("{}");
             seen.push(m.to_vec());
-            Ok(PolicyOutput { text: text.into(), tool_calls: vec![], token_ids: vec![], logprobs: vec![], prompt_tokens: 0, completion_tokens: 0, finish_reason: FinishReason::Stop })
+            Ok(PolicyOutput { prompt_hash: None, text: text.into(), tool_calls: vec![], token_ids: vec![], logprobs: vec![], prompt_tokens: 0, completion_tokens: 0, finish_reason: FinishReason::Stop })
         }
     }
 

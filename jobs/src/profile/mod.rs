@@ -357,6 +357,8 @@ pub(crate) mod testing {
                 tool_name: tool.as_ref().map(|t| t.0.to_string()),
                 tool_args: tool.map(|t| t.1),
                 hook_id: None,
+                prompt_token_count: 0,
+                prompt_hash: None,
             })
         };
         for q in queries {
@@ -398,6 +400,8 @@ pub(crate) mod testing {
             duration_ms: 0,
             policy_ms: 0,
             env_ms: 0,
+            temperature: 1.0,
+            tool_view: String::new(),
             turns,
         }
     }

@@ -69,6 +69,7 @@ fn run_blocking(args: &LearnerArgs) -> anyhow::Result<u8> {
                     mask: vec![true; len - ctx],
                     logq: vec![],
                     advantage: 0.0,
+                    temperature: 1.0,
                 })
                 .collect();
             let rewards: Vec<f64> = (0..group).map(|j| (j % 2) as f64).collect();

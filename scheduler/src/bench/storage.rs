@@ -104,6 +104,8 @@ fn synthetic_turn(rng: &mut ChaCha8Rng, index: u32) -> Turn {
         tool_name: trained.then(|| "execute_sql".to_string()),
         tool_args: None,
         hook_id: (source == TurnSource::Harness).then(|| "commit-reminder/0".to_string()),
+        prompt_token_count: 0,
+        prompt_hash: None,
         token_ids,
         text,
     }
@@ -147,6 +149,8 @@ fn synthetic_rollout(rng: &mut ChaCha8Rng, i: usize, kind: RolloutKind, step: u3
         duration_ms: rng.random_range(500..20_000),
         policy_ms: rng.random_range(100..10_000),
         env_ms: rng.random_range(1..500),
+        temperature: 1.0,
+        tool_view: String::new(),
         turns,
     }
 }

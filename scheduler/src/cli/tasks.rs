@@ -64,6 +64,9 @@ pub struct GenerateArgs {
     /// `easy`, `medium`, `hard` or `mixed` (2 : 2 : 1).
     #[arg(long, default_value = "mixed", value_parser = ["easy", "medium", "hard", "mixed"])]
     pub difficulty: String,
+    /// Only these kinds (comma-separated): counting, aggregation, ranking, comparison, INSERT, UPDATE.
+    #[arg(long, value_delimiter = ',', value_name = "KIND,...")]
+    pub kinds: Vec<String>,
 }
 
 pub async fn run(cmd: TasksCommand) -> anyhow::Result<u8> {
@@ -112,7 +115,7 @@ fn generate_file(args: GenerateArgs) -> anyhow::Result<u8> {
         "mixed" => None,
         d => Some(d.parse::<Difficulty>()?),
     };
-    let tasks = generate(&GenerateOptions { seed: args.seed, n: args.n, difficulty })?;
+    let tasks = generate(&GenerateOptions { seed: args.seed, n: args.n, difficulty, kinds: args.kinds.clone() })?;
     let mut text = String::new();
     let mut counts: BTreeMap<(String, String), usize> = BTreeMap::new();
     for t in &tasks {

@@ -725,11 +725,29 @@ impl Scheduler {
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
         let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);
         let markers = self.exec.run(self.run_id(), &format!("update:{u}:learn"), vec![job]).await?;
-        let result = &markers[0].result;
-        let loss = result.pointer("/metrics/loss").and_then(|v| v.as_f64()).unwrap_or(0.0);
-        let tokens = result.pointer("/metrics/policy_tokens").and_then(|v| v.as_f64()).unwrap_or(0.0);
-        self.write_metrics(u, "learn", &[("loss", loss), ("policy_tokens_trained", tokens)], st).await?;
-        st.latest_checkpoint = Some(u);
+        let out: native::learn::LearnOutput = serde_json::from_value(markers[0].result.clone()).context("reading the learn job's result")?;
+        let m = &out.metrics;
+        self.write_metrics(
+            u,
+            "learn",
+            &[
+                ("loss", m.loss),
+                ("policy_tokens_trained", m.policy_tokens as f64),
+                ("tasks", m.tasks as f64),
+                ("grad_norm", m.grad_norm),
+                ("clip_fraction", m.clip_fraction),
+                ("mismatch_mean", m.mismatch_mean),
+                ("mismatch_max", m.mismatch_max),
+                ("tis_clipped_share", m.tis_clipped_share),
+                ("trained", if out.trained { 1.0 } else { 0.0 }),
+            ],
+            st,
+        )
+        .await?;
+        if !out.trained && !out.already_done {
+            tracing::warn!(update = u, "update {u} trained nothing (no retained group had a policy token); the policy is unchanged");
+        }
+        st.latest_checkpoint = out.weights_step;
         st.step = u;
         Ok(())
     }

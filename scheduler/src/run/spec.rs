@@ -135,6 +135,10 @@ pub struct GenerateSection {
     pub test: usize,
     /// `easy`, `medium`, `hard` or `mixed` (default).
     pub difficulty: Option<String>,
+    /// Only these task kinds (`counting`, `aggregation`, `ranking`, `comparison`, `INSERT`,
+    /// `UPDATE`); default all.
+    #[serde(default)]
+    pub kinds: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -484,6 +488,11 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
             if let Some(d) = &g.difficulty {
                 if !["easy", "medium", "hard", "mixed"].contains(&d.as_str()) {
                     bad("tasks.generate.difficulty", format!("`{d}` is not easy, medium, hard or mixed"));
+                }
+            }
+            for (i, k) in g.kinds.iter().enumerate() {
+                if !jobs::env::dbbench::generate::KINDS.contains(&k.as_str()) {
+                    bad(&format!("tasks.generate.kinds[{i}]"), format!("`{k}` is not one of {}", jobs::env::dbbench::generate::KINDS.join(", ")));
                 }
             }
         }

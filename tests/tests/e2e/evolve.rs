@@ -21,7 +21,7 @@ fn policy() -> OpenAiPolicy {
 }
 
 fn tasks(seed: u64, n: usize) -> (Arc<TaskSet>, Vec<String>) {
-    let text = generate_jsonl(&GenerateOptions { seed, n, difficulty: Some(Difficulty::Easy) }).unwrap();
+    let text = generate_jsonl(&GenerateOptions { seed, n, difficulty: Some(Difficulty::Easy), kinds: vec![] }).unwrap();
     let loaded = TaskSet::parse(&text, "gen.jsonl", "gen");
     assert!(loaded.problems.is_empty(), "{:?}", loaded.problems);
     let ids = loaded.tasks.ids();

@@ -6,7 +6,7 @@ use std::process::Command;
 use harness_s_tests::harness_s_bin;
 
 fn pool() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/pool")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/hooks")
 }
 
 #[test]
@@ -35,10 +35,14 @@ fn validate_prints_one_line_per_problem_and_exits_non_zero() {
 
 #[test]
 fn the_example_pool_validates_and_diffs() {
-    for name in ["h0.json", "s1-inspect-schema.json", "s2-commit-answer.json", "s3-quote-identifiers.json"] {
+    let default_pool = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/pool");
+    let files = ["h0.json", "s1-inspect-schema.json", "s2-commit-answer.json", "s3-quote-identifiers.json"].map(|n| pool().join(n));
+    let defaults = ["s1-example-answer.json", "s2-example-query.json", "s3-example-rank.json"].map(|n| default_pool.join(n));
+    for path in files.iter().chain(&defaults) {
+        let name = path.display();
         let out = Command::new(harness_s_bin())
             .args(["harness", "validate", "--tools", "execute_sql,commit_final_answer"])
-            .arg(pool().join(name))
+            .arg(path)
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(0), "{name}: {}", String::from_utf8_lossy(&out.stdout));

@@ -1,6 +1,7 @@
 mod dbbench;
 mod evolve;
 mod harness;
+mod learner_context;
 mod native;
 mod queue;
 mod rollout;

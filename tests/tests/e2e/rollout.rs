@@ -64,7 +64,7 @@ async fn rollouts_under_h0_and_a_hooked_sibling_write_parquet_with_token_logprob
     let url = openai_url();
     let dir = tempfile::tempdir().unwrap();
     let run = unique("e2e-rollout");
-    let sibling = repo_root().join("examples/pool/s2-commit-answer.json");
+    let sibling = repo_root().join("examples/hooks/s2-commit-answer.json");
     for harness in ["h0", sibling.to_str().unwrap()] {
         let out = rollout(&url, harness, TASKS, dir.path(), &run, &[]).await;
         let shown = text(&out);

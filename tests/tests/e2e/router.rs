@@ -27,7 +27,7 @@ fn repo_root() -> PathBuf {
 fn pool() -> Vec<HarnessSpec> {
     let mut pool = vec![HarnessSpec::h0()];
     for name in ["s1-inspect-schema", "s2-commit-answer", "s3-quote-identifiers"] {
-        let path = repo_root().join(format!("examples/pool/{name}.json"));
+        let path = repo_root().join(format!("examples/hooks/{name}.json"));
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         pool.push(parse_spec(&path.display().to_string(), &text, &ValidateOptions::default()).unwrap());
     }

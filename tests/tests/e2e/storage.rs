@@ -130,6 +130,8 @@ pub fn sample_trajectory(i: u32, kind: RolloutKind, harness: &str) -> Trajectory
         duration_ms: 1234,
         policy_ms: 1000,
         env_ms: 30,
+        temperature: 1.0,
+        tool_view: String::new(),
         turns: vec![
             Turn {
                 index: 0,
@@ -142,6 +144,8 @@ pub fn sample_trajectory(i: u32, kind: RolloutKind, harness: &str) -> Trajectory
                 tool_name: None,
                 tool_args: None,
                 hook_id: Some("h/0".into()),
+                prompt_token_count: 0,
+                prompt_hash: None,
             },
             Turn {
                 index: 1,
@@ -154,6 +158,8 @@ pub fn sample_trajectory(i: u32, kind: RolloutKind, harness: &str) -> Trajectory
                 tool_name: Some("execute_sql".into()),
                 tool_args: Some(r#"{"query":"SELECT count(*) FROM t;"}"#.into()),
                 hook_id: None,
+                prompt_token_count: 0,
+                prompt_hash: None,
             },
         ],
     }

@@ -1,47 +1,124 @@
-//! Stored rollouts → learner [`Batch`]: one [`Sample`] per policy turn, its context being
-//! the chat of the turns before it rendered with the model's template — the exact prompt
-//! the native policy sampled that turn from, harness-injected turns included, so each
-//! auxiliary trajectory keeps its generating context (Appendix B).
+//! Stored rollouts → learner [`Batch`]: one [`Sample`] per policy turn, its context the
+//! prompt the policy sampled that turn from (Appendix B: "each auxiliary trajectory retains
+//! its generating context when computing the probability ratio").
+//!
+//! The context is not re-invented here: it is rebuilt with the rollout's own functions —
+//! [`jobs::harness::chat_messages`] over the turns before it (harness-injected turns
+//! included, adjacent turns merged as the session merged them) and
+//! [`crate::policy::prompt_ids`] with the trajectory's stored tool view — and then checked
+//! against the fingerprint (length and hash of the prompt ids) the policy recorded when it
+//! sampled. A turn whose rebuilt prompt differs, or that has no fingerprint, is refused
+//! with the trajectory and turn named: the learner never scores a context the policy did
+//! not see.
 
 use std::collections::BTreeMap;
 
-use jobs::policy::Message;
-use schemas::{Group, Trajectory, TurnSource};
+use jobs::env::ToolSpec;
+use schemas::{prompt_hash, ErrorClass, Group, Trajectory, TurnSource};
 
 use super::{grpo, Batch, Sample};
 use crate::tokenizer::Tokenizer;
 use crate::NativeError;
 
-/// Samples of one trajectory (policy turns only; harness, env and system turns are context).
+/// The temperature π_old is scored at for a row sampled at `t` (greedy decoding records
+/// its logprobs at temperature 1).
+pub fn scoring_temperature(t: f32) -> f32 {
+    if t > 0.0 && t.is_finite() {
+        t
+    } else {
+        1.0
+    }
+}
+
+/// Samples of one trajectory (policy turns only; harness, env and system turns are
+/// context). Rows failed by infrastructure are masked out (Eq. 15 excludes their tokens):
+/// their samples carry an all-false mask.
 pub fn samples_from_trajectory(traj: &Trajectory, task: usize, advantage: f64, tok: &Tokenizer) -> Result<Vec<Sample>, NativeError> {
-    let mut messages: Vec<Message> = vec![];
+    let at = |i: usize, detail: String| NativeError::Input(format!("trajectory `{}` (task `{}`), turn {i}: {detail}", traj.trajectory_id, traj.task_id));
+    let tools: Vec<ToolSpec> = if traj.tool_view.is_empty() {
+        vec![]
+    } else {
+        serde_json::from_str(&traj.tool_view)
+            .map_err(|e| NativeError::Input(format!("trajectory `{}`: `tool_view` is not a JSON list of tools: {e}", traj.trajectory_id)))?
+    };
+    let masked = traj.error_class == Some(ErrorClass::Infra);
+    let temperature = scoring_temperature(traj.temperature);
     let mut out = vec![];
-    for turn in &traj.turns {
-        if turn.source == TurnSource::Policy {
-            let context = tok.encode_chat(&messages)?;
-            let (completion, logq) = if turn.token_ids.is_empty() {
-                (tok.encode_continuation(&turn.text)?, vec![])
-            } else {
-                let logq = if turn.logprobs.len() == turn.token_ids.len() { turn.logprobs.clone() } else { vec![] };
-                (turn.token_ids.clone(), logq)
-            };
-            let mask = if turn.loss_mask.len() == completion.len() { turn.loss_mask.clone() } else { vec![true; completion.len()] };
-            out.push(Sample { task, context, completion, mask, logq, advantage });
+    for (i, turn) in traj.turns.iter().enumerate() {
+        if turn.source != TurnSource::Policy {
+            continue;
         }
-        messages.push(Message::new(turn.role, turn.text.clone()));
+        if turn.token_ids.is_empty() {
+            if turn.text.is_empty() {
+                continue;
+            }
+            return Err(at(i, "is a policy turn without sampled token ids (the backend returned none); the learner trains only on the tokens the policy sampled".into()));
+        }
+        let Some(recorded) = &turn.prompt_hash else {
+            return Err(at(i, "has no prompt fingerprint (`prompt_hash`): the prompt it was sampled from is unknown, so it cannot be trained on".into()));
+        };
+        let context = crate::policy::prompt_ids(tok, &jobs::harness::chat_messages(&traj.turns[..i]), &tools)?;
+        let rebuilt = prompt_hash(&context);
+        if context.len() != turn.prompt_token_count as usize || &rebuilt != recorded {
+            return Err(at(
+                i,
+                format!(
+                    "the rebuilt prompt ({} tokens, hash {rebuilt}) is not the one the policy sampled from ({} tokens, hash {recorded}); refusing to train on a context the policy never saw (was the row edited, or is the tokenizer another model's?)",
+                    context.len(),
+                    turn.prompt_token_count
+                ),
+            ));
+        }
+        let logq = if turn.logprobs.len() == turn.token_ids.len() {
+            turn.logprobs.clone()
+        } else if turn.logprobs.is_empty() {
+            vec![]
+        } else {
+            return Err(at(i, format!("{} sampled tokens but {} rollout logprobs", turn.token_ids.len(), turn.logprobs.len())));
+        };
+        let mask = if masked {
+            vec![false; turn.token_ids.len()]
+        } else if turn.loss_mask.len() == turn.token_ids.len() {
+            turn.loss_mask.clone()
+        } else {
+            return Err(at(i, format!("{} sampled tokens but {} loss-mask entries", turn.token_ids.len(), turn.loss_mask.len())));
+        };
+        out.push(Sample { task, context, completion: turn.token_ids.clone(), mask, logq, advantage, temperature });
     }
     Ok(out)
 }
 
-/// The batch of one update from the retained groups and their trajectories. Advantages
-/// come from the group rows (Eq. 6 as computed when the group was formed), recomputed
-/// from rewards when a group row has none. Errors name the group and trajectory.
+/// Records on `traj`'s policy turns the prompt fingerprint a native rollout records when it
+/// samples (for rows built outside a rollout: tests, imported data). Panics on nothing;
+/// errors when the tool view or the chat cannot be rendered.
+pub fn fingerprint(traj: &mut Trajectory, tok: &Tokenizer) -> Result<(), NativeError> {
+    let tools: Vec<ToolSpec> = if traj.tool_view.is_empty() { vec![] } else { serde_json::from_str(&traj.tool_view).map_err(|e| NativeError::Input(format!("`tool_view`: {e}")))? };
+    for i in 0..traj.turns.len() {
+        if traj.turns[i].source == TurnSource::Policy {
+            let ids = crate::policy::prompt_ids(tok, &jobs::harness::chat_messages(&traj.turns[..i]), &tools)?;
+            traj.turns[i].prompt_token_count = ids.len() as u32;
+            traj.turns[i].prompt_hash = Some(prompt_hash(&ids));
+        }
+    }
+    Ok(())
+}
+
+/// The batch of one update. Every group of the step is a task of the batch B (Eq. 15
+/// divides by |B|; a task whose group has no reward contrast contributes zero); samples
+/// come from the retained groups. Advantages come from the group rows (Eq. 6 as computed
+/// when the group was formed), recomputed from rewards when a group row has none. Errors
+/// name the group and trajectory.
 pub fn batch_from_groups(groups: &[Group], trajectories: &[Trajectory], tok: &Tokenizer) -> Result<Batch, NativeError> {
     let by_id: BTreeMap<&str, &Trajectory> = trajectories.iter().map(|t| (t.trajectory_id.as_str(), t)).collect();
     let mut batch = Batch::default();
-    let mut retained: Vec<&Group> = groups.iter().filter(|g| g.retained).collect();
-    retained.sort_by(|a, b| a.group_id.cmp(&b.group_id));
-    for g in retained {
+    let mut all: Vec<&Group> = groups.iter().collect();
+    all.sort_by(|a, b| a.group_id.cmp(&b.group_id));
+    for g in all {
+        let task = batch.tasks.len();
+        batch.tasks.push(g.task_id.clone());
+        if !g.retained {
+            continue;
+        }
         let trajs: Vec<&Trajectory> = g
             .trajectory_ids
             .iter()
@@ -56,8 +133,6 @@ pub fn batch_from_groups(groups: &[Group], trajectories: &[Trajectory], tok: &To
         } else {
             grpo::group_advantages(&trajs.iter().map(|t| t.reward).collect::<Vec<_>>())
         };
-        let task = batch.tasks.len();
-        batch.tasks.push(g.task_id.clone());
         for (t, a) in trajs.iter().zip(advantages) {
             batch.samples.extend(samples_from_trajectory(t, task, a, tok)?);
         }

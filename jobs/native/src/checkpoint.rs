@@ -250,14 +250,39 @@ pub struct Loaded {
 /// that trained nothing, the weights of the step it names; a step whose weights are still
 /// the base model's is refused (load the base model instead).
 pub async fn load(store: &dyn ObjectStore, run_id: &str, step: u32, device: Device, config: LearnerConfig) -> Result<Loaded, NativeError> {
+    let parts = load_parts(store, run_id, step, device, true).await?;
+    let mut learner = Learner::new(parts.model, config);
+    if let Some(mut optim) = parts.optimizer {
+        // The run's settings win over the saved ones; the moments and step carry over.
+        optim.config = learner.config.optimizer.clone();
+        learner.optim = optim;
+    }
+    learner.set_rng_state(&parts.manifest.rng_state)?;
+    Ok(Loaded { manifest: parts.manifest, learner, tokenizer: parts.tokenizer })
+}
+
+/// The weights (and tokenizer) of `step`'s checkpoint without the optimizer state: what
+/// a policy needs to sample. Follows `weights_step` like [`load`].
+pub async fn load_model(store: &dyn ObjectStore, run_id: &str, step: u32, device: Device) -> Result<(Llama, Option<Tokenizer>, CheckpointManifest), NativeError> {
+    let parts = load_parts(store, run_id, step, device, false).await?;
+    Ok((parts.model, parts.tokenizer, parts.manifest))
+}
+
+struct Parts {
+    manifest: CheckpointManifest,
+    model: Llama,
+    optimizer: Option<AdamW>,
+    tokenizer: Option<Tokenizer>,
+}
+
+async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: Device, optimizer: bool) -> Result<Parts, NativeError> {
     let manifest = read_manifest(store, &manifest_key(run_id, step)).await?;
     match manifest.weights_step {
         Some(w) if w == step => {}
         Some(w) if w < step => {
-            let mut loaded = Box::pin(load(store, run_id, w, device, config)).await?;
-            loaded.learner.set_rng_state(&manifest.rng_state)?;
-            loaded.manifest = manifest;
-            return Ok(loaded);
+            let mut parts = Box::pin(load_parts(store, run_id, w, device, optimizer)).await?;
+            parts.manifest = manifest;
+            return Ok(parts);
         }
         Some(w) => return Err(ckpt_err(store.object_url(&manifest_key(run_id, step)), format!("names the weights of a later step ({w})"))),
         None => {
@@ -275,16 +300,16 @@ pub async fn load(store: &dyn ObjectStore, run_id: &str, step: u32, device: Devi
     let model_bytes = read_file(store, &dir, &manifest, MODEL_FILE).await?.ok_or_else(|| missing(MODEL_FILE))?;
     let model_path = PathBuf::from(url(MODEL_FILE));
     let tensors = read_safetensors(&model_bytes, &model_path)?;
+    drop(model_bytes);
     let tensors: HashMap<String, Tensor> = tensors.into_iter().map(|(k, v)| (k, v.to_device(device))).collect();
     let model = Llama::from_tensors(cfg, &tensors, device, &model_path)?;
-    let mut learner = Learner::new(model, config);
-    if let Some(bytes) = read_file(store, &dir, &manifest, OPTIMIZER_FILE).await? {
-        let mut optim = restore_optimizer(&bytes, &url(OPTIMIZER_FILE), device)?;
-        // The run's settings win over the saved ones; the moments and step carry over.
-        optim.config = learner.config.optimizer.clone();
-        learner.optim = optim;
-    }
-    learner.set_rng_state(&manifest.rng_state)?;
+    let optimizer = match optimizer {
+        true => match read_file(store, &dir, &manifest, OPTIMIZER_FILE).await? {
+            Some(bytes) => Some(restore_optimizer(&bytes, &url(OPTIMIZER_FILE), device)?),
+            None => None,
+        },
+        false => None,
+    };
     let tokenizer = match read_file(store, &dir, &manifest, TOKENIZER_FILE).await? {
         Some(bytes) => {
             let cfg = read_file(store, &dir, &manifest, "tokenizer_config.json").await?;
@@ -292,7 +317,7 @@ pub async fn load(store: &dyn ObjectStore, run_id: &str, step: u32, device: Devi
         }
         None => None,
     };
-    Ok(Loaded { manifest, learner, tokenizer })
+    Ok(Parts { manifest, model, optimizer, tokenizer })
 }
 
 #[cfg(test)]

@@ -85,7 +85,7 @@ pub fn generate_with(
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut cache = KvCache::default();
     let mut out = Generation { tokens: vec![], logprobs: vec![], finish: Finish::Length, stop_token: None };
-    let mut logits = model.forward(&to_tensor(prompt, model.device()), Some(&mut cache)).i((0, -1));
+    let mut logits = model.logits_last(&to_tensor(prompt, model.device()), Some(&mut cache)).i(0);
     for _ in 0..opts.max_tokens {
         let logits_cpu = logits.to_device(Device::Cpu).to_kind(Kind::Float);
         let (token, logprob) = if opts.temperature == 0.0 {
@@ -112,7 +112,7 @@ pub fn generate_with(
         if prompt.len() + out.tokens.len() >= limit {
             break;
         }
-        logits = model.forward(&to_tensor(&[token], model.device()), Some(&mut cache)).i((0, -1));
+        logits = model.logits_last(&to_tensor(&[token], model.device()), Some(&mut cache)).i(0);
     }
     Ok(out)
 }

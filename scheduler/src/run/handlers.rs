@@ -98,10 +98,10 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                 }
                 Some(s) => {
                     let run_id = &inputs.stored.run_id;
-                    let loaded = native::checkpoint::load(store, run_id, s, device, Default::default())
+                    let (model, tokenizer, _) = native::checkpoint::load_model(store, run_id, s, device)
                         .await
                         .map_err(|e| JobFailure::Retryable(e.to_string()))?;
-                    let tokenizer = match loaded.tokenizer {
+                    let tokenizer = match tokenizer {
                         Some(t) => t,
                         None => {
                             let path = inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("checkpoint without tokenizer and no base model".into()))?;
@@ -109,7 +109,7 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                         }
                     };
                     let key = native::checkpoint::manifest_key(run_id, s);
-                    Ok(Arc::new(native::policy::NativePolicy::new(loaded.learner.model, tokenizer, key)))
+                    Ok(Arc::new(native::policy::NativePolicy::new(model, tokenizer, key)))
                 }
             }
         }

@@ -58,6 +58,8 @@ pub struct Batch {
 pub struct LearnerConfig {
     pub optimizer: AdamWConfig,
     /// Padded tokens per micro-batch (batch rows × longest row); at least one row each.
+    /// Activations for the backward pass grow with it (about 2 MB per token for
+    /// SmolLM2-135M), so it bounds the learner's memory.
     pub micro_batch_tokens: usize,
     /// Optimizer steps per batch; π_old stays the pre-update policy throughout.
     pub updates_per_batch: usize,
@@ -66,7 +68,7 @@ pub struct LearnerConfig {
 
 impl Default for LearnerConfig {
     fn default() -> Self {
-        LearnerConfig { optimizer: AdamWConfig::default(), micro_batch_tokens: 4096, updates_per_batch: 1, seed: 0 }
+        LearnerConfig { optimizer: AdamWConfig::default(), micro_batch_tokens: 1024, updates_per_batch: 1, seed: 0 }
     }
 }
 
@@ -141,16 +143,21 @@ pub struct Learner {
     pub rng: ChaCha8Rng,
 }
 
-/// Padded tensors of one micro-batch; token columns are shifted so that column j holds
-/// the prediction of token j + 1.
+/// Tensors of one micro-batch: the padded input rows and, flattened in (row, completion
+/// token) order, where each completion token is predicted, the token, and its row's
+/// temperature. Only those N positions go through the LM head.
 struct MicroBatch {
     rows: Vec<usize>,
-    ids: Tensor,
+    /// `[rows, longest − 1]`: every token but the last of each padded row.
+    input: Tensor,
+    /// `[N]` flat index (row · (longest − 1) + column) of each completion token's prediction.
+    flat: Tensor,
+    /// `[N]` the completion tokens.
     targets: Tensor,
-    /// (row, column) of each completion token, per row, in completion order.
-    positions: Vec<Vec<i64>>,
-    /// `[rows, 1, 1]` sampling temperature of each row.
+    /// `[N]` sampling temperature of each token's row.
     temperature: Tensor,
+    /// Start of each row's tokens in the N vector.
+    offsets: Vec<usize>,
 }
 
 impl Learner {
@@ -186,45 +193,58 @@ impl Learner {
     }
 
     fn tensors(&self, rows: &[usize], samples: &[Sample]) -> MicroBatch {
-        let longest = rows.iter().map(|&i| samples[i].context.len() + samples[i].completion.len()).max().unwrap_or(1);
+        let longest = rows.iter().map(|&i| samples[i].context.len() + samples[i].completion.len()).max().unwrap_or(2).max(2);
+        let cols = longest - 1;
         let mut ids = vec![0i64; rows.len() * longest];
-        let mut positions = vec![];
+        let (mut flat, mut targets, mut temps, mut offsets) = (vec![], vec![], vec![], vec![]);
         for (r, &i) in rows.iter().enumerate() {
             let s = &samples[i];
             for (j, &t) in s.context.iter().chain(&s.completion).enumerate() {
                 ids[r * longest + j] = t as i64;
             }
-            // completion token j is predicted at column context + j − 1
-            positions.push((0..s.completion.len()).map(|j| (s.context.len() + j) as i64 - 1).collect());
+            offsets.push(flat.len());
+            let temperature = data::scoring_temperature(s.temperature);
+            for (j, &t) in s.completion.iter().enumerate() {
+                // completion token j is predicted at column context + j − 1 (context ≥ 1)
+                flat.push((r * cols + s.context.len() + j - 1) as i64);
+                targets.push(t as i64);
+                temps.push(temperature);
+            }
         }
-        let ids = Tensor::from_slice(&ids).view([rows.len() as i64, longest as i64]).to_device(self.device());
-        let targets = ids.narrow(1, 1, longest as i64 - 1);
-        let temps: Vec<f32> = rows.iter().map(|&i| data::scoring_temperature(samples[i].temperature)).collect();
-        let temperature = Tensor::from_slice(&temps).view([rows.len() as i64, 1, 1]).to_device(self.device());
-        MicroBatch { rows: rows.to_vec(), ids, targets, positions, temperature }
+        let dev = self.device();
+        let input = Tensor::from_slice(&ids).view([rows.len() as i64, longest as i64]).narrow(1, 0, cols as i64).to_device(dev);
+        MicroBatch {
+            rows: rows.to_vec(),
+            input,
+            flat: Tensor::from_slice(&flat).to_device(dev),
+            targets: Tensor::from_slice(&targets).to_device(dev),
+            temperature: Tensor::from_slice(&temps).to_device(dev),
+            offsets,
+        }
     }
 
-    /// log π(token) at each row's sampling temperature `[rows, longest − 1]` (padding
-    /// columns hold values that no completion token reads).
+    /// log π(token) `[N]` of every completion token at its row's sampling temperature.
     fn token_logprobs(&self, mb: &MicroBatch) -> Tensor {
-        let longest = mb.ids.size()[1];
-        let logits = self.model.forward(&mb.ids.narrow(1, 0, longest - 1), None).to_kind(Kind::Float) / &mb.temperature;
+        let logits = self.model.logits_at(&mb.input, &mb.flat).to_kind(Kind::Float) / mb.temperature.unsqueeze(-1);
         logits.log_softmax(-1, Kind::Float).gather(-1, &mb.targets.unsqueeze(-1), false).squeeze_dim(-1)
     }
 
-    /// Builds a `[rows, longest − 1]` tensor holding `value(sample, j)` at each completion
-    /// token's column and 0 elsewhere.
+    /// `[N]` tensor of `value(sample, sample index, token index)` in the micro-batch's order.
     fn scatter(&self, mb: &MicroBatch, samples: &[Sample], value: impl Fn(&Sample, usize, usize) -> f32) -> Tensor {
-        let cols = mb.ids.size()[1] - 1;
-        let mut out = vec![0f32; mb.rows.len() * cols as usize];
-        for (r, &i) in mb.rows.iter().enumerate() {
-            for (j, &col) in mb.positions[r].iter().enumerate() {
-                if col >= 0 {
-                    out[r * cols as usize + col as usize] = value(&samples[i], i, j);
-                }
-            }
+        let mut out = vec![];
+        for &i in &mb.rows {
+            out.extend((0..samples[i].completion.len()).map(|j| value(&samples[i], i, j)));
         }
-        Tensor::from_slice(&out).view([mb.rows.len() as i64, cols]).to_device(self.device())
+        Tensor::from_slice(&out).to_device(self.device())
+    }
+
+    /// Splits an `[N]` vector of this micro-batch back into its rows' tokens.
+    fn per_row(mb: &MicroBatch, samples: &[Sample], t: &Tensor, out: &mut [Vec<f32>]) -> Result<(), NativeError> {
+        let v = Vec::<f32>::try_from(t.to_device(Device::Cpu).to_kind(Kind::Float).contiguous())?;
+        for (r, &i) in mb.rows.iter().enumerate() {
+            out[i] = v[mb.offsets[r]..mb.offsets[r] + samples[i].completion.len()].to_vec();
+        }
+        Ok(())
     }
 
     /// Checks the batch; errors name the sample.
@@ -275,41 +295,24 @@ impl Learner {
         metrics.micro_batches = plan.len() as u64;
         let batches: Vec<MicroBatch> = plan.iter().map(|rows| self.tensors(rows, samples)).collect();
 
-        // π_old: the pre-update policy, per completion token.
-        let old = self.score_batches(&batches, samples.len());
-        // Training–inference mismatch: log q recorded at sampling vs log π_old scored here.
-        let (mut diff_sum, mut diff_max, mut capped, mut measured) = (0f64, 0f64, 0u64, 0u64);
-        for (i, s) in samples.iter().enumerate() {
-            if s.logq.is_empty() {
-                continue;
-            }
-            for (j, &m) in s.mask.iter().enumerate() {
-                if m {
-                    let d = (s.logq[j] as f64 - old[i][j] as f64).abs();
-                    diff_sum += d;
-                    diff_max = diff_max.max(d);
-                    measured += 1;
-                    if grpo::tis_weight(old[i][j] as f64, s.logq[j] as f64) >= grpo::TIS_CAP {
-                        capped += 1;
-                    }
-                }
-            }
-        }
-        if measured > 0 {
-            metrics.mismatch_mean = diff_sum / measured as f64;
-            metrics.mismatch_max = diff_max;
-            metrics.tis_clipped_share = capped as f64 / measured as f64;
-        }
-        metrics.mismatch_tokens = measured;
-
+        // π_old is the pre-update policy. The first pass's forward runs with those very
+        // parameters, so its detached log-probabilities are π_old (ratio 1, gradient of
+        // ρ·A): no separate scoring pass. Later passes reuse them.
+        let mut old: Vec<Vec<f32>> = vec![vec![]; samples.len()];
         let params = self.model.named_tensors();
-        for _ in 0..self.config.updates_per_batch.max(1) {
+        for pass in 0..self.config.updates_per_batch.max(1) {
             AdamW::zero_grad(&params);
             let mut loss_total = 0f64;
             let mut clipped = 0f64;
             for mb in &batches {
                 let logp = self.token_logprobs(mb);
-                let logp_old = self.scatter(mb, samples, |_, i, j| old[i][j]);
+                let logp_old = if pass == 0 {
+                    let detached = logp.detach();
+                    Self::per_row(mb, samples, &detached, &mut old)?;
+                    detached
+                } else {
+                    self.scatter(mb, samples, |_, i, j| old[i][j])
+                };
                 let logq = self.scatter(mb, samples, |s, i, j| if s.logq.is_empty() { old[i][j] } else { s.logq[j] });
                 let adv = self.scatter(mb, samples, |s, _, _| s.advantage as f32);
                 let weight = self.scatter(mb, samples, |_, i, j| weights[i][j] as f32);
@@ -326,6 +329,8 @@ impl Learner {
             metrics.loss = loss_total;
             metrics.clip_fraction = clipped / policy_tokens as f64;
         }
+        let m = mismatch(samples, &old);
+        (metrics.mismatch_mean, metrics.mismatch_max, metrics.tis_clipped_share, metrics.mismatch_tokens) = m;
         AdamW::zero_grad(&params);
         metrics.seconds = started.elapsed().as_secs_f64();
         tracing::info!(
@@ -347,18 +352,14 @@ impl Learner {
     pub fn score(&self, samples: &[Sample]) -> Vec<Vec<f32>> {
         let order: Vec<usize> = (0..samples.len()).filter(|&i| !samples[i].completion.is_empty() && !samples[i].context.is_empty()).collect();
         let batches: Vec<MicroBatch> = self.plan(&order, samples).iter().map(|rows| self.tensors(rows, samples)).collect();
-        self.score_batches(&batches, samples.len())
+        self.score_batches(&batches, samples)
     }
 
-    fn score_batches(&self, batches: &[MicroBatch], n: usize) -> Vec<Vec<f32>> {
+    fn score_batches(&self, batches: &[MicroBatch], samples: &[Sample]) -> Vec<Vec<f32>> {
         let _g = tch::no_grad_guard();
-        let mut old = vec![vec![]; n];
+        let mut old = vec![vec![]; samples.len()];
         for mb in batches {
-            let lp = Vec::<f32>::try_from(self.token_logprobs(mb).to_device(Device::Cpu).contiguous().view([-1])).expect("float tensor");
-            let cols = (mb.ids.size()[1] - 1) as usize;
-            for (r, &i) in mb.rows.iter().enumerate() {
-                old[i] = mb.positions[r].iter().map(|&c| lp[r * cols + c as usize]).collect();
-            }
+            Self::per_row(mb, samples, &self.token_logprobs(mb), &mut old).expect("float tensor");
         }
         old
     }
@@ -368,9 +369,7 @@ impl Learner {
         let _g = tch::no_grad_guard();
         let s = Sample { task: 0, context: context.to_vec(), completion: completion.to_vec(), mask: vec![true; completion.len()], logq: vec![], advantage: 0.0, temperature: 1.0 };
         let mb = self.tensors(&[0], std::slice::from_ref(&s));
-        let lp = self.token_logprobs(&mb);
-        let total: f64 = mb.positions[0].iter().map(|&c| lp.double_value(&[0, c])).sum();
-        total / completion.len().max(1) as f64
+        self.token_logprobs(&mb).sum(Kind::Double).double_value(&[]) / completion.len().max(1) as f64
     }
 
     /// Serialisable state of the learner's generator.
@@ -399,6 +398,33 @@ impl Learner {
         self.rng = rng;
         Ok(())
     }
+}
+
+/// Training–inference mismatch over policy tokens that carry a rollout logprob: mean and
+/// max |log q − log π_old|, the share of tokens whose TIS weight clip(π_old/q, 0, 2) hit
+/// its cap (Eq. 16), and how many tokens were measured.
+pub fn mismatch(samples: &[Sample], old: &[Vec<f32>]) -> (f64, f64, f64, u64) {
+    let (mut sum, mut max, mut capped, mut n) = (0f64, 0f64, 0u64, 0u64);
+    for (s, o) in samples.iter().zip(old) {
+        if s.logq.is_empty() || o.len() != s.logq.len() {
+            continue;
+        }
+        for (j, &m) in s.mask.iter().enumerate() {
+            if m {
+                let d = (s.logq[j] as f64 - o[j] as f64).abs();
+                sum += d;
+                max = max.max(d);
+                n += 1;
+                if grpo::tis_weight(o[j] as f64, s.logq[j] as f64) >= grpo::TIS_CAP {
+                    capped += 1;
+                }
+            }
+        }
+    }
+    if n == 0 {
+        return (0.0, 0.0, 0.0, 0);
+    }
+    (sum / n as f64, max, capped as f64 / n as f64, n)
 }
 
 #[cfg(test)]
@@ -436,6 +462,8 @@ mod tests {
             }
             let m = learner.update(&Batch { tasks: vec!["t".into()], samples }).unwrap();
             assert!(m.micro_batches >= 2, "the token budget splits the group");
+            // q was sampled by the very weights π_old is scored with: no mismatch
+            assert!(m.mismatch_tokens > 0 && m.mismatch_max < 1e-4 && m.tis_clipped_share == 0.0, "{m:?}");
         }
         let end = p_target(&learner);
         assert!(end > 0.5 && end > 5.0 * start, "p(target) went from {start:.4} to {end:.4}");
@@ -450,6 +478,19 @@ mod tests {
                 Sample { task: 1, context: vec![9, 9, 9], completion: vec![1, 2], mask: vec![true, true], logq: vec![-4.0, -4.0], advantage: 0.5, temperature: 1.0 },
             ],
         }
+    }
+
+    #[test]
+    fn mismatch_by_hand() {
+        let sample = |mask: Vec<bool>, logq: Vec<f32>| Sample { task: 0, context: vec![1], completion: vec![2; mask.len()], mask, logq, advantage: 0.0, temperature: 1.0 };
+        let samples = vec![sample(vec![true, true, false], vec![-1.0, -2.0, -9.0]), sample(vec![true], vec![]), sample(vec![true], vec![-3.0])];
+        // |Δ| = 0.5, 0.1 (the masked token and the row without q are not measured), 1.0;
+        // the last token's TIS weight exp(−2 + 3) = e > 2 is capped.
+        let old = vec![vec![-1.5, -2.1, 0.0], vec![-1.0], vec![-2.0]];
+        let (mean, max, capped, n) = mismatch(&samples, &old);
+        assert_eq!(n, 3);
+        assert!((mean - 1.6 / 3.0).abs() < 1e-6 && (max - 1.0).abs() < 1e-6, "{mean} {max}");
+        assert!((capped - 1.0 / 3.0).abs() < 1e-9);
     }
 
     #[test]

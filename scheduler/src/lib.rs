@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod compare;
 pub mod report;
 pub mod run;
 

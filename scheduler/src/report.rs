@@ -151,7 +151,7 @@ pub fn rank_table(s: &Series) -> Option<String> {
     Some(out)
 }
 
-fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(&str, &[(u32, f64)])]) -> anyhow::Result<()> {
+pub fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(&str, &[(u32, f64)])]) -> anyhow::Result<()> {
     let root = BitMapBackend::new(path, (720, 420)).into_drawing_area();
     root.fill(&WHITE)?;
     let max_x = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.0)).max().unwrap_or(1).max(1);

@@ -58,3 +58,8 @@ pub fn done_marker(run_id: &str, job_id: &str) -> String {
 pub fn pool_harness(run_id: &str, harness_id: &str) -> String {
     format!("runs/{run_id}/pool/{harness_id}.json")
 }
+
+/// Folder of a side-by-side comparison of two runs (`harness-s compare A B`).
+pub fn comparison_dir(run_a: &str, run_b: &str) -> String {
+    format!("comparisons/{run_a}-vs-{run_b}/")
+}

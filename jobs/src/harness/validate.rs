@@ -850,7 +850,7 @@ mod tests {
         };
         let pool = load("pool");
         let ids: Vec<&str> = pool.iter().map(|s| s.id.as_str()).collect();
-        assert_eq!(ids, vec!["h0", "s1-example-answer", "s2-example-query", "s3-example-rank"]);
+        assert_eq!(ids, vec!["h0", "s1-example-answer", "s2-example-query", "s3-two-examples"]);
         // The default pool rescues through the policy's own tokens: demonstrations, rules,
         // guidance — never a hook that forces or rewrites the action (harness tokens are
         // not trained on, so the policy would learn nothing it keeps under H0).

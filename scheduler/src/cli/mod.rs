@@ -50,6 +50,8 @@ pub enum Command {
     Cancel(run::RunRefArgs),
     /// Write a run's Markdown report and PNG plots into the store.
     Report(run::RunRefArgs),
+    /// Compare two runs side by side (e.g. Harness-S against plain GRPO): Markdown and plots in the store.
+    Compare(run::CompareArgs),
     /// Inspect an object store: list objects, print Parquet rows as JSON lines.
     #[command(subcommand)]
     Store(store::StoreCommand),
@@ -98,6 +100,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Resume(args) => run::resume(args).await,
         Command::Cancel(args) => run::cancel(args).await,
         Command::Report(args) => run::report(args).await,
+        Command::Compare(args) => run::compare(args).await,
         Command::Store(cmd) => store::run(cmd).await,
         Command::Bench(cmd) => bench::run(cmd).await,
         Command::Worker(args) => worker::run(args).await,

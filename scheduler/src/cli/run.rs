@@ -57,6 +57,16 @@ pub struct RunRefArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// The run to compare (e.g. the Harness-S run).
+    pub run_a: String,
+    /// The run to compare it with (e.g. plain GRPO with the same model, seed and tasks).
+    pub run_b: String,
+    #[arg(long, env = "HARNESS_S_STORE", default_value = DEFAULT_STORE)]
+    pub store: String,
+}
+
+#[derive(Debug, Args)]
 pub struct ResumeArgs {
     pub run: String,
     #[arg(long, env = "HARNESS_S_STORE", default_value = DEFAULT_STORE)]
@@ -184,6 +194,13 @@ pub async fn report(args: RunRefArgs) -> anyhow::Result<u8> {
     let store = open_store(&absolute_store(&args.store)).await?;
     let url = crate::report::write(store.as_ref(), &args.run).await?;
     println!("{url}");
+    Ok(crate::exit::OK)
+}
+
+pub async fn compare(args: CompareArgs) -> anyhow::Result<u8> {
+    let store = open_store(&absolute_store(&args.store)).await?;
+    let url = crate::compare::write(store.as_ref(), &args.run_a, &args.run_b).await?;
+    println!("comparison: {url}");
     Ok(crate::exit::OK)
 }
 

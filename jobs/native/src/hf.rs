@@ -23,14 +23,20 @@ pub fn read_safetensors(bytes: &[u8], source: &Path) -> Result<HashMap<String, T
 
 /// Serialises float32 tensors (HF names) to safetensors bytes.
 pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, NativeError> {
+    write_safetensors_with(tensors, None)
+}
+
+/// [`write_safetensors`] with header metadata (`__metadata__`). Each tensor is copied once
+/// into its little-endian bytes, then once into the file buffer.
+pub fn write_safetensors_with(tensors: &[(String, Tensor)], metadata: Option<std::collections::HashMap<String, String>>) -> Result<Vec<u8>, NativeError> {
     let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
         .iter()
         .map(|(n, t)| {
             let t = t.to_kind(Kind::Float).to_device(Device::Cpu).contiguous();
             let numel = t.numel();
-            let mut values = vec![0f32; numel];
-            t.copy_data(&mut values, numel);
-            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let mut bytes = vec![0u8; numel * 4];
+            // f32 in native byte order is little-endian on every platform libtorch runs on.
+            t.copy_data_u8(&mut bytes, numel);
             (n.clone(), bytes, t.size().iter().map(|&d| d as usize).collect())
         })
         .collect();
@@ -39,7 +45,7 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, Native
         .map(|(n, b, s)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()
         .map_err(|e| NativeError::Format { path: PathBuf::from("<memory>"), detail: format!("{e:?}") })?;
-    safetensors::tensor::serialize(views, &None).map_err(|e| NativeError::Format { path: PathBuf::from("<memory>"), detail: format!("{e:?}") })
+    safetensors::tensor::serialize(views, &metadata).map_err(|e| NativeError::Format { path: PathBuf::from("<memory>"), detail: format!("{e:?}") })
 }
 
 /// Safetensors files of a model directory.

@@ -208,13 +208,11 @@ mod tests {
         }
     }
 
-    /// A learn job reads the retained group of a step, trains, writes a complete
-    /// checkpoint, raises the rewarded answer's probability, and is a no-op when redelivered.
-    #[tokio::test]
-    async fn learn_job_trains_on_retained_groups_and_checkpoints() {
+    /// A store, the word-level tokenizer and a tiny random llama saved as an HF directory
+    /// (the base model).
+    fn fixture() -> (tempfile::TempDir, LocalStore, crate::tokenizer::Tokenizer, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path().join("store")).unwrap();
-        // base model: a tiny random llama saved as an HF directory
         let tok = word_level(&WORDS);
         let model = Llama::new(LlamaConfig::tiny(tok.vocab_size() as i64, 64, 2), Device::Cpu, 4).unwrap();
         let base = dir.path().join("base");
@@ -222,6 +220,14 @@ mod tests {
         std::fs::write(base.join("config.json"), model.config.to_hf_json().to_string()).unwrap();
         std::fs::write(base.join("model.safetensors"), crate::hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
         std::fs::write(base.join("tokenizer.json"), tok.to_json().unwrap()).unwrap();
+        (dir, store, tok, base)
+    }
+
+    /// A learn job reads the retained group of a step, trains, writes a complete
+    /// checkpoint, raises the rewarded answer's probability, and is a no-op when redelivered.
+    #[tokio::test]
+    async fn learn_job_trains_on_retained_groups_and_checkpoints() {
+        let (dir, store, tok, base) = fixture();
 
         // "yes" (id 10) succeeds, "no" (id 11) fails; a dropped group must be ignored
         let mut trajs = vec![trajectory("a", 1.0, 10), trajectory("b", 0.0, 11), trajectory("c", 0.0, 11), trajectory("d", 0.0, 11)];
@@ -290,15 +296,7 @@ mod tests {
     /// trains from them.
     #[tokio::test]
     async fn a_step_with_nothing_to_train_writes_no_weights() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = LocalStore::new(dir.path().join("store")).unwrap();
-        let tok = word_level(&WORDS);
-        let model = Llama::new(LlamaConfig::tiny(tok.vocab_size() as i64, 64, 2), Device::Cpu, 4).unwrap();
-        let base = dir.path().join("base");
-        std::fs::create_dir_all(&base).unwrap();
-        std::fs::write(base.join("config.json"), model.config.to_hf_json().to_string()).unwrap();
-        std::fs::write(base.join("model.safetensors"), crate::hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
-        std::fs::write(base.join("tokenizer.json"), tok.to_json().unwrap()).unwrap();
+        let (_dir, store, tok, base) = fixture();
         let mut group = |step: u32, retained: bool, ids: &[&str]| {
             let mut trajs: Vec<Trajectory> = ids.iter().enumerate().map(|(i, id)| Trajectory { step, ..trajectory(id, if retained && i == 0 { 1.0 } else { 0.0 }, 10 + (i as u32 % 2)) }).collect();
             for t in &mut trajs {

@@ -550,30 +550,29 @@ impl Session {
 /// and the learner rebuilds each policy turn's prompt from the turns before it with the
 /// same function, so both see one rendering.
 pub fn chat_messages(turns: &[Turn]) -> Vec<Message> {
-        let mut out: Vec<Message> = Vec::new();
-        for t in turns {
-            let mergeable = matches!(t.role, Role::System | Role::User);
-            if mergeable {
-                if let Some(last) = out.last_mut() {
-                    if last.role == t.role {
-                        last.content.push_str("\n\n");
-                        last.content.push_str(&t.text);
-                        continue;
-                    }
+    let mut out: Vec<Message> = Vec::new();
+    for t in turns {
+        let mergeable = matches!(t.role, Role::System | Role::User);
+        if mergeable {
+            if let Some(last) = out.last_mut() {
+                if last.role == t.role {
+                    last.content.push_str("\n\n");
+                    last.content.push_str(&t.text);
+                    continue;
                 }
             }
-            let mut m = Message::new(t.role, t.text.clone());
-            if t.role == Role::Assistant {
-                if let Some(name) = &t.tool_name {
-                    let args = t.tool_args.as_deref().and_then(|a| serde_json::from_str(a).ok()).unwrap_or(Value::Null);
-                    m.tool_calls.push(ToolCall { name: name.clone(), args });
-                }
-            }
-            out.push(m);
         }
-        out
+        let mut m = Message::new(t.role, t.text.clone());
+        if t.role == Role::Assistant {
+            if let Some(name) = &t.tool_name {
+                let args = t.tool_args.as_deref().and_then(|a| serde_json::from_str(a).ok()).unwrap_or(Value::Null);
+                m.tool_calls.push(ToolCall { name: name.clone(), args });
+            }
+        }
+        out.push(m);
     }
-
+    out
+}
 
 fn hook_id(hook: &Hook, index: usize) -> String {
     hook.id.clone().unwrap_or_else(|| format!("hooks[{index}]"))
@@ -728,6 +727,32 @@ mod tests {
         assert_eq!(req.messages[1].content, "How many rows have age > 30?");
         assert_eq!(req.tools, tools());
         assert!(harness_turns(&s).is_empty());
+    }
+
+    #[test]
+    fn examples_are_chat_turns_between_the_system_prompt_and_the_task() {
+        let spec: HarnessSpec = serde_json::from_value(json!({
+            "id": "s-ex", "parent": "h0",
+            "prompt_rules": [{"slot": "task_preamble", "text": "Be brief."}],
+            "examples": [{"name": "ex", "turns": [
+                {"role": "user", "text": "Q: 1 + 1?"},
+                {"role": "assistant", "text": "```sql\nSELECT 1 + 1;\n```"},
+                {"role": "tool", "text": "[(2,)]"},
+                {"role": "assistant", "text": "Final Answer: [\"2\"]"}
+            ]}]
+        }))
+        .unwrap();
+        let mut s = Session::start(&spec, Budgets::default(), SamplingParams::default(), &start()).unwrap();
+        let req = ask(&mut s);
+        let roles: Vec<Role> = req.messages.iter().map(|m| m.role).collect();
+        assert_eq!(roles, [Role::System, Role::User, Role::Assistant, Role::Tool, Role::Assistant, Role::User]);
+        assert_eq!(req.messages[1].content, "Q: 1 + 1?");
+        assert_eq!(req.messages[4].content, "Final Answer: [\"2\"]");
+        // the task preamble and the task merge into the user turn after the example
+        assert_eq!(req.messages[5].content, "Be brief.\n\nHow many rows have age > 30?");
+        // example turns are harness text: never trained on
+        assert_eq!(harness_turns(&s).len(), 5);
+        assert_masks(s.turns());
     }
 
     #[test]

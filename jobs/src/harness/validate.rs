@@ -671,6 +671,27 @@ mod tests {
     }
 
     #[test]
+    fn examples_need_user_first_assistant_last_and_known_roles() {
+        let got = problems(json!({"id": "x", "examples": [
+            {"name": "a", "turns": [{"role": "assistant", "text": "hi"}, {"role": "robot", "text": "x"}]},
+            {"name": "a", "turns": []},
+            {"name": "b", "turns": [{"role": "user", "text": "q"}, {"role": "assistant", "text": ""}], "extra": 1}
+        ]}));
+        let joined = got.join("\n");
+        for needle in [
+            "examples[0].turns[0].role: an example starts with a user turn",
+            "examples[0].turns[1].role: unknown role `robot`",
+            "examples[1].name: duplicate example name `a`",
+            "examples[1].turns: an example needs at least a user turn and an assistant turn",
+            "examples[2].turns[1].text",
+            "examples[2]",
+        ] {
+            assert!(joined.contains(needle), "`{needle}` not reported:\n{joined}");
+        }
+        assert!(problems(json!({"id": "x", "examples": [{"name": "ok", "turns": [{"role": "user", "text": "q"}, {"role": "assistant", "text": "a"}]}]})).is_empty());
+    }
+
+    #[test]
     fn extraction_paths_and_placeholders_are_checked() {
         let hook = |params: Value| {
             problems(json!({"id": "s1", "parent": "h0", "hooks": [{"id": "f", "event": "before_decision",
@@ -850,7 +871,7 @@ mod tests {
         };
         let pool = load("pool");
         let ids: Vec<&str> = pool.iter().map(|s| s.id.as_str()).collect();
-        assert_eq!(ids, vec!["h0", "s1-example-answer", "s2-example-query", "s3-two-examples"]);
+        assert_eq!(ids, vec!["h0", "s1-example-answer", "s2-example-query", "s3-two-examples", "s4-two-examples-alt"]);
         // The default pool rescues through the policy's own tokens: demonstrations, rules,
         // guidance — never a hook that forces or rewrites the action (harness tokens are
         // not trained on, so the policy would learn nothing it keeps under H0).

@@ -37,7 +37,7 @@ fn validate_prints_one_line_per_problem_and_exits_non_zero() {
 fn the_example_pool_validates_and_diffs() {
     let default_pool = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/pool");
     let files = ["h0.json", "s1-inspect-schema.json", "s2-commit-answer.json", "s3-quote-identifiers.json"].map(|n| pool().join(n));
-    let defaults = ["s1-example-answer.json", "s2-example-query.json", "s3-two-examples.json"].map(|n| default_pool.join(n));
+    let defaults = ["s1-example-answer.json", "s2-example-query.json", "s3-two-examples.json", "s4-two-examples-alt.json"].map(|n| default_pool.join(n));
     for path in files.iter().chain(&defaults) {
         let name = path.display();
         let out = Command::new(harness_s_bin())

@@ -127,7 +127,7 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     assert_ne!(frozen(&before), frozen(&after), "each calibration freezes its own checkpoint");
     for m in [&before, &after] {
         let stats = m["stats"].as_object().unwrap();
-        assert_eq!(stats.len(), 4, "H0 and the three siblings: {stats:?}");
+        assert_eq!(stats.len(), 5, "H0 and the four siblings: {stats:?}");
     }
     let decisions: Vec<schemas::RoutingDecision> = read_prefix(store.as_ref(), "runs/e2e-embedded/routing/").await.unwrap();
     let rescue_decisions: Vec<_> = decisions.iter().filter(|d| d.purpose == schemas::RoutePurpose::Rescue).collect();

@@ -480,6 +480,29 @@ mod tests {
         }
     }
 
+    /// Eq. 15 by hand: J = (1/|B|) Σ_x (1/N_x) Σ_tokens ρ·A·w. On the first pass ρ = 1 and,
+    /// without rollout logprobs, w = 1. Task `a` has tokens with A = +1, +1, −1 (N_a = 3);
+    /// task `b` is in the batch with no policy token (its group had no reward contrast), so
+    /// |B| = 2 and loss = −(1 + 1 − 1) / (2 · 3) = −1/6, not the −1/3 of dividing by the
+    /// tasks that have tokens.
+    #[test]
+    fn eq15_divides_by_every_task_of_the_batch() {
+        let batch = Batch {
+            tasks: vec!["a".into(), "b".into()],
+            samples: vec![
+                Sample { task: 0, context: vec![1, 2], completion: vec![3, 4], mask: vec![true, true], logq: vec![], advantage: 1.0, temperature: 1.0 },
+                Sample { task: 0, context: vec![2], completion: vec![6], mask: vec![true], logq: vec![], advantage: -1.0, temperature: 1.0 },
+            ],
+        };
+        let mut l = Learner::new(tiny(3), LearnerConfig::default());
+        let m = l.update(&batch).unwrap();
+        assert_eq!((m.tasks, m.policy_tokens), (2, 3));
+        assert!((m.loss + 1.0 / 6.0).abs() < 1e-6, "loss {}", m.loss);
+        let mut alone = Learner::new(tiny(3), LearnerConfig::default());
+        let m = alone.update(&Batch { tasks: vec!["a".into()], ..batch }).unwrap();
+        assert!((m.loss + 1.0 / 3.0).abs() < 1e-6, "loss {}", m.loss);
+    }
+
     #[test]
     fn mismatch_by_hand() {
         let sample = |mask: Vec<bool>, logq: Vec<f32>| Sample { task: 0, context: vec![1], completion: vec![2; mask.len()], mask, logq, advantage: 0.0, temperature: 1.0 };

@@ -3,7 +3,25 @@
 
 use clap::Parser;
 
+/// glibc gives each thread that allocates its own arena; the learner's and checkpoints'
+/// gigabyte-sized buffers, freed on one blocking thread and allocated on another, then stay
+/// mapped in several arenas (measured: 10 GB peak RSS for the quickstart, 8 GB with two
+/// arenas, the same run time).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn limit_malloc_arenas() {
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        // SAFETY: mallopt only sets an allocator parameter; called before any other thread starts.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 2);
+        }
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn limit_malloc_arenas() {}
+
 fn main() -> std::process::ExitCode {
+    limit_malloc_arenas();
     let cli = scheduler::cli::Cli::parse();
     scheduler::cli::init_tracing(&cli.global);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

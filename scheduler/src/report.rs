@@ -173,6 +173,7 @@ pub fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(
         .y_desc(y_label)
         .x_labels((max_x - min_x) as usize + 2)
         .x_label_formatter(&|x| if x.fract().abs() < 1e-9 { format!("{x:.0}") } else { String::new() })
+        .y_label_formatter(&|y| if max_y - min_y < 0.05 { format!("{y:.1e}") } else { format!("{y:.2}") })
         .draw()?;
     let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
     for (i, (name, points)) in series.iter().enumerate() {

@@ -297,7 +297,7 @@ mod tests {
     #[tokio::test]
     async fn a_step_with_nothing_to_train_writes_no_weights() {
         let (_dir, store, tok, base) = fixture();
-        let mut group = |step: u32, retained: bool, ids: &[&str]| {
+        let group = |step: u32, retained: bool, ids: &[&str]| {
             let mut trajs: Vec<Trajectory> = ids.iter().enumerate().map(|(i, id)| Trajectory { step, ..trajectory(id, if retained && i == 0 { 1.0 } else { 0.0 }, 10 + (i as u32 % 2)) }).collect();
             for t in &mut trajs {
                 data::fingerprint(t, &tok).unwrap();

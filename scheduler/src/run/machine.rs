@@ -727,23 +727,20 @@ impl Scheduler {
         let markers = self.exec.run(self.run_id(), &format!("update:{u}:learn"), vec![job]).await?;
         let out: native::learn::LearnOutput = serde_json::from_value(markers[0].result.clone()).context("reading the learn job's result")?;
         let m = &out.metrics;
-        self.write_metrics(
-            u,
-            "learn",
-            &[
+        // A step that trained nothing has no loss, gradient or mismatch to report: only
+        // that it trained nothing (the report shows "–" there, not a measured zero).
+        let mut values = vec![("policy_tokens_trained", m.policy_tokens as f64), ("tasks", m.tasks as f64), ("trained", if out.trained { 1.0 } else { 0.0 })];
+        if out.trained {
+            values.extend([
                 ("loss", m.loss),
-                ("policy_tokens_trained", m.policy_tokens as f64),
-                ("tasks", m.tasks as f64),
                 ("grad_norm", m.grad_norm),
                 ("clip_fraction", m.clip_fraction),
                 ("mismatch_mean", m.mismatch_mean),
                 ("mismatch_max", m.mismatch_max),
                 ("tis_clipped_share", m.tis_clipped_share),
-                ("trained", if out.trained { 1.0 } else { 0.0 }),
-            ],
-            st,
-        )
-        .await?;
+            ]);
+        }
+        self.write_metrics(u, "learn", &values, st).await?;
         if !out.trained && !out.already_done {
             tracing::warn!(update = u, "update {u} trained nothing (no retained group had a policy token); the policy is unchanged");
         }

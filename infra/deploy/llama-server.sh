@@ -73,7 +73,7 @@ start() {
     exports
     return 0
   fi
-  if ! python3 -c "import llama_cpp.server" 2>/dev/null; then
+  if ! python3 -c "import llama_cpp.server.app" 2>/dev/null; then
     say "llama-cpp-python's server is not installed: pip install 'llama-cpp-python[server]==0.3.36' (see the CMAKE_ARGS note at the top of this script)"
     exit 1
   fi

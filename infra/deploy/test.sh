@@ -18,7 +18,9 @@ port_open() { timeout 2 bash -c "</dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 
 step "python packages"
 python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-if ! python3 -c "import llama_cpp.server" 2>/dev/null; then
+# `llama_cpp.server.app` imports the server's own dependencies (uvicorn, fastapi, ...), which
+# a plain llama-cpp-python install (pulled in without the `server` extra) lacks.
+if ! python3 -c "import llama_cpp.server.app" 2>/dev/null; then
   # Builds from source (about 8 minutes on 2 cores). Native CPU detection would enable AMX,
   # which some VMs refuse ("Illegal instruction"); pin the instruction sets instead.
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \

@@ -61,8 +61,11 @@ fn optimizer_bytes(optim: &AdamW) -> Result<Vec<u8>, NativeError> {
     for (n, t) in &optim.exp_avg_sq {
         tensors.push((format!("exp_avg_sq.{n}"), t.shallow_clone()));
     }
-    // The step and hyper-parameters ride in the safetensors header's `__metadata__`.
-    let meta = HashMap::from([("step".to_string(), optim.step.to_string()), ("config".to_string(), serde_json::to_string(&optim.config).expect("serialises"))]);
+    // The step and hyper-parameters ride in the safetensors header's `__metadata__`, as one
+    // entry: the header serialises a hash map, so several entries would come out in a
+    // different order in every process and identical states would hash differently.
+    let state = serde_json::json!({"step": optim.step, "config": optim.config});
+    let meta = HashMap::from([("optimizer".to_string(), state.to_string())]);
     let bytes = if !tensors.is_empty() || optim.step > 0 { write_safetensors_with(&tensors, Some(meta))? } else { write_safetensors(&tensors)? };
     Ok(bytes)
 }
@@ -70,10 +73,13 @@ fn optimizer_bytes(optim: &AdamW) -> Result<Vec<u8>, NativeError> {
 fn restore_optimizer(bytes: &[u8], location: &str, device: Device) -> Result<AdamW, NativeError> {
     let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| ckpt_err(location, format!("not a safetensors file: {e:?}")))?;
     let meta = meta.metadata().clone().unwrap_or_default();
-    let step: u64 = meta.get("step").and_then(|s| s.parse().ok()).unwrap_or(0);
-    let config: AdamWConfig = match meta.get("config") {
-        Some(c) => serde_json::from_str(c).map_err(|e| ckpt_err(location, format!("optimizer config: {e}")))?,
-        None => AdamWConfig::default(),
+    let (step, config): (u64, AdamWConfig) = match meta.get("optimizer") {
+        Some(state) => {
+            let v: serde_json::Value = serde_json::from_str(state).map_err(|e| ckpt_err(location, format!("optimizer state: {e}")))?;
+            let config = serde_json::from_value(v["config"].clone()).map_err(|e| ckpt_err(location, format!("optimizer config: {e}")))?;
+            (v["step"].as_u64().unwrap_or(0), config)
+        }
+        None => (0, AdamWConfig::default()),
     };
     let mut optim = AdamW::new(config);
     optim.step = step;

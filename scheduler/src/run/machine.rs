@@ -763,14 +763,16 @@ fn outcome(r: &Trajectory) -> Outcome {
     }
 }
 
-/// Rows by task, each task's rows in (attempt, trajectory id) order.
+/// Rows by task, each task's rows in (attempt, harness, trajectory id) order: an order that
+/// does not depend on the run's id (trajectory ids hash it), so two runs with the same
+/// seed give the learner its samples in the same order and reach the same weights.
 fn group_by_task(rows: &[Trajectory]) -> BTreeMap<String, Vec<&Trajectory>> {
     let mut m: BTreeMap<String, Vec<&Trajectory>> = BTreeMap::new();
     for r in rows {
         m.entry(r.task_id.clone()).or_default().push(r);
     }
     for v in m.values_mut() {
-        v.sort_by(|a, b| (a.attempt, &a.trajectory_id).cmp(&(b.attempt, &b.trajectory_id)));
+        v.sort_by(|a, b| (a.attempt, &a.harness_id, &a.trajectory_id).cmp(&(b.attempt, &b.harness_id, &b.trajectory_id)));
     }
     m
 }

@@ -111,8 +111,10 @@ pub fn fingerprint(traj: &mut Trajectory, tok: &Tokenizer) -> Result<(), NativeE
 pub fn batch_from_groups(groups: &[Group], trajectories: &[Trajectory], tok: &Tokenizer) -> Result<Batch, NativeError> {
     let by_id: BTreeMap<&str, &Trajectory> = trajectories.iter().map(|t| (t.trajectory_id.as_str(), t)).collect();
     let mut batch = Batch::default();
+    // Task order, not group-id order: group ids hash the run id, and the learner's sample
+    // order (hence its float sums) must not depend on what the run is called.
     let mut all: Vec<&Group> = groups.iter().collect();
-    all.sort_by(|a, b| a.group_id.cmp(&b.group_id));
+    all.sort_by(|a, b| (&a.task_id, &a.group_id).cmp(&(&b.task_id, &b.group_id)));
     for g in all {
         let task = batch.tasks.len();
         batch.tasks.push(g.task_id.clone());

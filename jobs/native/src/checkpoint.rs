@@ -113,23 +113,30 @@ pub async fn save(store: &dyn ObjectStore, learner: &Learner, tokenizer: Option<
         entries.push(FileEntry { name: name.to_string(), size: bytes.len() as u64, sha256: sha256(&bytes) });
         store.put(&format!("{dir}{name}"), Bytes::from(bytes)).await?;
     }
+    let key = put_manifest(store, info, learner.model.config.model_type.clone(), entries, learner.rng_state(), Some(info.step)).await?;
+    tracing::info!(key = %key, "checkpoint written");
+    Ok(key)
+}
+
+/// Writes the manifest of `info.step` (the commit point of a checkpoint); a step trained
+/// iff its weights are its own.
+async fn put_manifest(store: &dyn ObjectStore, info: &SaveInfo, architecture: String, files: Vec<FileEntry>, rng_state: String, weights_step: Option<u32>) -> Result<String, NativeError> {
     let manifest = CheckpointManifest {
         schema_version: CheckpointManifest::VERSION,
         run_id: info.run_id.clone(),
         step: info.step,
         parent: info.parent.clone(),
-        architecture: learner.model.config.model_type.clone(),
-        files: entries,
+        architecture,
+        files,
         data_cursor: info.data_cursor,
-        rng_state: learner.rng_state(),
+        rng_state,
         metrics: info.metrics.clone(),
         created_at_ms: schemas::now_unix_ms(),
-        trained: true,
-        weights_step: Some(info.step),
+        trained: weights_step == Some(info.step),
+        weights_step,
     };
     let key = manifest_key(&info.run_id, info.step);
     store.put(&key, Bytes::from(encode_document(&manifest))).await?;
-    tracing::info!(key = %key, "checkpoint written");
     Ok(key)
 }
 
@@ -137,22 +144,8 @@ pub async fn save(store: &dyn ObjectStore, learner: &Learner, tokenizer: Option<
 /// names the checkpoint that still holds the weights (`None`: the base model). No copy of
 /// unchanged weights is written; [`load`] and [`latest`] follow the reference.
 pub async fn save_untrained(store: &dyn ObjectStore, info: &SaveInfo, weights_step: Option<u32>, rng_state: String, architecture: String) -> Result<String, NativeError> {
-    let manifest = CheckpointManifest {
-        schema_version: CheckpointManifest::VERSION,
-        run_id: info.run_id.clone(),
-        step: info.step,
-        parent: info.parent.clone(),
-        architecture,
-        files: vec![],
-        data_cursor: info.data_cursor,
-        rng_state,
-        metrics: info.metrics.clone(),
-        created_at_ms: schemas::now_unix_ms(),
-        trained: false,
-        weights_step,
-    };
-    let key = manifest_key(&info.run_id, info.step);
-    store.put(&key, Bytes::from(encode_document(&manifest))).await?;
+    debug_assert!(weights_step.is_none_or(|w| w < info.step), "an untrained step's weights are an earlier step's");
+    let key = put_manifest(store, info, architecture, vec![], rng_state, weights_step).await?;
     tracing::info!(key = %key, weights_step = ?weights_step, "untrained step recorded (no weights written)");
     Ok(key)
 }

@@ -30,17 +30,25 @@ pub fn scoring_temperature(t: f32) -> f32 {
     }
 }
 
+/// The tools a row's policy was shown (its stored tool view).
+fn tool_view(traj: &Trajectory) -> Result<Vec<ToolSpec>, NativeError> {
+    if traj.tool_view.is_empty() {
+        return Ok(vec![]);
+    }
+    serde_json::from_str(&traj.tool_view).map_err(|e| NativeError::Input(format!("trajectory `{}`: `tool_view` is not a JSON list of tools: {e}", traj.trajectory_id)))
+}
+
+/// The prompt ids turn `i` was sampled from, rebuilt with the rollout's own rendering.
+fn prompt_before(traj: &Trajectory, i: usize, tools: &[ToolSpec], tok: &Tokenizer) -> Result<Vec<u32>, NativeError> {
+    crate::policy::prompt_ids(tok, &jobs::harness::chat_messages(&traj.turns[..i]), tools)
+}
+
 /// Samples of one trajectory (policy turns only; harness, env and system turns are
 /// context). Rows failed by infrastructure are masked out (Eq. 15 excludes their tokens):
 /// their samples carry an all-false mask.
 pub fn samples_from_trajectory(traj: &Trajectory, task: usize, advantage: f64, tok: &Tokenizer) -> Result<Vec<Sample>, NativeError> {
     let at = |i: usize, detail: String| NativeError::Input(format!("trajectory `{}` (task `{}`), turn {i}: {detail}", traj.trajectory_id, traj.task_id));
-    let tools: Vec<ToolSpec> = if traj.tool_view.is_empty() {
-        vec![]
-    } else {
-        serde_json::from_str(&traj.tool_view)
-            .map_err(|e| NativeError::Input(format!("trajectory `{}`: `tool_view` is not a JSON list of tools: {e}", traj.trajectory_id)))?
-    };
+    let tools = tool_view(traj)?;
     let masked = traj.error_class == Some(ErrorClass::Infra);
     let temperature = scoring_temperature(traj.temperature);
     let mut out = vec![];
@@ -57,7 +65,7 @@ pub fn samples_from_trajectory(traj: &Trajectory, task: usize, advantage: f64, t
         let Some(recorded) = &turn.prompt_hash else {
             return Err(at(i, "has no prompt fingerprint (`prompt_hash`): the prompt it was sampled from is unknown, so it cannot be trained on".into()));
         };
-        let context = crate::policy::prompt_ids(tok, &jobs::harness::chat_messages(&traj.turns[..i]), &tools)?;
+        let context = prompt_before(traj, i, &tools, tok)?;
         let rebuilt = prompt_hash(&context);
         if context.len() != turn.prompt_token_count as usize || &rebuilt != recorded {
             return Err(at(
@@ -92,10 +100,10 @@ pub fn samples_from_trajectory(traj: &Trajectory, task: usize, advantage: f64, t
 /// samples (for rows built outside a rollout: tests, imported data). Panics on nothing;
 /// errors when the tool view or the chat cannot be rendered.
 pub fn fingerprint(traj: &mut Trajectory, tok: &Tokenizer) -> Result<(), NativeError> {
-    let tools: Vec<ToolSpec> = if traj.tool_view.is_empty() { vec![] } else { serde_json::from_str(&traj.tool_view).map_err(|e| NativeError::Input(format!("`tool_view`: {e}")))? };
+    let tools = tool_view(traj)?;
     for i in 0..traj.turns.len() {
         if traj.turns[i].source == TurnSource::Policy {
-            let ids = crate::policy::prompt_ids(tok, &jobs::harness::chat_messages(&traj.turns[..i]), &tools)?;
+            let ids = prompt_before(traj, i, &tools, tok)?;
             traj.turns[i].prompt_token_count = ids.len() as u32;
             traj.turns[i].prompt_hash = Some(prompt_hash(&ids));
         }

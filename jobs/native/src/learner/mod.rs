@@ -351,15 +351,11 @@ impl Learner {
     /// it. Empty for samples without completion tokens.
     pub fn score(&self, samples: &[Sample]) -> Vec<Vec<f32>> {
         let order: Vec<usize> = (0..samples.len()).filter(|&i| !samples[i].completion.is_empty() && !samples[i].context.is_empty()).collect();
-        let batches: Vec<MicroBatch> = self.plan(&order, samples).iter().map(|rows| self.tensors(rows, samples)).collect();
-        self.score_batches(&batches, samples)
-    }
-
-    fn score_batches(&self, batches: &[MicroBatch], samples: &[Sample]) -> Vec<Vec<f32>> {
         let _g = tch::no_grad_guard();
         let mut old = vec![vec![]; samples.len()];
-        for mb in batches {
-            Self::per_row(mb, samples, &self.token_logprobs(mb), &mut old).expect("float tensor");
+        for rows in self.plan(&order, samples) {
+            let mb = self.tensors(&rows, samples);
+            Self::per_row(&mb, samples, &self.token_logprobs(&mb), &mut old).expect("log-probabilities are a float tensor");
         }
         old
     }

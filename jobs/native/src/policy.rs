@@ -1,29 +1,28 @@
 //! The `native` policy backend: a [`Llama`] + [`Tokenizer`] in this process behind the
-//! [`Policy`] trait. Generation runs on a blocking thread; one call at a time per model.
+//! [`Policy`] trait. Generation runs on the batching [`Engine`]: concurrent calls (the K
+//! rollouts of a group, the episodes of a stage) are decoded together.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use tch::Device;
 
 use crate::model::Llama;
-use crate::sampler::{generate_with, Finish, GenerateOptions};
+use crate::engine::{Engine, EngineConfig, Request, StopFn};
+use crate::sampler::{Finish, GenerateOptions};
 use crate::tokenizer::Tokenizer;
 use crate::NativeError;
 use jobs::env::ToolSpec;
 use jobs::policy::{FinishReason, Message, Policy, PolicyError, PolicyOutput, SamplingParams};
 use schemas::Role;
 
-struct Inner {
-    model: Llama,
-    tokenizer: Tokenizer,
-}
-
-/// The native backend. Cheap to clone (shares the model).
+/// The native backend. Cheap to clone (shares the engine, which owns the model).
 #[derive(Clone)]
 pub struct NativePolicy {
-    inner: Arc<Mutex<Inner>>,
+    engine: Arc<Engine>,
+    tokenizer: Arc<Tokenizer>,
+    context_limit: u64,
     checkpoint: String,
 }
 
@@ -31,18 +30,23 @@ impl NativePolicy {
     /// Loads a GGUF file or HF directory; `checkpoint` is recorded on trajectory rows.
     pub fn load(path: &Path, device: Device) -> Result<Self, NativeError> {
         let (model, tokenizer) = crate::loader::load(path, device)?;
-        Ok(Self::new(model, tokenizer, path.display().to_string()))
+        Self::new(model, tokenizer, path.display().to_string())
     }
 
-    pub fn new(model: Llama, tokenizer: Tokenizer, checkpoint: String) -> Self {
-        NativePolicy { inner: Arc::new(Mutex::new(Inner { model, tokenizer })), checkpoint }
+    /// Starts a batching engine with the default settings over `model`.
+    pub fn new(model: Llama, tokenizer: Tokenizer, checkpoint: String) -> Result<Self, NativeError> {
+        Self::with_engine(model, tokenizer, checkpoint, EngineConfig::default())
     }
 
-    /// Runs `f` with the model and tokenizer (e.g. to load new weights after an update).
-    pub fn with_model<R>(&self, f: impl FnOnce(&mut Llama, &Tokenizer) -> R) -> R {
-        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let Inner { model, tokenizer } = &mut *g;
-        f(model, tokenizer)
+    pub fn with_engine(model: Llama, tokenizer: Tokenizer, checkpoint: String, config: EngineConfig) -> Result<Self, NativeError> {
+        let context_limit = model.config.max_position_embeddings as u64;
+        let engine = Engine::start(model, config)?;
+        Ok(NativePolicy { engine, tokenizer: Arc::new(tokenizer), context_limit, checkpoint })
+    }
+
+    /// The engine's counters (prefill, reuse, decode batch).
+    pub fn engine_stats(&self) -> crate::engine::EngineStats {
+        self.engine.stats()
     }
 }
 
@@ -84,53 +88,55 @@ impl Policy for NativePolicy {
     }
 
     async fn chat(&self, messages: &[Message], tools: &[ToolSpec], sampling: &SamplingParams) -> Result<PolicyOutput, PolicyError> {
-        let messages = messages.to_vec();
-        let tools_shown = tools.to_vec();
         let offered: Vec<String> = tools.iter().map(|t| t.name.clone()).collect();
-        let sampling = sampling.clone();
-        let inner = self.inner.clone();
-        tokio::task::spawn_blocking(move || {
-            let g = inner.lock().unwrap_or_else(|p| p.into_inner());
-            let prompt = prompt_ids(&g.tokenizer, &messages, &tools_shown).map_err(native_err)?;
-            let limit = g.model.config.max_position_embeddings as u64;
-            if prompt.len() as u64 >= limit {
-                return Err(PolicyError::ContextLength { tokens: prompt.len() as u64, limit });
-            }
-            let opts = GenerateOptions {
-                max_tokens: sampling.max_tokens as usize,
-                temperature: sampling.temperature.max(0.0) as f64,
-                top_p: sampling.top_p as f64,
-                seed: sampling.seed.unwrap_or(0),
-            };
-            let stops = sampling.stop.clone();
-            let tok = &g.tokenizer;
-            let gen = generate_with(&g.model, &prompt, &opts, &tok.stop_ids(), |ids| {
-                !stops.is_empty() && tok.decode(ids).map(|t| stops.iter().any(|s| t.contains(s.as_str()))).unwrap_or(false)
-            })
+        let tok = self.tokenizer.clone();
+        let (messages, tools_shown) = (messages.to_vec(), tools.to_vec());
+        let prompt = tokio::task::spawn_blocking(move || prompt_ids(&tok, &messages, &tools_shown))
+            .await
+            .map_err(|e| PolicyError::Native(format!("tokenizer thread failed: {e}")))?
             .map_err(native_err)?;
-            let mut text = tok.decode(&gen.tokens).map_err(native_err)?;
-            if let Some(cut) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
-                text.truncate(cut);
-            }
-            // No structured tool channel: calls are read from the text protocol that
-            // `with_tools` described in the system message.
-            let names: Vec<&str> = offered.iter().map(String::as_str).collect();
-            let tool_calls = jobs::policy::text_protocol::parse(&text, &names, true);
-            Ok(PolicyOutput {
-                text,
-                tool_calls,
-                prompt_tokens: prompt.len() as u32,
-                completion_tokens: gen.tokens.len() as u32,
-                prompt_hash: Some(schemas::prompt_hash(&prompt)),
-                token_ids: gen.tokens,
-                logprobs: gen.logprobs,
-                finish_reason: match gen.finish {
-                    Finish::Stop => FinishReason::Stop,
-                    Finish::Length => FinishReason::Length,
-                },
-            })
+        if prompt.len() as u64 >= self.context_limit {
+            return Err(PolicyError::ContextLength { tokens: prompt.len() as u64, limit: self.context_limit });
+        }
+        let opts = GenerateOptions {
+            max_tokens: sampling.max_tokens as usize,
+            temperature: sampling.temperature.max(0.0) as f64,
+            top_p: sampling.top_p as f64,
+            seed: sampling.seed.unwrap_or(0),
+        };
+        let stops = sampling.stop.clone();
+        let tok = self.tokenizer.clone();
+        let should_stop: Option<StopFn> = (!stops.is_empty()).then(|| {
+            let stops = stops.clone();
+            Box::new(move |ids: &[u32]| tok.decode(ids).map(|t| stops.iter().any(|s| t.contains(s.as_str()))).unwrap_or(false)) as StopFn
+        });
+        let request = Request { prompt: prompt.clone(), opts, stop_ids: self.tokenizer.stop_ids(), should_stop };
+        let gen = self
+            .engine
+            .submit(request)
+            .await
+            .map_err(|_| PolicyError::Native("the generation engine stopped".into()))?
+            .map_err(native_err)?;
+        let mut text = self.tokenizer.decode(&gen.tokens).map_err(native_err)?;
+        if let Some(cut) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+            text.truncate(cut);
+        }
+        // No structured tool channel: calls are read from the text protocol that
+        // `with_tools` described in the system message.
+        let names: Vec<&str> = offered.iter().map(String::as_str).collect();
+        let tool_calls = jobs::policy::text_protocol::parse(&text, &names, true);
+        Ok(PolicyOutput {
+            text,
+            tool_calls,
+            prompt_tokens: prompt.len() as u32,
+            completion_tokens: gen.tokens.len() as u32,
+            prompt_hash: Some(schemas::prompt_hash(&prompt)),
+            token_ids: gen.tokens,
+            logprobs: gen.logprobs,
+            finish_reason: match gen.finish {
+                Finish::Stop => FinishReason::Stop,
+                Finish::Length => FinishReason::Length,
+            },
         })
-        .await
-        .map_err(|e| PolicyError::Native(format!("generation thread failed: {e}")))?
     }
 }

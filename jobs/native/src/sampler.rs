@@ -59,6 +59,39 @@ fn to_tensor(ids: &[u32], device: Device) -> Tensor {
     Tensor::from_slice(&v).view([1, v.len() as i64]).to_device(device)
 }
 
+/// Checks the settings of a generation; errors name the setting.
+pub fn validate(prompt: &[u32], opts: &GenerateOptions, limit: usize) -> Result<(), NativeError> {
+    if prompt.is_empty() {
+        return Err(NativeError::Config { field: "prompt".into(), detail: "is empty; give at least one token".into() });
+    }
+    if prompt.len() >= limit {
+        return Err(NativeError::Config { field: "prompt".into(), detail: format!("{} tokens do not fit the model context of {limit}", prompt.len()) });
+    }
+    if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
+        return Err(NativeError::Config { field: "top_p".into(), detail: format!("must be in (0, 1], is {}", opts.top_p) });
+    }
+    if opts.temperature < 0.0 || !opts.temperature.is_finite() {
+        return Err(NativeError::Config { field: "temperature".into(), detail: format!("must be >= 0, is {}", opts.temperature) });
+    }
+    Ok(())
+}
+
+/// Draws the next token from `logits` `[vocab]`: arg-max when greedy, else temperature +
+/// top-p with one uniform draw from `rng`. Returns the token and its log q.
+pub fn sample_next(logits: &Tensor, opts: &GenerateOptions, rng: &mut ChaCha8Rng) -> Result<(u32, f32), NativeError> {
+    let logits_cpu = logits.to_device(Device::Cpu).to_kind(Kind::Float);
+    Ok(if opts.temperature == 0.0 {
+        let lp = logits_cpu.log_softmax(-1, Kind::Float);
+        let id = lp.argmax(-1, false).int64_value(&[]);
+        (id as u32, lp.double_value(&[id]) as f32)
+    } else {
+        let lp = (&logits_cpu / opts.temperature).log_softmax(-1, Kind::Float);
+        let probs = Vec::<f32>::try_from(&lp.exp())?;
+        let id = sample_top_p(&probs, opts.top_p, rng.random::<f64>());
+        (id as u32, lp.double_value(&[id as i64]) as f32)
+    })
+}
+
 /// Generates after `prompt` until a token of `stop_ids`, `max_tokens`, the model context,
 /// or `should_stop(tokens so far)` returning true (used for stop strings).
 pub fn generate_with(
@@ -69,35 +102,14 @@ pub fn generate_with(
     mut should_stop: impl FnMut(&[u32]) -> bool,
 ) -> Result<Generation, NativeError> {
     let limit = model.config.max_position_embeddings as usize;
-    if prompt.is_empty() {
-        return Err(NativeError::Config { field: "prompt".into(), detail: "is empty; give at least one token".into() });
-    }
-    if prompt.len() >= limit {
-        return Err(NativeError::Config { field: "prompt".into(), detail: format!("{} tokens do not fit the model context of {limit}", prompt.len()) });
-    }
-    if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
-        return Err(NativeError::Config { field: "top_p".into(), detail: format!("must be in (0, 1], is {}", opts.top_p) });
-    }
-    if opts.temperature < 0.0 {
-        return Err(NativeError::Config { field: "temperature".into(), detail: format!("must be >= 0, is {}", opts.temperature) });
-    }
+    validate(prompt, opts, limit)?;
     let _g = tch::no_grad_guard();
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut cache = KvCache::default();
     let mut out = Generation { tokens: vec![], logprobs: vec![], finish: Finish::Length, stop_token: None };
     let mut logits = model.logits_last(&to_tensor(prompt, model.device()), Some(&mut cache)).i(0);
     for _ in 0..opts.max_tokens {
-        let logits_cpu = logits.to_device(Device::Cpu).to_kind(Kind::Float);
-        let (token, logprob) = if opts.temperature == 0.0 {
-            let lp = logits_cpu.log_softmax(-1, Kind::Float);
-            let id = lp.argmax(-1, false).int64_value(&[]);
-            (id as u32, lp.double_value(&[id]) as f32)
-        } else {
-            let lp = (&logits_cpu / opts.temperature).log_softmax(-1, Kind::Float);
-            let probs = Vec::<f32>::try_from(&lp.exp())?;
-            let id = sample_top_p(&probs, opts.top_p, rng.random::<f64>());
-            (id as u32, lp.double_value(&[id as i64]) as f32)
-        };
+        let (token, logprob) = sample_next(&logits, opts, &mut rng)?;
         if stop_ids.contains(&token) {
             out.finish = Finish::Stop;
             out.stop_token = Some(token);

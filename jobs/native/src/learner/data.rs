@@ -1,5 +1,6 @@
 //! Stored rollouts → learner [`Batch`]: one [`Sample`] per policy turn, its context the
-//! prompt the policy sampled that turn from (Appendix B: "each auxiliary trajectory retains
+//! prompt the policy sampled that turn from, then turns that extend each other folded into
+//! one row per trajectory ([`merge_shared_prefixes`]) (Appendix B: "each auxiliary trajectory retains
 //! its generating context when computing the probability ratio").
 //!
 //! The context is not re-invented here: it is rebuilt with the rollout's own functions —
@@ -96,6 +97,44 @@ pub fn samples_from_trajectory(traj: &Trajectory, task: usize, advantage: f64, t
     Ok(out)
 }
 
+/// Folds the per-turn samples of one trajectory into as few rows as their tokens allow:
+/// when a turn's context is the previous row's context and completion followed by more
+/// tokens (the env and harness turns in between), the two become one row whose completion
+/// carries those in-between tokens with a false mask. One forward pass then scores every
+/// policy turn of the episode instead of one pass per turn re-reading the shared prefix.
+/// The scores are the same: causal attention gives each position the same context either
+/// way. Turns whose contexts do not extend each other (a re-tokenised reply that differs
+/// from the sampled ids, a harness that rewrote history) stay separate rows.
+pub fn merge_shared_prefixes(samples: Vec<Sample>) -> Vec<Sample> {
+    let mut out: Vec<Sample> = vec![];
+    for s in samples {
+        if let Some(prev) = out.last_mut() {
+            let covered = prev.context.len() + prev.completion.len();
+            let extends = s.task == prev.task
+                && s.advantage == prev.advantage
+                && s.temperature == prev.temperature
+                && s.logq.is_empty() == prev.logq.is_empty()
+                && s.context.len() >= covered
+                && s.context[..prev.context.len()] == prev.context[..]
+                && s.context[prev.context.len()..covered] == prev.completion[..];
+            if extends {
+                let between = &s.context[covered..];
+                prev.completion.extend_from_slice(between);
+                prev.mask.extend(std::iter::repeat_n(false, between.len()));
+                if !prev.logq.is_empty() {
+                    prev.logq.extend(std::iter::repeat_n(0.0, between.len()));
+                }
+                prev.completion.extend_from_slice(&s.completion);
+                prev.mask.extend_from_slice(&s.mask);
+                prev.logq.extend_from_slice(&s.logq);
+                continue;
+            }
+        }
+        out.push(s);
+    }
+    out
+}
+
 /// Records on `traj`'s policy turns the prompt fingerprint a native rollout records when it
 /// samples (for rows built outside a rollout: tests, imported data). Panics on nothing;
 /// errors when the tool view or the chat cannot be rendered.
@@ -119,6 +158,7 @@ pub fn fingerprint(traj: &mut Trajectory, tok: &Tokenizer) -> Result<(), NativeE
 pub fn batch_from_groups(groups: &[Group], trajectories: &[Trajectory], tok: &Tokenizer) -> Result<Batch, NativeError> {
     let by_id: BTreeMap<&str, &Trajectory> = trajectories.iter().map(|t| (t.trajectory_id.as_str(), t)).collect();
     let mut batch = Batch::default();
+    let mut policy_turns = 0usize;
     // Task order, not group-id order: group ids hash the run id, and the learner's sample
     // order (hence its float sums) must not depend on what the run is called.
     let mut all: Vec<&Group> = groups.iter().collect();
@@ -144,8 +184,11 @@ pub fn batch_from_groups(groups: &[Group], trajectories: &[Trajectory], tok: &To
             grpo::group_advantages(&trajs.iter().map(|t| t.reward).collect::<Vec<_>>())
         };
         for (t, a) in trajs.iter().zip(advantages) {
-            batch.samples.extend(samples_from_trajectory(t, task, a, tok)?);
+            let turns = samples_from_trajectory(t, task, a, tok)?;
+            policy_turns += turns.len();
+            batch.samples.extend(merge_shared_prefixes(turns));
         }
     }
+    tracing::info!(policy_turns, rows = batch.samples.len(), "learner rows (turns that extend each other share one forward pass)");
     Ok(batch)
 }

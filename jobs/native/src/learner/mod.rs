@@ -499,6 +499,37 @@ mod tests {
         assert!((m.loss + 1.0 / 3.0).abs() < 1e-6, "loss {}", m.loss);
     }
 
+    /// A two-turn episode as one row (turn 2's context = turn 1's context, its reply and a
+    /// tool result) scores every policy token as the two per-turn rows do, and the update
+    /// is the same: the in-between tokens are masked and count nowhere.
+    #[test]
+    fn merged_turns_score_and_train_like_separate_ones() {
+        let turn1 = Sample { task: 0, context: vec![1, 2, 3], completion: vec![4, 5], mask: vec![true, true], logq: vec![-3.0, -3.1], advantage: 1.0, temperature: 0.7 };
+        let turn2 = Sample { task: 0, context: vec![1, 2, 3, 4, 5, 9, 8], completion: vec![6, 7, 10], mask: vec![true, false, true], logq: vec![-3.2, -3.3, -3.4], advantage: 1.0, temperature: 0.7 };
+        let other = Sample { task: 0, context: vec![1, 2], completion: vec![11], mask: vec![true], logq: vec![-2.0], advantage: -1.0, temperature: 0.7 };
+        let separate = vec![turn1.clone(), turn2.clone(), other.clone()];
+        let merged = data::merge_shared_prefixes(separate.clone());
+        assert_eq!(merged.len(), 2, "the two turns fold, the other trajectory's row stays");
+        assert_eq!(merged[0].completion, vec![4, 5, 9, 8, 6, 7, 10]);
+        assert_eq!(merged[0].mask, vec![true, true, false, false, true, false, true]);
+        let l = Learner::new(tiny(4), LearnerConfig::default());
+        let (a, b) = (l.score(&separate), l.score(&merged));
+        let folded: Vec<f32> = a[0].iter().chain(&a[1]).copied().collect();
+        let policy: Vec<f32> = b[0].iter().enumerate().filter(|(j, _)| !(2..4).contains(j)).map(|(_, v)| *v).collect();
+        for (x, y) in folded.iter().zip(&policy) {
+            assert!((x - y).abs() < 1e-5, "{folded:?} vs {policy:?}");
+        }
+        let tasks = vec!["t".to_string()];
+        let m1 = Learner::new(tiny(4), LearnerConfig::default()).update(&Batch { tasks: tasks.clone(), samples: separate }).unwrap();
+        let m2 = Learner::new(tiny(4), LearnerConfig::default()).update(&Batch { tasks, samples: merged }).unwrap();
+        assert_eq!((m1.policy_tokens, m1.mismatch_tokens), (m2.policy_tokens, m2.mismatch_tokens));
+        assert!((m1.loss - m2.loss).abs() < 1e-6 && (m1.grad_norm - m2.grad_norm).abs() < 1e-4 * m1.grad_norm, "{m1:?} vs {m2:?}");
+        // a context that does not extend the previous row (a re-tokenised reply) stays apart
+        let mut retokenised = turn2;
+        retokenised.context[4] = 12;
+        assert_eq!(data::merge_shared_prefixes(vec![turn1, retokenised]).len(), 2);
+    }
+
     #[test]
     fn mismatch_by_hand() {
         let sample = |mask: Vec<bool>, logq: Vec<f32>| Sample { task: 0, context: vec![1], completion: vec![2; mask.len()], mask, logq, advantage: 0.0, temperature: 1.0 };

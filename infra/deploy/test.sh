@@ -26,7 +26,7 @@ python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requi
 # minutes on 2 cores) with the instruction sets pinned.
 if python3 -c "import llama_cpp, sys; sys.exit('AMX' in llama_cpp.llama_print_system_info().decode())" 2>/dev/null; then :; else
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
-    python3 -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
+    python3 -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
 fi
 if ! python3 -c "import llama_cpp.server.app" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check "llama-cpp-python[server]==0.3.36"

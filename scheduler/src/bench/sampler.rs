@@ -192,15 +192,21 @@ async fn llama_server(model: &std::path::Path, args: &SamplerArgs, prompt: &str)
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    let body = serde_json::json!({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0, "stop": [], "ignore_eos": true});
-    let complete = || async {
-        let t = Instant::now();
-        let r: serde_json::Value = http.post(format!("{base}/v1/completions")).json(&body).send().await?.error_for_status()?.json().await?;
-        let n = r["usage"]["completion_tokens"].as_u64().context("server answer lacks usage.completion_tokens")?;
-        anyhow::Ok((n, t.elapsed().as_secs_f64()))
+    // The server keeps the last prompt's cache: the warm-up request uses another prompt so
+    // that the timed one is prefilled like every other row's.
+    let complete = |prompt: String| {
+        let http = http.clone();
+        let base = base.clone();
+        let body = serde_json::json!({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0, "stop": [], "ignore_eos": true});
+        async move {
+            let t = Instant::now();
+            let r: serde_json::Value = http.post(format!("{base}/v1/completions")).json(&body).send().await?.error_for_status()?.json().await?;
+            let n = r["usage"]["completion_tokens"].as_u64().context("server answer lacks usage.completion_tokens")?;
+            anyhow::Ok((n, t.elapsed().as_secs_f64()))
+        }
     };
-    complete().await?;
-    let (n, s) = complete().await?;
+    complete(format!("Warm-up. {prompt}")).await?;
+    let (n, s) = complete(prompt.to_string()).await?;
     Ok(Row { backend: "llama.cpp server".into(), streams: 1, prefill_tokens: 0, prefill_seconds: 0.0, decode_tokens: 0, decode_seconds: 0.0, aggregate: n as f64 / s })
 }
 

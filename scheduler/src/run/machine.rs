@@ -271,7 +271,7 @@ impl Scheduler {
             seed,
             budgets: self.episode_budgets(),
             sampling: self.sampling(),
-            concurrency: self.inputs.spec().policy.concurrency as usize,
+            concurrency: self.inputs.spec().policy.concurrency() as usize,
         };
         self.envelope(id, job_kind, serde_json::to_value(RolloutJob { input, checkpoint_step }).expect("payloads serialise"))
     }
@@ -483,7 +483,7 @@ impl Scheduler {
             seed,
             budgets: self.episode_budgets(),
             sampling: self.sampling(),
-            concurrency: self.inputs.spec().policy.concurrency as usize,
+            concurrency: self.inputs.spec().policy.concurrency() as usize,
         };
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "reanchor", step, task_id: &calibration_id, ..Default::default() });
         let payload = serde_json::to_value(ReanchorJob { input, checkpoint_step: st.latest_checkpoint })?;

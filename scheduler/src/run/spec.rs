@@ -168,8 +168,17 @@ pub struct PolicySection {
     /// Episodes a job generates at once, and jobs an embedded run executes at once. The
     /// native engine decodes concurrent episodes together (continuous batching) with
     /// numerics that do not depend on the batch, so this changes speed, not results.
-    #[serde(default = "default_concurrency")]
-    pub concurrency: u32,
+    /// Default: 8 for `native`, 1 for `openai` (raise it for servers that batch, such as
+    /// vLLM or SGLang; llama.cpp's server answers one request at a time).
+    #[serde(default)]
+    pub concurrency: Option<u32>,
+}
+
+impl PolicySection {
+    /// [`PolicySection::concurrency`] with its backend's default.
+    pub fn concurrency(&self) -> u32 {
+        self.concurrency.unwrap_or(if self.backend == "native" { 8 } else { 1 })
+    }
 }
 
 fn default_device() -> String {
@@ -184,9 +193,7 @@ fn default_top_p() -> f32 {
 fn default_max_tokens() -> u32 {
     192
 }
-fn default_concurrency() -> u32 {
-    8
-}
+
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct PoolSection {
@@ -542,8 +549,8 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if !(p.top_p > 0.0 && p.top_p <= 1.0) {
         bad("policy.top_p", format!("{} is outside (0, 1]", p.top_p));
     }
-    if p.concurrency == 0 || p.concurrency > 256 {
-        bad("policy.concurrency", format!("{} is out of range; use 1 to 256", p.concurrency));
+    if let Some(c) = p.concurrency.filter(|c| *c == 0 || *c > 256) {
+        bad("policy.concurrency", format!("{c} is out of range; use 1 to 256"));
     }
     if p.max_tokens == 0 {
         bad("policy.max_tokens", "must be at least 1".into());
@@ -696,6 +703,17 @@ rescue = "h0"
         assert_eq!(s.spec.evaluation.k, 3);
         assert_eq!(s.spec.router.variant, "rule");
         assert_eq!(s.spec.algorithm.rescue, RescueStrategy::H0);
+        // one request at a time for an endpoint unless the spec says otherwise
+        assert_eq!(s.spec.policy.concurrency(), 1);
+    }
+
+    #[test]
+    fn policy_concurrency_defaults_by_backend_and_is_range_checked() {
+        let native = GOOD.replace("backend = \"openai\"", "backend = \"native\"");
+        let policy: PolicySection = toml::from_str(&native[native.find("backend").unwrap()..native.find("[algorithm]").unwrap()]).unwrap();
+        assert_eq!(policy.concurrency(), 8);
+        let err = parse(&GOOD.replace("base_url = ", "concurrency = 0\nbase_url = "), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
+        assert!(err.contains("policy.concurrency") && err.contains("1 to 256"), "{err}");
     }
 
     #[test]

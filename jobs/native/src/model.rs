@@ -212,9 +212,9 @@ impl SeqKv {
         self.len = self.len.min(len);
     }
 
-    /// Float32 bytes held (both buffers, every layer).
-    pub fn bytes(&self) -> usize {
-        self.k.iter().map(|t| t.numel() * 4 * 2).sum()
+    /// Positions the buffers have room for (what the cache's memory is proportional to).
+    pub fn capacity(&self) -> usize {
+        self.cap
     }
 
     /// Makes room for `n` positions, keeping those held.

@@ -91,6 +91,23 @@ pub struct EngineStats {
     pub evicted_prefixes: u64,
 }
 
+impl EngineStats {
+    /// The counters accumulated since `before` (an earlier reading of the same engine).
+    pub fn since(&self, before: &EngineStats) -> EngineStats {
+        EngineStats {
+            requests: self.requests - before.requests,
+            prefill_tokens: self.prefill_tokens - before.prefill_tokens,
+            reused_tokens: self.reused_tokens - before.reused_tokens,
+            prefill_seconds: self.prefill_seconds - before.prefill_seconds,
+            decode_tokens: self.decode_tokens - before.decode_tokens,
+            decode_passes: self.decode_passes - before.decode_passes,
+            decode_rows: self.decode_rows - before.decode_rows,
+            decode_seconds: self.decode_seconds - before.decode_seconds,
+            evicted_prefixes: self.evicted_prefixes - before.evicted_prefixes,
+        }
+    }
+}
+
 /// Stops generation when it returns true for the tokens so far (stop strings).
 pub type StopFn = Box<dyn FnMut(&[u32]) -> bool + Send>;
 
@@ -185,17 +202,15 @@ struct Seq {
     reply: Reply,
     rng: ChaCha8Rng,
     cache: SeqKv,
-    /// Tokens whose positions the cache holds or will hold: the prompt, then fed tokens.
-    tokens: Vec<u32>,
     out: Generation,
     phase: Phase,
 }
 
-/// A finished sequence's cache, kept for reuse: positions `0..prefilled` came from
-/// aligned prefill chunks.
+/// A finished sequence's cache, kept for reuse: positions `0..prefilled` of `prompt` came
+/// from aligned prefill chunks (the reply's positions are never reused).
 struct Idle {
     cache: SeqKv,
-    tokens: Vec<u32>,
+    prompt: Vec<u32>,
     prefilled: usize,
     last_used: u64,
 }
@@ -268,7 +283,7 @@ impl Worker {
                 .idle
                 .iter()
                 .enumerate()
-                .map(|(i, e)| (self.reusable(&req.prompt, common_prefix(&e.tokens, &req.prompt), e.prefilled), i))
+                .map(|(i, e)| (self.reusable(&req.prompt, common_prefix(&e.prompt, &req.prompt), e.prefilled), i))
                 .max();
             let cache = match best {
                 Some((n, i)) if n > 0 => {
@@ -277,12 +292,11 @@ impl Worker {
                     self.stats.reused_tokens += n as u64;
                     e.cache
                 }
-                _ => SeqKv::new(&self.model, req.prompt.len() + req.opts.max_tokens + 1),
+                // room for the padded last prefill chunk and every reply token
+                _ => SeqKv::new(&self.model, (req.prompt.len().div_ceil(self.config.chunk) * self.config.chunk).max(req.prompt.len() + req.opts.max_tokens)),
             };
             let rng = ChaCha8Rng::seed_from_u64(req.opts.seed);
-            let tokens = req.prompt.clone();
-            let out = Generation { tokens: vec![], logprobs: vec![], finish: Finish::Length, stop_token: None };
-            self.seqs.push(Seq { req, reply, rng, cache, tokens, out, phase: Phase::Prefill });
+            self.seqs.push(Seq { req, reply, rng, cache, out: Generation::empty(), phase: Phase::Prefill });
         }
     }
 
@@ -345,7 +359,7 @@ impl Worker {
         if let Some(j) = donor_seq {
             let (a, b) = if i < j { let (x, y) = self.seqs.split_at_mut(j); (&mut x[i], &y[0]) } else { let (x, y) = self.seqs.split_at_mut(i); (&mut y[0], &x[j]) };
             a.cache.copy_range(&b.cache, from, to);
-        } else if let Some(e) = self.idle.iter_mut().find(|e| covers(&e.tokens, e.prefilled)) {
+        } else if let Some(e) = self.idle.iter_mut().find(|e| covers(&e.prompt, e.prefilled)) {
             e.last_used = self.clock;
             self.seqs[i].cache.copy_range(&e.cache, from, to);
         } else {
@@ -387,9 +401,6 @@ impl Worker {
             match outcome {
                 Ok(logits) => {
                     for (r, &i) in group.iter().enumerate() {
-                        if let Phase::Decode { next } = self.seqs[i].phase {
-                            self.seqs[i].tokens.push(next);
-                        }
                         results.push((i, Ok(logits.get(r as i64))));
                     }
                 }
@@ -457,7 +468,7 @@ impl Worker {
     }
 
     fn done(&mut self, i: usize) -> bool {
-        let out = std::mem::replace(&mut self.seqs[i].out, Generation { tokens: vec![], logprobs: vec![], finish: Finish::Length, stop_token: None });
+        let out = std::mem::replace(&mut self.seqs[i].out, Generation::empty());
         self.finish(i, Ok(out));
         false
     }
@@ -475,7 +486,7 @@ impl Worker {
         let _ = s.reply.send(result);
         self.clock += 1;
         if prefilled >= self.config.chunk {
-            self.idle.push(Idle { cache: s.cache, tokens: s.tokens, prefilled, last_used: self.clock });
+            self.idle.push(Idle { cache: s.cache, prompt: s.req.prompt, prefilled, last_used: self.clock });
         }
     }
 

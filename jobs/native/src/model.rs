@@ -381,7 +381,7 @@ impl Llama {
     pub fn logits_last(&self, tokens: &Tensor, cache: Option<&mut KvCache>) -> Tensor {
         let h = self.hidden(tokens, cache);
         let t = h.size()[1];
-        self.head(&h.narrow(1, t - 1, 1).squeeze_dim(1))
+        self.logits_of(&h.narrow(1, t - 1, 1).squeeze_dim(1))
     }
 
     /// Logits `[N, vocab]` at `flat` positions `[N]` (row · T + column) of `tokens` `[B, T]`,
@@ -389,10 +389,11 @@ impl Llama {
     pub fn logits_at(&self, tokens: &Tensor, flat: &Tensor) -> Tensor {
         let h = self.hidden(tokens, None);
         let hidden = h.size()[2];
-        self.head(&h.view([-1, hidden]).index_select(0, flat))
+        self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
     }
 
-    fn head(&self, h: &Tensor) -> Tensor {
+    /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]` (the LM head).
+    pub fn logits_of(&self, h: &Tensor) -> Tensor {
         match &self.lm_head {
             Some(w) => h.matmul(&w.tr()),
             None => h.matmul(&self.embed.tr()),
@@ -507,12 +508,7 @@ impl Llama {
         rms_norm(&x, &self.norm, c.rms_norm_eps)
     }
 
-    /// Logits `[rows, vocab]` of hidden states `[rows, hidden]`.
-    pub fn logits_of(&self, h: &Tensor) -> Tensor {
-        self.head(h)
-    }
-
-    /// cos/sin of arbitrary positions (see [`Llama::rope_tables`]).
+    /// cos/sin of arbitrary positions, laid out as [`Llama::rope_tables`]'.
     fn rope_at(&self, pos: &[i64]) -> (Tensor, Tensor) {
         let hd = self.config.head_dim();
         let dev = self.device();
@@ -527,14 +523,7 @@ impl Llama {
     /// cos/sin of positions `start..start+t`: `[t, head_dim]` for the half-rotation layout,
     /// `[t, head_dim/2]` for the interleaved one.
     fn rope_tables(&self, start: i64, t: i64) -> (Tensor, Tensor) {
-        let hd = self.config.head_dim();
-        let dev = self.device();
-        let exponent = Tensor::arange_start_step(0, hd, 2, (Kind::Float, dev)) / hd as f64;
-        let inv_freq = Tensor::from(self.config.rope_theta as f32).to_device(dev).pow(&exponent).reciprocal();
-        let pos = Tensor::arange_start(start, start + t, (Kind::Float, dev));
-        let freqs = pos.outer(&inv_freq);
-        let freqs = if self.config.rope_interleaved { freqs } else { Tensor::cat(&[&freqs, &freqs], -1) };
-        (freqs.cos(), freqs.sin())
+        self.rope_at(&(start..start + t).collect::<Vec<_>>())
     }
 
     /// Rotary position embedding of `x` `[B, heads, T, head_dim]`.

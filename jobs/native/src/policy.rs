@@ -35,18 +35,9 @@ impl NativePolicy {
 
     /// Starts a batching engine with the default settings over `model`.
     pub fn new(model: Llama, tokenizer: Tokenizer, checkpoint: String) -> Result<Self, NativeError> {
-        Self::with_engine(model, tokenizer, checkpoint, EngineConfig::default())
-    }
-
-    pub fn with_engine(model: Llama, tokenizer: Tokenizer, checkpoint: String, config: EngineConfig) -> Result<Self, NativeError> {
         let context_limit = model.config.max_position_embeddings as u64;
-        let engine = Engine::start(model, config)?;
+        let engine = Engine::start(model, EngineConfig::default())?;
         Ok(NativePolicy { engine, tokenizer: Arc::new(tokenizer), context_limit, checkpoint })
-    }
-
-    /// The engine's counters (prefill, reuse, decode batch).
-    pub fn engine_stats(&self) -> crate::engine::EngineStats {
-        self.engine.stats()
     }
 }
 
@@ -105,9 +96,8 @@ impl Policy for NativePolicy {
             seed: sampling.seed.unwrap_or(0),
         };
         let stops = sampling.stop.clone();
-        let tok = self.tokenizer.clone();
         let should_stop: Option<StopFn> = (!stops.is_empty()).then(|| {
-            let stops = stops.clone();
+            let (tok, stops) = (self.tokenizer.clone(), stops.clone());
             Box::new(move |ids: &[u32]| tok.decode(ids).map(|t| stops.iter().any(|s| t.contains(s.as_str()))).unwrap_or(false)) as StopFn
         });
         let request = Request { prompt: prompt.clone(), opts, stop_ids: self.tokenizer.stop_ids(), should_stop };

@@ -46,6 +46,13 @@ pub struct Generation {
     pub stop_token: Option<u32>,
 }
 
+impl Generation {
+    /// Nothing generated yet.
+    pub fn empty() -> Self {
+        Generation { tokens: vec![], logprobs: vec![], finish: Finish::Length, stop_token: None }
+    }
+}
+
 /// Logits `[vocab]` of the next token after `prompt` (float32, on the CPU).
 pub fn next_token_logits(model: &Llama, prompt: &[u32]) -> Result<Vec<f32>, NativeError> {
     let _g = tch::no_grad_guard();
@@ -106,7 +113,7 @@ pub fn generate_with(
     let _g = tch::no_grad_guard();
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut cache = KvCache::default();
-    let mut out = Generation { tokens: vec![], logprobs: vec![], finish: Finish::Length, stop_token: None };
+    let mut out = Generation::empty();
     let mut logits = model.logits_last(&to_tensor(prompt, model.device()), Some(&mut cache)).i(0);
     for _ in 0..opts.max_tokens {
         let (token, logprob) = sample_next(&logits, opts, &mut rng)?;

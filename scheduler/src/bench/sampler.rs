@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use native::engine::{Engine, EngineConfig, EngineStats, Request};
+use native::engine::{Engine, EngineConfig, Request};
 use native::sampler::{generate, GenerateOptions};
 
 #[derive(Debug, Args)]
@@ -225,7 +225,7 @@ fn engine_row(streams: usize, model: &native::Llama, tok: &native::Tokenizer, ar
         generated += rx.blocking_recv().context("the engine stopped")??.tokens.len();
     }
     let wall = t.elapsed().as_secs_f64();
-    let d = diff(&engine.stats(), &before);
+    let d = engine.stats().since(&before);
     Ok(Row {
         backend: "native engine".into(),
         streams,
@@ -235,20 +235,6 @@ fn engine_row(streams: usize, model: &native::Llama, tok: &native::Tokenizer, ar
         decode_seconds: d.decode_seconds,
         aggregate: generated as f64 / wall,
     })
-}
-
-fn diff(a: &EngineStats, b: &EngineStats) -> EngineStats {
-    EngineStats {
-        requests: a.requests - b.requests,
-        prefill_tokens: a.prefill_tokens - b.prefill_tokens,
-        reused_tokens: a.reused_tokens - b.reused_tokens,
-        prefill_seconds: a.prefill_seconds - b.prefill_seconds,
-        decode_tokens: a.decode_tokens - b.decode_tokens,
-        decode_passes: a.decode_passes - b.decode_passes,
-        decode_rows: a.decode_rows - b.decode_rows,
-        decode_seconds: a.decode_seconds - b.decode_seconds,
-        evicted_prefixes: a.evicted_prefixes - b.evicted_prefixes,
-    }
 }
 
 /// Prefill positions computed over a 4-turn episode (each turn: the conversation so far, a

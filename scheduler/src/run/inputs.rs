@@ -173,6 +173,13 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
     Ok(stored)
 }
 
+/// The submitted run (`run.json`: spec, base model, pool ids) without its tasks and pool.
+pub async fn load_stored(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<StoredRun> {
+    let key = run_json_key(run_id);
+    let bytes = store.get(&key).await.with_context(|| format!("run `{run_id}` was not submitted to {}", store.url()))?;
+    Ok(schemas::decode_document(&store.object_url(&key), &bytes)?)
+}
+
 /// Everything a job of a run needs, loaded from the store once per process.
 pub struct RunInputs {
     pub stored: StoredRun,
@@ -183,9 +190,7 @@ pub struct RunInputs {
 
 impl RunInputs {
     pub async fn load(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<RunInputs> {
-        let key = run_json_key(run_id);
-        let bytes = store.get(&key).await.with_context(|| format!("run `{run_id}` was not submitted to {}", store.url()))?;
-        let stored: StoredRun = schemas::decode_document(&store.object_url(&key), &bytes)?;
+        let stored = load_stored(store, run_id).await?;
         let mut tasks = BTreeMap::new();
         for split in SPLITS {
             let key = tasks_key(run_id, split);

@@ -105,7 +105,7 @@ pub async fn drive_embedded(store: Arc<dyn ObjectStore>, run_id: &str, workers: 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     // Jobs at once per worker: the spec's policy concurrency, so that a stage's rollout jobs
     // feed the engine together (results do not depend on it).
-    let per_worker = inputs::RunInputs::load(store.as_ref(), run_id).await?.spec().policy.concurrency().max(1) as usize;
+    let per_worker = inputs::load_stored(store.as_ref(), run_id).await?.spec.policy.concurrency().max(1) as usize;
     let mut tasks = Vec::new();
     for i in 0..workers.max(1) {
         let mut config = worker::WorkerConfig::new(RUN_KINDS.to_vec(), per_worker);

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tempfile::NamedTempFile;
 
-use super::{check_key, MultipartUpload, ObjectMeta, ObjectStore, PutOutcome, Result, StoreError};
+use super::{check_key, check_prefix, MultipartUpload, ObjectMeta, ObjectStore, PutOutcome, Result, StoreError};
 
 /// Prefix of temporary files; `list` never shows them.
 const TMP_PREFIX: &str = ".hs-tmp-";
@@ -144,6 +144,7 @@ impl ObjectStore for LocalStore {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+        check_prefix(prefix)?;
         let root = self.root.clone();
         let prefix = prefix.to_string();
         blocking(move || {

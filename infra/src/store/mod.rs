@@ -123,20 +123,34 @@ pub trait MultipartUpload: Send {
     async fn abort(&mut self) -> Result<()>;
 }
 
-/// Checks that a key is a clean relative path.
+/// Checks that a key is a clean relative path: every backend calls it (through
+/// [`check_prefix`] for listings), so no key or prefix can name anything outside the store.
 pub(crate) fn check_key(key: &str) -> Result<()> {
-    let bad = |reason: &str| Err(StoreError::InvalidKey { key: key.to_string(), reason: reason.to_string() });
     if key.is_empty() {
-        return bad("empty");
+        return Err(StoreError::InvalidKey { key: key.to_string(), reason: "empty".into() });
     }
-    if key.starts_with('/') {
+    check_prefix(key)?;
+    if key.ends_with('/') {
+        return Err(StoreError::InvalidKey { key: key.to_string(), reason: "a key names an object, not a folder".into() });
+    }
+    Ok(())
+}
+
+/// Checks a listing prefix (a key's start: empty, or ending in `/`, is fine): relative, no
+/// `.`/`..` segment, no NUL or other control character, no backslash.
+pub(crate) fn check_prefix(prefix: &str) -> Result<()> {
+    let bad = |reason: &str| Err(StoreError::InvalidKey { key: prefix.escape_debug().to_string(), reason: reason.to_string() });
+    if prefix.starts_with('/') {
         return bad("keys are relative; remove the leading `/`");
     }
-    if key.split('/').any(|seg| seg == ".." || seg == ".") {
+    if prefix.split('/').any(|seg| seg == ".." || seg == ".") {
         return bad("`.` and `..` segments are not allowed");
     }
-    if key.ends_with('/') {
-        return bad("a key names an object, not a folder");
+    if prefix.chars().any(|c| c.is_control()) {
+        return bad("control characters (NUL, newline, ...) are not allowed");
+    }
+    if prefix.contains('\\') {
+        return bad("backslashes are not allowed; separate folders with `/`");
     }
     Ok(())
 }

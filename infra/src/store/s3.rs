@@ -30,7 +30,7 @@ use aws_sdk_s3::Client;
 use aws_smithy_runtime_api::client::orchestrator::HttpResponse;
 use bytes::{Bytes, BytesMut};
 
-use super::{check_key, MultipartUpload, ObjectMeta, ObjectStore, PutOutcome, Result, StoreError};
+use super::{check_key, check_prefix, MultipartUpload, ObjectMeta, ObjectStore, PutOutcome, Result, StoreError};
 
 /// Part size of streaming uploads (S3's minimum is 5 MiB for all but the last part).
 const PART_SIZE: usize = 8 * 1024 * 1024;
@@ -337,6 +337,7 @@ impl ObjectStore for S3Store {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+        check_prefix(prefix)?;
         let full_prefix = if self.opts.prefix.is_empty() {
             prefix.to_string()
         } else {

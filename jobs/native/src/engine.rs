@@ -37,7 +37,8 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
-use crate::model::{Llama, SeqKv, Segment};
+use crate::model::{EngineWeights, Llama, SeqKv, Segment};
+use crate::packed::WeightFormat;
 use crate::sampler::{sample_next, validate, Finish, GenerateOptions, Generation};
 use crate::NativeError;
 
@@ -54,11 +55,14 @@ pub struct EngineConfig {
     /// Positions (buffer capacity, not only the filled part) kept in idle cached prefixes;
     /// the least recently used go beyond it. SmolLM2-135M needs 46 KB per position.
     pub cache_tokens: usize,
+    /// The format of the weights decoded with (see [`crate::packed`]): `f32` rolls out with
+    /// the learner's numerics; `bf16` and `int4` trade a measured mismatch for speed.
+    pub weights: WeightFormat,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 16, decode_rows: 8, chunk: 64, cache_tokens: 8_192 }
+        EngineConfig { max_batch: 16, decode_rows: 8, chunk: 64, cache_tokens: 8_192, weights: WeightFormat::F32 }
     }
 }
 
@@ -137,12 +141,13 @@ impl Engine {
     /// Starts the engine thread with `model`.
     pub fn start(model: Llama, config: EngineConfig) -> Result<Arc<Engine>, NativeError> {
         config.validate()?;
+        let weights = model.engine_weights(config.weights)?;
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("native-engine".into())
             .spawn(move || {
                 let _g = tch::no_grad_guard();
-                Worker { model, config, seqs: vec![], idle: vec![], waiting: VecDeque::new(), stats: EngineStats::default(), clock: 0 }.run(rx)
+                Worker { model, weights, config, seqs: vec![], idle: vec![], waiting: VecDeque::new(), stats: EngineStats::default(), clock: 0 }.run(rx)
             })
             .map_err(|e| NativeError::Config { field: "engine".into(), detail: format!("cannot start the engine thread: {e}") })?;
         Ok(Arc::new(Engine { tx: Mutex::new(tx), thread: Some(thread) }))
@@ -217,6 +222,7 @@ struct Idle {
 
 struct Worker {
     model: Llama,
+    weights: EngineWeights,
     config: EngineConfig,
     seqs: Vec<Seq>,
     idle: Vec<Idle>,
@@ -324,8 +330,8 @@ impl Worker {
                 ids.resize(c, 0);
                 let real = to - from;
                 let mut seg = [Segment { cache: &mut s.cache, first: 0, rows: c, attend: real }];
-                let h = self.model.forward_rows(&ids, &mut seg);
-                (to == prompt_len).then(|| self.model.logits_of(&h.narrow(0, real as i64 - 1, 1)).squeeze_dim(0))
+                let h = self.model.forward_rows(&self.weights, &ids, &mut seg);
+                (to == prompt_len).then(|| self.weights.logits_of(&h.narrow(0, real as i64 - 1, 1)).squeeze_dim(0))
             }));
             self.stats.prefill_tokens += (to - from) as u64;
             match result {
@@ -393,8 +399,8 @@ impl Worker {
                     rest = after;
                     base = i + 1;
                 }
-                let h = self.model.forward_rows(&ids, &mut segs);
-                self.model.logits_of(&h)
+                let h = self.model.forward_rows(&self.weights, &ids, &mut segs);
+                self.weights.logits_of(&h)
             }));
             self.stats.decode_passes += 1;
             self.stats.decode_rows += group.len() as u64;
@@ -518,7 +524,7 @@ mod tests {
     }
 
     fn small() -> EngineConfig {
-        EngineConfig { max_batch: 6, decode_rows: 4, chunk: 4, cache_tokens: 1_000 }
+        EngineConfig { max_batch: 6, decode_rows: 4, chunk: 4, cache_tokens: 1_000, weights: WeightFormat::F32 }
     }
 
     fn req(prompt: Vec<u32>, seed: u64, max_tokens: usize) -> Request {
@@ -530,15 +536,16 @@ mod tests {
     }
 
     /// Alone on a fresh engine.
-    fn alone(r: Request) -> Generation {
-        Engine::start(model(), small()).unwrap().generate(r).unwrap()
+    fn alone(r: Request, config: &EngineConfig) -> Generation {
+        Engine::start(model(), config.clone()).unwrap().generate(r).unwrap()
     }
 
     /// Sequences of different lengths join while another is decoding; each comes out
-    /// bitwise as it does alone, and within 1e-4 of the single-stream sampler.
-    #[test]
-    fn batched_generation_equals_generation_alone() {
-        let engine = Engine::start(model(), small()).unwrap();
+    /// bitwise as it does alone, and with float32 weights within 1e-4 of the single-stream
+    /// sampler.
+    fn batched_generation_equals_generation_alone(weights: WeightFormat) {
+        let config = EngineConfig { weights, ..small() };
+        let engine = Engine::start(model(), config.clone()).unwrap();
         let (started_tx, started_rx) = mpsc::channel();
         let mut first = req(prompt(9, 1), 1, 24);
         let started = Mutex::new(Some(started_tx));
@@ -555,13 +562,16 @@ mod tests {
         let others: Vec<_> = [(3, 2), (14, 3), (6, 4), (11, 5), (2, 6), (17, 7)].iter().map(|&(n, s)| (n, s, engine.submit(req(prompt(n, s as u32), s, 16)))).collect();
         let a = a.blocking_recv().unwrap().unwrap();
         assert_eq!(a.tokens.len(), 24);
-        assert_eq!(a.tokens, alone(req(prompt(9, 1), 1, 24)).tokens);
+        assert_eq!(a.tokens, alone(req(prompt(9, 1), 1, 24), &config).tokens);
         let stats = engine.stats();
         for (n, s, rx) in others {
             let got = rx.blocking_recv().unwrap().unwrap();
-            let want = alone(req(prompt(n, s as u32), s, 16));
+            let want = alone(req(prompt(n, s as u32), s, 16), &config);
             assert_eq!(got.tokens, want.tokens, "prompt of {n} tokens");
             assert_eq!(got.logprobs, want.logprobs, "prompt of {n} tokens: log-probabilities differ bitwise");
+            if weights != WeightFormat::F32 {
+                continue;
+            }
             // against the single-stream sampler (another code path, other shapes)
             let single = generate(&model(), &prompt(n, s as u32), &req(vec![], s, 16).opts, &[]).unwrap();
             let shared = got.tokens.iter().zip(&single.tokens).take_while(|(x, y)| x == y).count();
@@ -571,6 +581,33 @@ mod tests {
             assert!(shared >= 8, "engine and single-stream sampling part after {shared} tokens");
         }
         assert!(stats.decode_rows > stats.decode_passes, "sequences were decoded together: {stats:?}");
+    }
+
+    #[test]
+    fn batched_generation_equals_generation_alone_f32() {
+        batched_generation_equals_generation_alone(WeightFormat::F32);
+    }
+
+    #[test]
+    fn batched_generation_equals_generation_alone_bf16() {
+        batched_generation_equals_generation_alone(WeightFormat::Bf16);
+    }
+
+    #[test]
+    fn batched_generation_equals_generation_alone_int4() {
+        batched_generation_equals_generation_alone(WeightFormat::Int4);
+    }
+
+    /// Cheaper formats round, but stay close to the float32 engine: the first token's
+    /// log-probabilities of a greedy decode agree to the format's precision.
+    #[test]
+    fn cheaper_weight_formats_stay_close_to_float32() {
+        let f32_first = alone(Request { prompt: prompt(10, 3), opts: GenerateOptions::greedy(1), stop_ids: vec![], should_stop: None }, &small());
+        for (weights, tol) in [(WeightFormat::Bf16, 0.05), (WeightFormat::Int4, 0.5)] {
+            let got = alone(Request { prompt: prompt(10, 3), opts: GenerateOptions::greedy(1), stop_ids: vec![], should_stop: None }, &EngineConfig { weights, ..small() });
+            let d = (got.logprobs[0] - f32_first.logprobs[0]).abs();
+            assert!(d < tol && d > 0.0, "{weights:?}: |Δ log p| = {d}");
+        }
     }
 
     /// Greedy decoding through the engine equals the single-stream sampler's wherever the
@@ -606,7 +643,7 @@ mod tests {
         // 13 prompt positions were prefill-computed: 12 (three chunks) are reused
         assert_eq!(after.reused_tokens - before.reused_tokens, 12);
         assert_eq!(after.prefill_tokens - before.prefill_tokens, (turn2.len() - 12) as u64);
-        let cold = alone(req(turn2.clone(), 2, 8));
+        let cold = alone(req(turn2.clone(), 2, 8), &small());
         assert_eq!((warm.tokens.clone(), warm.logprobs.clone()), (cold.tokens.clone(), cold.logprobs.clone()));
         // a cache with no room evicts at once and still gives the same result
         let tight = Engine::start(model(), EngineConfig { cache_tokens: 0, ..small() }).unwrap();
@@ -630,7 +667,7 @@ mod tests {
         assert_eq!(st.reused_tokens, 3 * 20, "{st:?}");
         assert_eq!(st.prefill_tokens, 21 + 3, "{st:?}");
         for (k, o) in outs.iter().enumerate() {
-            assert_eq!(o.tokens, alone(req(p.clone(), k as u64, 5)).tokens);
+            assert_eq!(o.tokens, alone(req(p.clone(), k as u64, 5), &small()).tokens);
         }
     }
 
@@ -649,7 +686,7 @@ mod tests {
         assert!(err.contains("top_p"), "{err}");
         let err = panics.blocking_recv().unwrap().unwrap_err().to_string();
         assert!(err.contains("stop check broke"), "{err}");
-        assert_eq!(good.blocking_recv().unwrap().unwrap().tokens, alone(req(prompt(7, 1), 1, 10)).tokens);
+        assert_eq!(good.blocking_recv().unwrap().unwrap().tokens, alone(req(prompt(7, 1), 1, 10), &small()).tokens);
         let after = engine.generate(req(prompt(5, 4), 4, 4)).unwrap();
         assert_eq!(after.tokens.len(), 4);
     }

@@ -5,7 +5,8 @@
 //! qwen2, KV cache), its loaders ([`gguf`] with dequantisation of F32/F16/BF16/Q8_0/Q4_0/
 //! Q4_1/Q4_K/Q6_K, and [`hf`] for safetensors + `config.json`), the tokenizer with the
 //! ChatML template ([`tokenizer`]), the sampler that records each token's log-probability
-//! ([`sampler`]), the continuous-batching rollout engine with prefix reuse ([`engine`]), the `native` [`jobs::policy::Policy`] backend ([`policy::NativePolicy`]),
+//! ([`sampler`]), the continuous-batching rollout engine with prefix reuse ([`engine`]) and its weight
+//! formats ([`packed`]: f32, bf16, int4), the `native` [`jobs::policy::Policy`] backend ([`policy::NativePolicy`]),
 //! the GRPO learner of the paper's Appendix B ([`learner`]) and checkpoints ([`checkpoint`]).
 //!
 //! Only crates that need libtorch depend on this one. Build with `LIBTORCH` pointing at a
@@ -30,6 +31,7 @@ pub mod hf;
 pub mod learner;
 pub mod loader;
 pub mod model;
+pub mod packed;
 pub mod policy;
 pub mod sampler;
 pub mod tokenizer;

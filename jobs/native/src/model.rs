@@ -15,6 +15,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tch::{nn, Device, Kind, Tensor};
 
+use crate::packed::{Packed, WeightFormat};
+
 use crate::NativeError;
 
 /// Architecture hyper-parameters, in `config.json` terms.
@@ -256,6 +258,30 @@ pub struct Segment<'a> {
     pub attend: usize,
 }
 
+/// One layer's matrices for the engine (see [`Llama::engine_weights`]).
+struct EngineLayer {
+    qkv: Packed,
+    qkv_bias: Option<Tensor>,
+    o: Packed,
+    gate_up: Packed,
+    down: Packed,
+}
+
+/// The weights the rollout engine decodes with: a copy of the model's matrices in one
+/// [`WeightFormat`] (norms and embeddings are the model's own).
+pub struct EngineWeights {
+    pub format: WeightFormat,
+    layers: Vec<EngineLayer>,
+    head: Packed,
+}
+
+impl EngineWeights {
+    /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.
+    pub fn logits_of(&self, h: &Tensor) -> Tensor {
+        self.head.apply(h)
+    }
+}
+
 /// A llama-family causal language model.
 pub struct Llama {
     pub config: LlamaConfig,
@@ -447,16 +473,44 @@ impl Llama {
         rms_norm(&x, &self.norm, c.rms_norm_eps)
     }
 
+    /// The engine's copy of the weights in `format`, with the products that share an input
+    /// fused (q, k and v into one matrix; gate and up into another): fewer, larger products
+    /// per layer. The LM head stays bfloat16 under `int4` (4-bit logits over a 49k
+    /// vocabulary cost more quality than the head's share of the time is worth).
+    pub fn engine_weights(&self, format: WeightFormat) -> Result<EngineWeights, NativeError> {
+        let _g = tch::no_grad_guard();
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (i, l) in self.layers.iter().enumerate() {
+            let name = |m: &str| format!("model.layers.{i}.{m}");
+            let qkv_bias = match (&l.q_bias, &l.k_bias, &l.v_bias) {
+                (Some(q), Some(k), Some(v)) => Some(Tensor::cat(&[q, k, v], 0)),
+                _ => None,
+            };
+            layers.push(EngineLayer {
+                qkv: Packed::new(&Tensor::cat(&[&l.q, &l.k, &l.v], 0), format, &name("self_attn.qkv"))?,
+                qkv_bias,
+                o: Packed::new(&l.o, format, &name("self_attn.o_proj"))?,
+                gate_up: Packed::new(&Tensor::cat(&[&l.gate, &l.up], 0), format, &name("mlp.gate_up"))?,
+                down: Packed::new(&l.down, format, &name("mlp.down_proj"))?,
+            });
+        }
+        let head_format = if format == WeightFormat::Int4 { WeightFormat::Bf16 } else { format };
+        let head = Packed::new(self.lm_head.as_ref().unwrap_or(&self.embed), head_format, "lm_head")?;
+        Ok(EngineWeights { format, layers, head })
+    }
+
     /// Final-norm hidden states `[rows, hidden]` of one engine pass over `ids` (one token
-    /// per row; rows no segment covers are padding). Every matrix product runs on all
-    /// rows at once, so its shape is the pass's fixed row count whatever the sequences in
-    /// it: with a fixed shape a row's result does not depend on the other rows (measured
-    /// bitwise on this backend; see the engine's tests), which makes the engine's numerics
-    /// independent of batch composition. Attention runs per segment against its own cache.
-    pub fn forward_rows(&self, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
+    /// per row; rows no segment covers are padding), with the matrices of `w`. Every matrix
+    /// product runs on all rows at once, so its shape is the pass's fixed row count whatever
+    /// the sequences in it: with a fixed shape a row's result does not depend on the other
+    /// rows (measured bitwise on this backend for every weight format; see the engine's
+    /// tests), which makes the engine's numerics independent of batch composition.
+    /// Attention runs per segment against its own cache.
+    pub fn forward_rows(&self, w: &EngineWeights, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
         let c = &self.config;
         let m = ids.len() as i64;
         let hd = c.head_dim();
+        let (heads, kv_heads) = (c.num_attention_heads, c.num_key_value_heads);
         let dev = self.device();
         let mut pos = vec![0i64; ids.len()];
         for s in segments.iter_mut() {
@@ -479,15 +533,18 @@ impl Llama {
                 })
             })
             .collect();
-        for (i, l) in self.layers.iter().enumerate() {
+        let att = Tensor::zeros([1, heads, m, hd], (Kind::Float, dev));
+        for (i, (l, pl)) in self.layers.iter().zip(&w.layers).enumerate() {
             let h = rms_norm(&x, &l.input_norm, c.rms_norm_eps);
-            // [1, heads, rows, head_dim], the layout `rope` works on
-            let q = linear(&h, &l.q, l.q_bias.as_ref()).view([1, m, c.num_attention_heads, hd]).transpose(1, 2);
-            let k = linear(&h, &l.k, l.k_bias.as_ref()).view([1, m, c.num_key_value_heads, hd]).transpose(1, 2);
-            let v = linear(&h, &l.v, l.v_bias.as_ref()).view([1, m, c.num_key_value_heads, hd]).transpose(1, 2);
-            let q = self.rope(&q, &cos, &sin);
-            let k = self.rope(&k, &cos, &sin);
-            let att = Tensor::zeros([1, c.num_attention_heads, m, hd], (Kind::Float, dev));
+            let mut qkv = pl.qkv.apply(&h);
+            if let Some(b) = &pl.qkv_bias {
+                qkv = qkv + b;
+            }
+            // q and k rotate together: [1, heads + kv_heads, rows, head_dim]
+            let qk = qkv.narrow(1, 0, (heads + kv_heads) * hd).view([1, m, heads + kv_heads, hd]).transpose(1, 2);
+            let qk = self.rope(&qk, &cos, &sin);
+            let (q, k) = (qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads));
+            let v = qkv.narrow(1, (heads + kv_heads) * hd, kv_heads * hd).view([1, m, kv_heads, hd]).transpose(1, 2);
             for (s, mask) in segments.iter_mut().zip(&masks) {
                 let (first, rows, start) = (s.first as i64, s.rows as i64, s.cache.len as i64);
                 s.cache.k[i].narrow(2, start, rows).copy_(&k.narrow(2, first, rows));
@@ -497,10 +554,12 @@ impl Llama {
                 let o = Tensor::scaled_dot_product_attention(&q.narrow(2, first, rows), &keys, &values, mask.as_ref(), 0.0, false, None, true);
                 att.narrow(2, first, rows).copy_(&o);
             }
-            let att = att.transpose(1, 2).contiguous().view([m, c.num_attention_heads * hd]);
-            x = x + att.matmul(&l.o.tr());
+            let a = att.transpose(1, 2).contiguous().view([m, heads * hd]);
+            x = x + pl.o.apply(&a);
             let h = rms_norm(&x, &l.post_norm, c.rms_norm_eps);
-            x = &x + (h.matmul(&l.gate.tr()).silu() * h.matmul(&l.up.tr())).matmul(&l.down.tr());
+            let gu = pl.gate_up.apply(&h);
+            let n = c.intermediate_size;
+            x = &x + pl.down.apply(&(gu.narrow(1, 0, n).silu() * gu.narrow(1, n, n)));
         }
         for s in segments.iter_mut() {
             s.cache.len += s.attend;

@@ -28,15 +28,15 @@ pub struct NativePolicy {
 
 impl NativePolicy {
     /// Loads a GGUF file or HF directory; `checkpoint` is recorded on trajectory rows.
-    pub fn load(path: &Path, device: Device) -> Result<Self, NativeError> {
+    pub fn load(path: &Path, device: Device, engine: EngineConfig) -> Result<Self, NativeError> {
         let (model, tokenizer) = crate::loader::load(path, device)?;
-        Self::new(model, tokenizer, path.display().to_string())
+        Self::new(model, tokenizer, path.display().to_string(), engine)
     }
 
-    /// Starts a batching engine with the default settings over `model`.
-    pub fn new(model: Llama, tokenizer: Tokenizer, checkpoint: String) -> Result<Self, NativeError> {
+    /// Starts a batching engine with `engine`'s settings over `model`.
+    pub fn new(model: Llama, tokenizer: Tokenizer, checkpoint: String, engine: EngineConfig) -> Result<Self, NativeError> {
         let context_limit = model.config.max_position_embeddings as u64;
-        let engine = Engine::start(model, EngineConfig::default())?;
+        let engine = Engine::start(model, engine)?;
         Ok(NativePolicy { engine, tokenizer: Arc::new(tokenizer), context_limit, checkpoint })
     }
 }

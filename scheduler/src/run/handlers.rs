@@ -90,7 +90,8 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
             match step {
                 None => {
                     let path = inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("native policy without a model path".into()))?;
-                    let policy = tokio::task::spawn_blocking(move || native::policy::NativePolicy::load(&path, device))
+                    let engine = spec.policy.engine();
+                    let policy = tokio::task::spawn_blocking(move || native::policy::NativePolicy::load(&path, device, engine))
                         .await
                         .map_err(|e| JobFailure::Fatal(format!("loading the model panicked: {e}")))?
                         .map_err(|e| JobFailure::Fatal(e.to_string()))?;
@@ -109,7 +110,7 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                         }
                     };
                     let key = native::checkpoint::manifest_key(run_id, s);
-                    let policy = native::policy::NativePolicy::new(model, tokenizer, key).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+                    let policy = native::policy::NativePolicy::new(model, tokenizer, key, spec.policy.engine()).map_err(|e| JobFailure::Fatal(e.to_string()))?;
                     Ok(Arc::new(policy))
                 }
             }

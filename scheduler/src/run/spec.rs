@@ -172,9 +172,20 @@ pub struct PolicySection {
     /// vLLM or SGLang; llama.cpp's server answers one request at a time).
     #[serde(default)]
     pub concurrency: Option<u32>,
+    /// native: the format of the weights the rollout engine decodes with. `f32` (default)
+    /// rolls out with the learner's own numerics; `bf16` and `int4` (4-bit groups of 32,
+    /// GGUF Q4_1's layout) decode faster at the cost of a rollout/learner mismatch that
+    /// every update measures (`mismatch_mean`) and its TIS weight corrects.
+    #[serde(default)]
+    pub rollout_weights: Option<native::packed::WeightFormat>,
 }
 
 impl PolicySection {
+    /// The rollout engine's settings of the native backend.
+    pub fn engine(&self) -> native::engine::EngineConfig {
+        native::engine::EngineConfig { weights: self.rollout_weights.unwrap_or_default(), ..Default::default() }
+    }
+
     /// [`PolicySection::concurrency`] with its backend's default.
     pub fn concurrency(&self) -> u32 {
         self.concurrency.unwrap_or(if self.backend == "native" { 8 } else { 1 })
@@ -552,6 +563,9 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if let Some(c) = p.concurrency.filter(|c| *c == 0 || *c > 256) {
         bad("policy.concurrency", format!("{c} is out of range; use 1 to 256"));
     }
+    if p.rollout_weights.is_some() && p.backend != "native" {
+        bad("policy.rollout_weights", "applies to the native backend only; an endpoint decodes with its own weights".into());
+    }
     if p.max_tokens == 0 {
         bad("policy.max_tokens", "must be at least 1".into());
     }
@@ -714,6 +728,10 @@ rescue = "h0"
         assert_eq!(policy.concurrency(), 8);
         let err = parse(&GOOD.replace("base_url = ", "concurrency = 0\nbase_url = "), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
         assert!(err.contains("policy.concurrency") && err.contains("1 to 256"), "{err}");
+        let err = parse(&GOOD.replace("base_url = ", "rollout_weights = \"int4\"\nbase_url = "), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
+        assert!(err.contains("policy.rollout_weights") && err.contains("native backend only"), "{err}");
+        let err = parse(&GOOD.replace("base_url = ", "rollout_weights = \"fp8\"\nbase_url = "), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
+        assert!(err.contains("rollout_weights") && err.contains("int4"), "{err}");
     }
 
     #[test]

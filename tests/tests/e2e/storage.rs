@@ -45,6 +45,19 @@ async fn basic_operations(store: &dyn ObjectStore) {
     assert!(store.head("a/b/one.txt").await.unwrap().is_none());
     assert!(matches!(store.put("../escape", Bytes::new()).await, Err(StoreError::InvalidKey { .. })));
     assert!(matches!(store.put("/abs", Bytes::new()).await, Err(StoreError::InvalidKey { .. })));
+    // nothing outside the store can be named: not by a key, not by a listing prefix
+    for key in ["a/../../etc/passwd", "a/./b", "a/b\0c", "a/b\nc", "a\\..\\b"] {
+        assert!(matches!(store.put(key, Bytes::new()).await, Err(StoreError::InvalidKey { .. })), "put {key:?}");
+        assert!(matches!(store.get(key).await, Err(StoreError::InvalidKey { .. })), "get {key:?}");
+        assert!(matches!(store.head(key).await, Err(StoreError::InvalidKey { .. })), "head {key:?}");
+        assert!(matches!(store.delete(key).await, Err(StoreError::InvalidKey { .. })), "delete {key:?}");
+    }
+    for prefix in ["../../../etc/ssl", "a/../..", "/etc", "a\0"] {
+        match store.list(prefix).await {
+            Err(StoreError::InvalidKey { reason, .. }) => assert!(!reason.is_empty()),
+            other => panic!("list {prefix:?}: expected InvalidKey, got {other:?}"),
+        }
+    }
 }
 
 /// Many tasks race to create one marker: exactly one wins, and its content stays.

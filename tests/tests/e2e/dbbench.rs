@@ -190,6 +190,57 @@ async fn mariadb_episodes_are_isolated_and_dropped() {
     assert!(databases_with_prefix(&prefix).await.is_empty());
 }
 
+/// The policy's SQL runs as the episode's own server user: it cannot read the server's
+/// accounts, touch another episode's database, write files or change the server, and the
+/// user goes with the database.
+#[tokio::test]
+async fn a_mariadb_episode_cannot_reach_outside_its_database() {
+    let tasks = dev_tasks();
+    let (config, prefix) = mariadb("sandbox");
+    let mut a = DbBenchEnv::new(Arc::clone(&tasks), config.clone());
+    let mut b = DbBenchEnv::new(Arc::clone(&tasks), config);
+    a.reset("dev-24", 0).await.unwrap();
+    b.reset("dev-24", 0).await.unwrap();
+    let (name_a, name_b) = (a.database_name().unwrap(), b.database_name().unwrap());
+    let rows_b = b.step(&sql("SELECT COUNT(*) FROM `Olympic Medals`")).await.unwrap().text;
+    let outfile = format!("/tmp/{prefix}_out.txt");
+    for q in [
+        "SELECT User, Password FROM mysql.user".to_string(),
+        format!("DROP DATABASE `{name_b}`"),
+        format!("SELECT COUNT(*) FROM `{name_b}`.`Olympic Medals`"),
+        format!("DELETE FROM `{name_b}`.`Olympic Medals`"),
+        format!("SELECT 1 INTO OUTFILE '{outfile}'"),
+        format!("CREATE DATABASE `{prefix}_other`"),
+        "CREATE USER intruder IDENTIFIED BY 'x'".to_string(),
+        "GRANT ALL ON *.* TO CURRENT_USER()".to_string(),
+        "SET GLOBAL max_connections = 1".to_string(),
+    ] {
+        let obs = a.step(&sql(&q)).await.unwrap();
+        assert!(obs.action_failed && !obs.done, "not refused: {q}: {}", obs.text);
+        assert!(obs.text.contains("denied") || obs.text.contains("privilege"), "{q}: {}", obs.text);
+    }
+    // without FILE, LOAD_FILE reads nothing
+    assert_eq!(a.step(&sql("SELECT LOAD_FILE('/etc/passwd')")).await.unwrap().text, "[(None,)]");
+    let shown = a.step(&sql("SHOW DATABASES")).await.unwrap().text;
+    assert!(shown.contains(&name_a) && !shown.contains(&name_b) && !shown.contains("'mysql'"), "{shown}");
+    assert!(!std::path::Path::new(&outfile).exists());
+    // the episode's own database works as before, the other one is untouched
+    assert!(!a.step(&sql("DELETE FROM `Olympic Medals`")).await.unwrap().action_failed);
+    assert_eq!(a.step(&sql("SELECT COUNT(*) FROM `Olympic Medals`")).await.unwrap().text, "[(0,)]");
+    assert_eq!(b.step(&sql("SELECT COUNT(*) FROM `Olympic Medals`")).await.unwrap().text, rows_b);
+    let mut admin = mysql_async::Conn::from_url(mysql_url()).await.unwrap();
+    let grants = |db: String| format!("SELECT COUNT(*) FROM mysql.db WHERE Db = '{db}'");
+    let held: Option<i64> = admin.query_first(grants(name_a.clone())).await.unwrap();
+    assert_eq!(held, Some(1), "one episode user holds rights on the database");
+    a.close().await.unwrap();
+    b.close().await.unwrap();
+    for db in [name_a, name_b] {
+        let left: Option<i64> = admin.query_first(grants(db)).await.unwrap();
+        assert_eq!(left, Some(0), "the episode's user is dropped with its database");
+    }
+    assert!(databases_with_prefix(&prefix).await.is_empty());
+}
+
 #[test]
 fn tasks_check_reports_a_malformed_line_with_its_number_and_checks_the_rest() {
     let dir = tempfile::tempdir().unwrap();

@@ -8,12 +8,19 @@
 //! typed from the column metadata the way Python's mysql-connector types them (`int`,
 //! `float`, `Decimal`, `datetime`, `str`, `bytes`).
 //!
-//! The agent's statements run as the URL's user: give untrusted policies a user whose
-//! rights are limited to databases with the configured prefix.
+//! **The policy's SQL stays inside the episode's database.** The URL's user (the admin)
+//! only creates and drops; each episode gets its own server user, created with the
+//! database and dropped with it, with a random password, rights on that database alone
+//! (no FILE, no other database, no `mysql.*`, no GRANT) and at most four connections. The
+//! agent's statements run as that user with a server-side statement time limit
+//! (`max_statement_time` on MariaDB, `max_execution_time` on MySQL) besides the client's
+//! deadline. A refused statement is the server's error text, an observation for the agent.
+//! The admin needs `CREATE USER` and `GRANT OPTION` (root has them).
 
 use std::time::Duration;
 
 use futures::StreamExt;
+use md5::Digest;
 use mysql_async::consts::ColumnType;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Column, Conn, Opts, OptsBuilder, Row, Value};
@@ -35,11 +42,37 @@ const ONE_STATEMENT: &str = "You can only execute one statement at a time.";
 const INSERT_CHUNK: usize = 200;
 
 pub struct MysqlDb {
+    /// The URL's user, without a database: creates and drops.
+    admin: Opts,
+    /// The episode's user on the episode's database: runs the agent's statements.
     opts: Opts,
     conn: Option<Conn>,
     database: String,
+    /// `'name'@'host'` of the episode's user.
+    account: String,
+    /// The statement time limit set on `conn`, if any.
+    limit: Option<Duration>,
     /// Set once the database is dropped; otherwise `Drop` drops it in the background.
     closed: bool,
+}
+
+/// Rights of an episode's user on its own database: everything a DBBench task needs.
+const EPISODE_GRANTS: &str = "SELECT, INSERT, UPDATE, DELETE, CREATE, DROP, INDEX, ALTER, CREATE TEMPORARY TABLES, CREATE VIEW, SHOW VIEW, LOCK TABLES";
+
+/// The episode user's name for database `name` (≤ 32 characters, MySQL's limit).
+fn episode_user(name: &str) -> String {
+    let digest = md5::Md5::digest(name.as_bytes());
+    format!("hs_{}", digest.iter().take(10).map(|b| format!("{b:02x}")).collect::<String>())
+}
+
+fn password() -> String {
+    use rand::Rng;
+    rand::rng().sample_iter(rand::distr::Alphanumeric).take(32).map(char::from).collect()
+}
+
+/// MySQL string literal (for account names and passwords, which cannot be placeholders).
+fn quote_str(s: &str) -> String {
+    format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
 }
 
 /// The URL without its password, for messages.
@@ -65,11 +98,15 @@ fn backend(what: &str, url: &str, e: impl std::fmt::Display) -> EnvError {
 }
 
 impl MysqlDb {
-    /// Creates database `name` on the server and fills the task's tables.
+    /// Creates database `name` on the server, fills the task's tables and creates the
+    /// episode's user; the agent's connection is that user's.
     pub async fn create(url: &str, name: &str, tables: &[TableSpec]) -> Result<MysqlDb, EnvError> {
         let base = parse_url(url).map_err(|e| EnvError::Backend { backend: "mysql".into(), detail: e })?;
-        let admin_opts: Opts = OptsBuilder::from_opts(base.clone()).db_name(None::<String>).into();
-        let mut conn = Conn::new(admin_opts).await.map_err(|e| {
+        // Both connections over the URL's transport (no switch to a local socket), so the
+        // episode's user is created for the host the server sees the agent's connection from.
+        let base: Opts = OptsBuilder::from_opts(base).prefer_socket(false).into();
+        let admin: Opts = OptsBuilder::from_opts(base.clone()).db_name(None::<String>).into();
+        let mut conn = Conn::new(admin.clone()).await.map_err(|e| {
             backend(
                 "cannot connect to the MySQL/MariaDB server (is it running? start it or pass another --db-url)",
                 url,
@@ -79,14 +116,38 @@ impl MysqlDb {
         conn.query_drop(format!("CREATE DATABASE {} CHARACTER SET utf8mb4", quote_ident(name)))
             .await
             .map_err(|e| backend(&format!("cannot create database `{name}`"), url, e))?;
-        let opts: Opts = OptsBuilder::from_opts(base).db_name(Some(name.to_string())).into();
-        let mut db = MysqlDb { opts, conn: None, database: name.to_string(), closed: false };
-        conn.query_drop(format!("USE {}", quote_ident(name)))
+        // The episode's user connects from where the admin does.
+        let host: String = conn
+            .query_first("SELECT SUBSTRING_INDEX(USER(), '@', -1)")
             .await
-            .map_err(|e| backend("cannot use the new database", url, e))?;
-        setup_session(&mut conn).await;
-        db.conn = Some(conn);
-        if let Err(e) = db.fill(tables).await {
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| "%".into());
+        let (user, pass) = (episode_user(name), password());
+        let account = format!("{}@{}", quote_str(&user), quote_str(&host));
+        let opts: Opts = OptsBuilder::from_opts(base).db_name(Some(name.to_string())).user(Some(user)).pass(Some(pass.clone())).into();
+        let mut db = MysqlDb { admin, opts, conn: None, database: name.to_string(), account: account.clone(), limit: None, closed: false };
+        let ready = async {
+            conn.query_drop(format!("USE {}", quote_ident(name))).await.map_err(|e| backend("cannot use the new database", url, e))?;
+            setup_session(&mut conn).await;
+            db.conn = Some(conn);
+            db.fill(tables).await?;
+            let mut admin_conn = db.conn.take().expect("set above");
+            for sql in [
+                format!("CREATE USER {account} IDENTIFIED BY {} WITH MAX_USER_CONNECTIONS 4", quote_str(&pass)),
+                format!("GRANT {EPISODE_GRANTS} ON {}.* TO {account}", quote_ident(name)),
+            ] {
+                admin_conn.query_drop(&sql).await.map_err(|e| {
+                    backend("cannot create the episode's database user (the URL's user needs CREATE USER and GRANT OPTION)", url, e)
+                })?;
+            }
+            let _ = admin_conn.disconnect().await;
+            let mut agent = Conn::new(db.opts.clone()).await.map_err(|e| backend("cannot connect as the episode's user", url, e))?;
+            setup_session(&mut agent).await;
+            db.conn = Some(agent);
+            Ok::<(), EnvError>(())
+        };
+        if let Err(e) = ready.await {
             let _ = db.drop_database().await;
             db.closed = true;
             return Err(e);
@@ -149,6 +210,7 @@ impl MysqlDb {
         }
         setup_session(&mut conn).await;
         self.conn = Some(conn);
+        self.limit = None;
         Ok(())
     }
 
@@ -161,6 +223,12 @@ impl MysqlDb {
             _ => return Ok(Exec::Failed { text: ONE_STATEMENT.into() }),
         }
         let url = self.url();
+        let limit_changed = self.limit != Some(settings.timeout);
+        let conn = self.conn()?;
+        if limit_changed {
+            set_statement_limit(conn, settings.timeout).await;
+        }
+        self.limit = Some(settings.timeout);
         let conn = self.conn()?;
         let id = conn.id();
         let run = run_query(conn, sql, settings.result_chars);
@@ -193,21 +261,20 @@ impl MysqlDb {
         }
     }
 
+    /// Drops the episode's database and user, as the admin.
     async fn drop_database(&mut self) -> Result<(), EnvError> {
         let url = self.url();
-        let sql = format!("DROP DATABASE IF EXISTS {}", quote_ident(&self.database));
-        // A connection may have been left mid-query; use a fresh one if it fails.
-        if let Some(conn) = self.conn.as_mut() {
-            if conn.query_drop(&sql).await.is_ok() {
-                return Ok(());
-            }
+        if let Some(conn) = self.conn.take() {
+            let _ = conn.disconnect().await;
         }
-        let mut conn = Conn::new(self.opts.clone())
+        let mut conn = Conn::new(self.admin.clone())
             .await
             .map_err(|e| backend("cannot reconnect to drop the database", &url, e))?;
-        conn.query_drop(&sql)
-            .await
-            .map_err(|e| backend(&format!("cannot drop database `{}`", self.database), &url, e))?;
+        for sql in drop_statements(&self.database, &self.account) {
+            conn.query_drop(&sql)
+                .await
+                .map_err(|e| backend(&format!("cannot drop database `{}` and its user", self.database), &url, e))?;
+        }
         let _ = conn.disconnect().await;
         Ok(())
     }
@@ -216,9 +283,6 @@ impl MysqlDb {
     pub async fn close(mut self) -> Result<(), EnvError> {
         let dropped = self.drop_database().await;
         self.closed = true;
-        if let Some(conn) = self.conn.take() {
-            let _ = conn.disconnect().await;
-        }
         dropped
     }
 }
@@ -230,19 +294,18 @@ impl Drop for MysqlDb {
         if self.closed {
             return;
         }
-        let sql = format!("DROP DATABASE IF EXISTS {}", quote_ident(&self.database));
-        let (opts, conn) = (self.opts.clone(), self.conn.take());
+        let statements = drop_statements(&self.database, &self.account);
+        let (admin, conn) = (self.admin.clone(), self.conn.take());
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    if let Some(mut conn) = conn {
-                        if conn.query_drop(&sql).await.is_ok() {
-                            let _ = conn.disconnect().await;
-                            return;
-                        }
+                    if let Some(conn) = conn {
+                        let _ = conn.disconnect().await;
                     }
-                    if let Ok(mut conn) = Conn::new(opts).await {
-                        let _ = conn.query_drop(&sql).await;
+                    if let Ok(mut conn) = Conn::new(admin).await {
+                        for sql in &statements {
+                            let _ = conn.query_drop(sql).await;
+                        }
                         let _ = conn.disconnect().await;
                     }
                 });
@@ -250,6 +313,22 @@ impl Drop for MysqlDb {
             Err(_) => {
                 tracing::warn!(database = %self.database, "episode database left on the server: dropped outside a runtime")
             }
+        }
+    }
+}
+
+fn drop_statements(database: &str, account: &str) -> [String; 2] {
+    [format!("DROP DATABASE IF EXISTS {}", quote_ident(database)), format!("DROP USER IF EXISTS {account}")]
+}
+
+/// The server's own statement time limit (MariaDB `max_statement_time` in seconds, MySQL
+/// `max_execution_time` in milliseconds, SELECT only); the client's deadline stays.
+async fn set_statement_limit(conn: &mut Conn, limit: Duration) {
+    let maria = format!("SET SESSION max_statement_time = {}", limit.as_secs_f64());
+    if conn.query_drop(&maria).await.is_err() {
+        let mysql = format!("SET SESSION max_execution_time = {}", limit.as_millis());
+        if let Err(e) = conn.query_drop(&mysql).await {
+            tracing::warn!(error = %e, "no server-side statement time limit on this server");
         }
     }
 }

@@ -8,6 +8,14 @@
 //!
 //! Statements run on the calling thread: DBBench tables are tens of rows, and the
 //! deadline bounds the worst case.
+//!
+//! **The policy's SQL stays inside the episode's database.** Once the tables are filled,
+//! the connection is sandboxed: an authorizer refuses ATTACH/DETACH (which would create
+//! or open files anywhere the worker can write), every PRAGMA but the read-only schema
+//! ones, and `load_extension`/`readfile`/`writefile`; `SQLITE_LIMIT_ATTACHED = 0` also
+//! stops `VACUUM INTO 'file'`; defensive mode guards the schema; limits bound string
+//! length, statement length, columns, program size and expression depth. A refused
+//! statement is an SQL error, i.e. an observation for the agent.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -15,6 +23,9 @@ use std::time::Instant;
 use md5::{Digest, Md5};
 use rusqlite::functions::{Context, FunctionFlags};
 use rusqlite::types::ValueRef;
+use rusqlite::config::DbConfig;
+use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
+use rusqlite::limits::Limit;
 use rusqlite::{Connection, ErrorCode};
 
 use super::db::{Exec, ExecSettings, RowRenderer, TableHash, TIMEOUT_TEXT};
@@ -67,6 +78,7 @@ impl SqliteDb {
             }
             tx.commit().map_err(backend)?;
         }
+        sandbox(&mut conn).map_err(backend)?;
         Ok(SqliteDb { conn, deadline })
     }
 
@@ -134,6 +146,41 @@ impl SqliteDb {
             .map_err(|e| sqlite_message(&e))?;
         Ok(aggregate_rowhashes(hashes.into_iter().flatten().collect()))
     }
+}
+
+/// Schema-reading pragmas, the only ones a sandboxed connection runs.
+const READ_ONLY_PRAGMAS: &[&str] =
+    &["table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo", "foreign_key_list", "collation_list"];
+
+/// Functions that reach the file system or load code.
+const DENIED_FUNCTIONS: &[&str] = &["load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"];
+
+fn authorize(ctx: AuthContext<'_>) -> Authorization {
+    match ctx.action {
+        AuthAction::Attach { .. } | AuthAction::Detach { .. } => Authorization::Deny,
+        AuthAction::Pragma { pragma_name, .. } if !READ_ONLY_PRAGMAS.contains(&pragma_name.to_ascii_lowercase().as_str()) => Authorization::Deny,
+        AuthAction::Function { function_name } if DENIED_FUNCTIONS.contains(&function_name.to_ascii_lowercase().as_str()) => Authorization::Deny,
+        _ => Authorization::Allow,
+    }
+}
+
+/// Confines a filled episode database (see the module docs).
+fn sandbox(conn: &mut Connection) -> rusqlite::Result<()> {
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE, true)?;
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA, false)?;
+    for (limit, value) in [
+        (Limit::SQLITE_LIMIT_ATTACHED, 0),
+        (Limit::SQLITE_LIMIT_LENGTH, 1_000_000),
+        (Limit::SQLITE_LIMIT_SQL_LENGTH, 100_000),
+        (Limit::SQLITE_LIMIT_COLUMN, 256),
+        (Limit::SQLITE_LIMIT_VDBE_OP, 250_000),
+        (Limit::SQLITE_LIMIT_EXPR_DEPTH, 200),
+        (Limit::SQLITE_LIMIT_COMPOUND_SELECT, 100),
+        (Limit::SQLITE_LIMIT_TRIGGER_DEPTH, 10),
+    ] {
+        conn.set_limit(limit, value)?;
+    }
+    conn.authorizer(Some(authorize))
 }
 
 fn failed(e: &rusqlite::Error) -> Exec {
@@ -330,6 +377,38 @@ mod tests {
         );
         let Exec::Failed { text } = d.execute("SELECT * FROM nope", settings()) else { panic!() };
         assert!(text.contains("no such table: nope"), "{text}");
+    }
+
+    /// Each way out of the episode's database is refused as an SQL error, and nothing is
+    /// created on disk; schema pragmas and ordinary statements still work.
+    #[test]
+    fn the_policy_cannot_leave_the_episode_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("x.db");
+        let t = target.display();
+        let mut d = db();
+        for sql in [
+            format!("ATTACH DATABASE '{t}' AS p"),
+            format!("VACUUM INTO '{t}'"),
+            "DETACH DATABASE main".to_string(),
+            format!("PRAGMA temp_store_directory = '{}'", dir.path().display()),
+            "PRAGMA writable_schema = ON".to_string(),
+            "PRAGMA journal_mode = WAL".to_string(),
+            "SELECT load_extension('/tmp/evil')".to_string(),
+            "SELECT writefile('/tmp/evil', 'x')".to_string(),
+            "SELECT length(randomblob(50000000))".to_string(),
+        ] {
+            match d.execute(&sql, settings()) {
+                Exec::Failed { text } => assert!(text.starts_with("SQLite execution error") || text.contains("error"), "{sql}: {text}"),
+                other => panic!("{sql} was not refused: {other:?}"),
+            }
+        }
+        assert!(!target.exists(), "a file was created");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        assert!(rows(d.execute("PRAGMA table_info(\"My Table\")", settings())).contains("'Name'"));
+        assert_eq!(rows(d.execute("SELECT COUNT(*) FROM \"My Table\"", settings())), "[(2,)]");
+        assert!(matches!(d.execute("INSERT INTO \"My Table\" VALUES ('Cy', '4')", settings()), Exec::Rows { .. }));
+        assert_eq!(rows(d.execute("SELECT COUNT(*) FROM \"My Table\"", settings())), "[(3,)]");
     }
 
     #[test]

@@ -34,7 +34,12 @@ pub fn redact_url(raw: &str) -> String {
             }
             u.to_string()
         }
-        Err(_) => raw.to_string(),
+        // Unparseable (a bad port, say): hide everything between the scheme and the last
+        // `@`, where a user and password would be.
+        Err(_) => match (raw.find("://"), raw.rfind('@')) {
+            (Some(s), Some(at)) if at > s + 3 => format!("{}***{}", &raw[..s + 3], &raw[at..]),
+            _ => raw.to_string(),
+        },
     }
 }
 
@@ -47,5 +52,10 @@ mod tests {
         assert!(r.contains("guest:***@127.0.0.1"), "{r}");
         assert_eq!(super::redact_url("file:///tmp/x"), "file:///tmp/x");
         assert!(!super::redact_url("s3://KEY:SECRET@bucket/p").contains("SECRET"));
+        // URLs that do not parse still lose their secrets
+        let r = super::redact_url("amqp://guest:hunter2xyz@127.0.0.1:99999/%2f");
+        assert_eq!(r, "amqp://***@127.0.0.1:99999/%2f");
+        assert!(!super::redact_url("s3://k:p@ss@w0rd@bucket:x/p").contains("w0rd"));
+        assert_eq!(super::redact_url("not a url"), "not a url");
     }
 }

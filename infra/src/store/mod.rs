@@ -163,7 +163,7 @@ pub async fn open_store(url: &str) -> Result<Arc<dyn ObjectStore>> {
     } else if let Some(path) = url.strip_prefix("file://") {
         if !path.starts_with('/') {
             return Err(StoreError::InvalidUrl {
-                url: url.to_string(),
+                url: crate::redact_url(url),
                 reason: "file URLs need an absolute path: file:///abs/dir".into(),
             });
         }

@@ -30,7 +30,7 @@ pub struct GlobalArgs {
     #[arg(long, global = true, default_value = "human", value_parser = ["human", "json"])]
     pub log_format: String,
     /// Log filter (tracing's EnvFilter syntax); also read from RUST_LOG.
-    #[arg(long, global = true, env = "RUST_LOG", default_value = "info")]
+    #[arg(long, global = true, env = "RUST_LOG", hide_env_values = true, default_value = "info")]
     pub log: String,
 }
 
@@ -80,8 +80,15 @@ pub enum Command {
 
 /// Sets up tracing to stderr in the chosen format.
 pub fn init_tracing(global: &GlobalArgs) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&global.log)
+    let mut filter = tracing_subscriber::EnvFilter::try_new(&global.log)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // The AWS SDK logs credentials (the access key id) and signed requests at DEBUG and
+    // TRACE: its crates stay at INFO whatever the filter asks for.
+    for target in ["aws_config", "aws_credential_types", "aws_sigv4", "aws_runtime", "aws_smithy_runtime", "aws_smithy_runtime_api", "aws_sdk_s3", "aws_sdk_sts", "aws_sdk_sso", "aws_sdk_ssooidc", "hyper", "hyper_util", "reqwest"] {
+        if let Ok(d) = format!("{target}=info").parse() {
+            filter = filter.add_directive(d);
+        }
+    }
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if global.log_format == "json" {
         builder.json().init();

@@ -20,7 +20,7 @@ pub struct RunArgs {
     /// Run spec (TOML), e.g. examples/quickstart.toml.
     pub spec: PathBuf,
     /// Object store for everything the run produces.
-    #[arg(long, env = "HARNESS_S_STORE", default_value = DEFAULT_STORE)]
+    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
     pub store: String,
     /// In-process workers.
     #[arg(long, default_value_t = 1)]
@@ -30,10 +30,10 @@ pub struct RunArgs {
 #[derive(Debug, Args)]
 pub struct SubmitArgs {
     pub spec: PathBuf,
-    #[arg(long, env = "HARNESS_S_STORE")]
+    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true)]
     pub store: String,
     /// Queue the scheduler will use (checked to be reachable now).
-    #[arg(long, env = "HARNESS_S_QUEUE")]
+    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
     pub queue: Option<String>,
 }
 
@@ -42,9 +42,9 @@ pub struct SchedulerArgs {
     /// Run to drive.
     #[arg(long)]
     pub run: String,
-    #[arg(long, env = "HARNESS_S_STORE")]
+    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true)]
     pub store: String,
-    #[arg(long, env = "HARNESS_S_QUEUE")]
+    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
     pub queue: String,
 }
 
@@ -52,7 +52,7 @@ pub struct SchedulerArgs {
 pub struct RunRefArgs {
     /// Run id.
     pub run: String,
-    #[arg(long, env = "HARNESS_S_STORE", default_value = DEFAULT_STORE)]
+    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
     pub store: String,
 }
 
@@ -62,17 +62,17 @@ pub struct CompareArgs {
     pub run_a: String,
     /// The run to compare it with (e.g. plain GRPO with the same model, seed and tasks).
     pub run_b: String,
-    #[arg(long, env = "HARNESS_S_STORE", default_value = DEFAULT_STORE)]
+    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
     pub store: String,
 }
 
 #[derive(Debug, Args)]
 pub struct ResumeArgs {
     pub run: String,
-    #[arg(long, env = "HARNESS_S_STORE", default_value = DEFAULT_STORE)]
+    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
     pub store: String,
     /// Drive through this queue (distributed); default: in-process workers.
-    #[arg(long, env = "HARNESS_S_QUEUE")]
+    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
     pub queue: Option<String>,
     /// In-process workers (embedded resume only).
     #[arg(long, default_value_t = 1)]

@@ -43,7 +43,7 @@ pub struct CheckArgs {
     #[arg(long, default_value = "sqlite", value_parser = ["sqlite", "mysql"])]
     pub engine: String,
     /// Server URL for --engine mysql, e.g. mysql://root@127.0.0.1:3306.
-    #[arg(long, value_name = "URL", env = "HARNESS_S_DB_URL")]
+    #[arg(long, value_name = "URL", env = "HARNESS_S_DB_URL", hide_env_values = true)]
     pub db_url: Option<String>,
     /// Print every task's verdict, not only the disagreements.
     #[arg(long)]

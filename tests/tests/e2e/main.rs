@@ -6,6 +6,7 @@ mod native;
 mod queue;
 mod rollout;
 mod router;
+mod secrets;
 mod storage;
 mod training;
 mod variants;

@@ -245,6 +245,25 @@ impl OpenAiPolicy {
         &self.config
     }
 
+    /// Checks that the server answers (`GET {base_url}/models`, within the connect timeout
+    /// plus 10 s): a refused connection, a timeout or a refused key is an error; any other
+    /// answer, even 404 from a server without that route, counts as reachable.
+    pub async fn probe(&self) -> Result<(), PolicyError> {
+        let url = format!("{}/models", self.config.base_url.trim_end_matches('/'));
+        let mut request = self.http.get(&url).timeout(Duration::from_secs_f64(self.config.connect_timeout_s + 10.0));
+        if let Some(key) = &self.api_key {
+            request = request.bearer_auth(&key.0);
+        }
+        let response = request.send().await.map_err(|e| PolicyError::Unreachable { endpoint: url.clone(), detail: error_chain(&e) })?;
+        match response.status().as_u16() {
+            401 | 403 => {
+                let text = response.text().await.unwrap_or_default();
+                Err(http_error(401, &text, self.api_key.is_some()))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The request body of one call (pure; exposed for inspection and tests).
     pub fn request_body(&self, messages: &[Message], tools: &[ToolSpec], sampling: &SamplingParams) -> Value {
         let mut body = json!({

@@ -319,6 +319,16 @@ impl Scheduler {
             }
         }
         let budgets = &self.spec().budgets;
+        let service = |r: &&Trajectory| matches!(r.error_class, Some(schemas::ErrorClass::Infra | schemas::ErrorClass::Env | schemas::ErrorClass::Policy | schemas::ErrorClass::Timeout));
+        let failed = rows.iter().filter(service).count();
+        let share = budgets.stage_failure_share();
+        if !rows.is_empty() && share < 1.0 && failed as f64 > share * rows.len() as f64 {
+            let first = rows.iter().find(service).and_then(|r| r.error_message.clone()).unwrap_or_default();
+            bail!(
+                "{failed} of the stage's {} rollouts failed with service errors (more than budgets.stage_failure_share = {share}); the run stops instead of training on them. First error: {first}",
+                rows.len()
+            );
+        }
         for (class, n) in &st.failures {
             if let Some(limit) = budgets.failures.get(class) {
                 if n > limit {

@@ -7,6 +7,7 @@ pub mod executor;
 pub mod handlers;
 pub mod inputs;
 pub mod machine;
+pub mod preflight;
 pub mod spec;
 pub mod state;
 
@@ -85,6 +86,7 @@ pub async fn state_for_drive(store: &dyn ObjectStore, run_id: &str) -> anyhow::R
 /// Drives a run with the given queue (workers consume it elsewhere or in-process).
 pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &str, bars: bool) -> anyhow::Result<Finish> {
     let mut st = state_for_drive(store.as_ref(), run_id).await?;
+    preflight::check(&inputs::load_stored(store.as_ref(), run_id).await?.spec).await?;
     let poll = if queue.url().starts_with("memory:") { Duration::from_millis(100) } else { Duration::from_millis(500) };
     loop {
         // Inputs are read again after evolution wrote the run's pool.

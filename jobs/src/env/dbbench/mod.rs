@@ -37,6 +37,8 @@ pub mod grade;
 mod mysql;
 pub mod pyvalue;
 mod sqlite;
+
+pub use mysql::check_server;
 pub mod task;
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -93,6 +93,23 @@ pub fn parse_url(url: &str) -> Result<Opts, String> {
     })
 }
 
+/// Checks that the server at `url` accepts the URL's user (connect and `SELECT 1`, within
+/// `timeout`).
+pub async fn check_server(url: &str, timeout: Duration) -> Result<(), EnvError> {
+    let opts = parse_url(url).map_err(|e| EnvError::Backend { backend: "mysql".into(), detail: e })?;
+    let opts: Opts = OptsBuilder::from_opts(opts).prefer_socket(false).into();
+    let probe = async {
+        let mut conn = Conn::new(opts).await?;
+        conn.query_drop("SELECT 1").await?;
+        conn.disconnect().await
+    };
+    match tokio::time::timeout(timeout, probe).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(backend("cannot connect to the MySQL/MariaDB server", url, e)),
+        Err(_) => Err(backend("cannot connect to the MySQL/MariaDB server", url, format!("no answer within {} s", timeout.as_secs()))),
+    }
+}
+
 fn backend(what: &str, url: &str, e: impl std::fmt::Display) -> EnvError {
     EnvError::Backend { backend: "mysql".into(), detail: format!("{what} at {}: {e}", redact(url)) }
 }

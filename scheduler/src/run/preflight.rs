@@ -1,0 +1,57 @@
+//! Before a run's first stage: every service its spec names must answer — the
+//! environment's database server, the policy endpoint, the LLM voters, profiler and
+//! proposer. One error lists each unreachable service by its spec key, so that a run never
+//! records episodes against a server that is not there (and then trains on nothing).
+//! The store and the broker are checked where they are opened.
+
+use std::time::Duration;
+
+use super::spec::{EndpointSection, RunSpec};
+
+/// How long one service may take to answer.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Checks every service of `spec`; the error names each one that did not answer.
+pub async fn check(spec: &RunSpec) -> anyhow::Result<()> {
+    let mut problems: Vec<String> = vec![];
+    if spec.environment.engine == "mysql" {
+        if let Some(url) = &spec.environment.db_url {
+            if let Err(e) = jobs::env::dbbench::check_server(url, TIMEOUT).await {
+                problems.push(format!("environment.db_url: {e}"));
+            }
+        }
+    }
+    let mut endpoints: Vec<(String, EndpointSection)> = vec![];
+    if spec.policy.backend == "openai" {
+        let p = &spec.policy;
+        endpoints.push(("policy.base_url".into(), EndpointSection { base_url: p.base_url.clone().unwrap_or_default(), model: p.model.clone(), api_key_env: p.api_key_env.clone() }));
+    }
+    for (i, v) in spec.router.voters.iter().enumerate() {
+        endpoints.push((format!("router.voters[{i}]"), v.clone()));
+    }
+    if let Some(p) = &spec.router.profiler {
+        endpoints.push(("router.profiler".into(), p.clone()));
+    }
+    if let Some(llm) = spec.evolution.as_ref().and_then(|e| e.llm.as_ref()) {
+        endpoints.push(("evolution.llm".into(), llm.clone()));
+    }
+    for (key, endpoint) in endpoints {
+        let mut config = endpoint.openai_config();
+        config.connect_timeout_s = TIMEOUT.as_secs_f64();
+        let outcome = match jobs::policy::openai::OpenAiPolicy::new(config) {
+            Ok(p) => p.probe().await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = outcome {
+            problems.push(format!("{key}: {e}"));
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{} service(s) the run needs did not answer; nothing was run:\n  {}",
+        problems.len(),
+        problems.join("\n  ")
+    )
+}

@@ -39,6 +39,11 @@ pub fn routing_part(run_id: &str, step: u32, job_id: &str) -> String {
     format!("runs/{run_id}/routing/step={step}/part-{job_id}.parquet")
 }
 
+/// `runs/<run>/metrics/`: every metrics part of a run.
+pub fn metrics_prefix(run_id: &str) -> String {
+    format!("runs/{run_id}/metrics/")
+}
+
 /// `runs/<run>/metrics/step=<n>/part-<job>.parquet`
 pub fn metrics_part(run_id: &str, step: u32, job_id: &str) -> String {
     format!("runs/{run_id}/metrics/step={step}/part-{job_id}.parquet")
@@ -47,6 +52,11 @@ pub fn metrics_part(run_id: &str, step: u32, job_id: &str) -> String {
 /// `runs/<run>/checkpoints/step=<n>/` (with trailing slash)
 pub fn checkpoint_dir(run_id: &str, step: u32) -> String {
     format!("runs/{run_id}/checkpoints/step={step}/")
+}
+
+/// `runs/<run>/jobs/`: every done-marker of a run.
+pub fn jobs_prefix(run_id: &str) -> String {
+    format!("runs/{run_id}/jobs/")
 }
 
 /// `runs/<run>/jobs/<job>.done.json`: the commit marker, written last.

@@ -50,6 +50,9 @@ pub enum Command {
     Cancel(run::RunRefArgs),
     /// Write a run's Markdown report and PNG plots into the store.
     Report(run::RunRefArgs),
+    /// Check a whole run: every done-marker parses and every file it lists has its size and
+    /// SHA-256; exits 1 on damage (a resume re-runs the damaged jobs).
+    Verify(run::RunRefArgs),
     /// Compare two runs side by side (e.g. Harness-S against plain GRPO): Markdown and plots in the store.
     Compare(run::CompareArgs),
     /// Inspect an object store: list objects, print Parquet rows as JSON lines.
@@ -107,6 +110,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Resume(args) => run::resume(args).await,
         Command::Cancel(args) => run::cancel(args).await,
         Command::Report(args) => run::report(args).await,
+        Command::Verify(args) => run::verify(args).await,
         Command::Compare(args) => run::compare(args).await,
         Command::Store(cmd) => store::run(cmd).await,
         Command::Bench(cmd) => bench::run(cmd).await,

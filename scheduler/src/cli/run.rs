@@ -197,6 +197,22 @@ pub async fn report(args: RunRefArgs) -> anyhow::Result<u8> {
     Ok(crate::exit::OK)
 }
 
+pub async fn verify(args: RunRefArgs) -> anyhow::Result<u8> {
+    let store = open_store(&absolute_store(&args.store)).await?;
+    run::inputs::load_stored(store.as_ref(), &args.run).await?;
+    let (damage, markers) = run::verify::verify_run(store.as_ref(), &args.run).await?;
+    if damage.is_empty() {
+        println!("run `{}`: {markers} done-markers and the files they list are intact", args.run);
+        return Ok(crate::exit::OK);
+    }
+    println!("run `{}`: {} damaged of {markers} done-markers checked:", args.run, damage.len());
+    for d in &damage {
+        println!("  {d}");
+    }
+    println!("`harness-s resume {}` re-runs the jobs whose done-marker or outputs are damaged (a damaged metrics part is reported, not rewritten)", args.run);
+    Ok(crate::exit::FAILED)
+}
+
 pub async fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     let store = open_store(&absolute_store(&args.store)).await?;
     let url = crate::compare::write(store.as_ref(), &args.run_a, &args.run_b).await?;

@@ -23,6 +23,9 @@ pub enum StageError {
     Other(#[from] anyhow::Error),
 }
 
+/// Times a stage re-runs jobs whose outputs came back damaged before it gives up.
+pub const REPAIRS: usize = 3;
+
 /// Publishes jobs and collects their done-markers.
 pub struct Executor {
     pub store: Arc<dyn ObjectStore>,
@@ -33,11 +36,20 @@ pub struct Executor {
 }
 
 impl Executor {
-    /// Runs `jobs` to completion and returns their markers in the same order.
+    /// Runs `jobs` to completion and returns their markers in the same order. A marker that
+    /// does not parse, or whose outputs do not match it, is deleted with a WARN naming the
+    /// file, and its job runs again (at most [`REPAIRS`] times per stage).
     pub async fn run(&self, run_id: &str, label: &str, jobs: Vec<JobEnvelope>) -> Result<Vec<DoneMarker>, StageError> {
-        let prefix = format!("runs/{run_id}/jobs/");
+        let prefix = keys::jobs_prefix(run_id);
         let mut done = self.markers(&prefix).await?;
-        let to_publish: Vec<JobEnvelope> = jobs.iter().filter(|j| !done.contains(&j.job_id)).cloned().collect();
+        // Markers left by an earlier drive are checked before they are trusted.
+        let mut to_publish: Vec<JobEnvelope> = vec![];
+        for j in &jobs {
+            if !done.contains(&j.job_id) || self.repair(run_id, j).await?.is_none() {
+                done.remove(&j.job_id);
+                to_publish.push(j.clone());
+            }
+        }
         let skipped = jobs.len() - to_publish.len();
         if !to_publish.is_empty() {
             self.queue.publish_many(&to_publish).await.map_err(|e| anyhow::anyhow!("publishing {label} jobs: {e}"))?;
@@ -58,11 +70,35 @@ impl Executor {
         let wanted: BTreeSet<String> = jobs.iter().map(|j| j.job_id.clone()).collect();
         let kinds: BTreeSet<JobKind> = jobs.iter().map(|j| j.kind).collect();
         let mut last_log = Instant::now();
+        let mut repairs = 0;
         loop {
             let finished = wanted.iter().filter(|id| done.contains(*id)).count();
             bar.set_position(finished as u64);
             if finished == wanted.len() {
-                break;
+                // Every marker is there: read and check them; damaged ones run again.
+                let mut out = Vec::with_capacity(jobs.len());
+                let mut again = vec![];
+                for j in &jobs {
+                    match self.repair(run_id, j).await? {
+                        Some(m) => out.push(m),
+                        None => again.push(j.clone()),
+                    }
+                }
+                if again.is_empty() {
+                    bar.finish_and_clear();
+                    tracing::info!(stage = label, jobs = jobs.len(), "stage finished");
+                    return Ok(out);
+                }
+                repairs += 1;
+                if repairs > REPAIRS {
+                    bar.abandon();
+                    return Err(anyhow::anyhow!("{label}: {} job(s) wrote damaged outputs {REPAIRS} times in a row; see the WARN lines above", again.len()).into());
+                }
+                for j in &again {
+                    done.remove(&j.job_id);
+                }
+                self.queue.publish_many(&again).await.map_err(|e| anyhow::anyhow!("republishing {label} jobs: {e}"))?;
+                continue;
             }
             if self.store.head(&super::state::cancel_key(run_id)).await.map_err(anyhow::Error::from)?.is_some() {
                 bar.abandon();
@@ -86,15 +122,20 @@ impl Executor {
             tokio::time::sleep(self.poll).await;
             done = self.markers(&prefix).await?;
         }
-        bar.finish_and_clear();
-        let mut out = Vec::with_capacity(jobs.len());
-        for j in &jobs {
-            let key = keys::done_marker(run_id, &j.job_id);
-            let bytes = self.store.get(&key).await.map_err(anyhow::Error::from)?;
-            out.push(schemas::decode_document(&self.store.object_url(&key), &bytes).map_err(anyhow::Error::from)?);
+    }
+
+    /// Job `j`'s checked marker; `None` (after a WARN naming the damaged file and deleting
+    /// the marker) when the marker or an output is damaged, so that the job runs again.
+    async fn repair(&self, run_id: &str, j: &JobEnvelope) -> anyhow::Result<Option<DoneMarker>> {
+        let key = keys::done_marker(run_id, &j.job_id);
+        match super::verify::check_marker(self.store.as_ref(), &key).await? {
+            Ok(m) => Ok(Some(m)),
+            Err(damage) => {
+                tracing::warn!(job = %j.job_id, kind = %j.kind, file = %damage.file, problem = %damage.problem, "damaged job output; the job runs again");
+                self.store.delete(&key).await?;
+                Ok(None)
+            }
         }
-        tracing::info!(stage = label, jobs = jobs.len(), "stage finished");
-        Ok(out)
     }
 
     /// Job ids with a done-marker.

@@ -10,6 +10,7 @@ pub mod machine;
 pub mod preflight;
 pub mod spec;
 pub mod state;
+pub mod verify;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -235,6 +235,70 @@ fn a_stage_whose_episodes_all_hit_service_errors_stops_the_run() {
     assert_ne!(state["phase"], "finished", "{state}");
 }
 
+/// Flipped bytes in a trajectory part and a truncated done-marker: `harness-s verify` names
+/// both files and exits 1; a resume re-runs exactly the two damaged jobs (WARN lines name
+/// the files), rewrites the same rows, and the run verifies clean again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damaged_outputs_are_found_and_healed_by_re_running_their_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = std::fs::read_to_string(tiny_spec(dir.path(), "damaged", "router")).unwrap();
+    let spec = dir.path().join("damaged.toml");
+    std::fs::write(&spec, base.replace("learning_rate = 1e-6\n", "learning_rate = 1e-6\nlearn = false\n")).unwrap();
+    let store_dir = dir.path().join("store");
+    let store_url = format!("file://{}", store_dir.display());
+    let (code, _, err) = harness_s(&["submit", spec.to_str().unwrap(), "--store", &store_url]);
+    assert_eq!(code, 0, "{err}");
+    let state_path = store_dir.join("runs/damaged/state.json");
+    let initial_state = std::fs::read(&state_path).unwrap();
+    let (code, _, err) = harness_s(&["resume", "damaged", "--store", &store_url]);
+    assert!(code == 0 || code == 3, "{err}");
+    let (code, out, err) = harness_s(&["verify", "damaged", "--store", &store_url]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("intact"), "{out}");
+
+    let store = open_store(&store_url).await.unwrap();
+    let before: Vec<Trajectory> = read_prefix(store.as_ref(), "runs/damaged/trajectories/").await.unwrap();
+    let parts: Vec<String> = store.list("runs/damaged/trajectories/step=1/kind=base/").await.unwrap().into_iter().map(|o| o.key).collect();
+    let part = parts.first().expect("a base part").clone();
+    let mut bytes = std::fs::read(store_dir.join(&part)).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    bytes[mid + 1] ^= 0x55;
+    std::fs::write(store_dir.join(&part), &bytes).unwrap();
+    let markers: Vec<String> = store.list("runs/damaged/jobs/").await.unwrap().into_iter().map(|o| o.key).collect();
+    let mut truncated = None;
+    for m in &markers {
+        let text = String::from_utf8(store.get(m).await.unwrap().to_vec()).unwrap();
+        if !text.contains(&part) && text.contains("trajectories") {
+            std::fs::write(store_dir.join(m), &text.as_bytes()[..text.len() / 2]).unwrap();
+            truncated = Some(m.clone());
+            break;
+        }
+    }
+    let truncated = truncated.expect("another rollout job's marker");
+
+    let (code, out, _) = harness_s(&["verify", "damaged", "--store", &store_url]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("2 damaged") && out.contains(&part) && out.contains("SHA-256") && out.contains(&truncated) && out.contains("does not parse"), "{out}");
+
+    // an interrupted run resumes over the damage: back to the submitted state, every stage
+    // runs again, finds its markers, and re-runs only the damaged jobs
+    std::fs::write(&state_path, initial_state).unwrap();
+    let (code, _, err) = harness_s(&["resume", "damaged", "--store", &store_url]);
+    assert!(code == 0 || code == 3, "{err}");
+    let warns: Vec<&str> = err.lines().filter(|l| l.contains("damaged job output")).collect();
+    assert_eq!(warns.len(), 2, "{err}");
+    assert!(warns.iter().any(|l| l.contains(&part)) && warns.iter().any(|l| l.contains(&truncated)), "{warns:?}");
+    let (code, out, _) = harness_s(&["verify", "damaged", "--store", &store_url]);
+    assert_eq!(code, 0, "{out}");
+    let after: Vec<Trajectory> = read_prefix(store.as_ref(), "runs/damaged/trajectories/").await.unwrap();
+    let key = |r: &Trajectory| (r.task_id.clone(), r.kind, r.harness_id.clone(), r.attempt, r.success, r.completion_tokens);
+    let (mut a, mut b): (Vec<_>, Vec<_>) = (before.iter().map(key).collect(), after.iter().map(key).collect());
+    a.sort();
+    b.sort();
+    assert_eq!(a, b, "the re-run jobs wrote the same rows");
+}
+
 #[test]
 fn an_invalid_spec_is_refused_before_any_job_runs_with_every_problem_listed() {
     let dir = tempfile::tempdir().unwrap();

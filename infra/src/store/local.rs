@@ -22,10 +22,14 @@ pub struct LocalStore {
 }
 
 impl LocalStore {
-    /// Opens (and creates) the folder `root`.
+    /// Opens the folder `root`. Nothing is created until the first write (reading a store
+    /// that is not there creates nothing); a file in its place is an error.
     pub fn new(root: impl AsRef<Path>) -> Result<Self> {
         let root = root.as_ref().to_path_buf();
-        std::fs::create_dir_all(&root).map_err(|source| StoreError::Io { path: root.display().to_string(), source })?;
+        if root.exists() && !root.is_dir() {
+            let source = std::io::Error::new(std::io::ErrorKind::NotADirectory, "is a file, not a store folder");
+            return Err(StoreError::Io { path: root.display().to_string(), source });
+        }
         Ok(LocalStore { root })
     }
 

@@ -192,6 +192,8 @@ pub async fn cancel(args: RunRefArgs) -> anyhow::Result<u8> {
 
 pub async fn report(args: RunRefArgs) -> anyhow::Result<u8> {
     let store = open_store(&absolute_store(&args.store)).await?;
+    // a report of a run that is not there would be an empty report in a new folder
+    run::inputs::load_stored(store.as_ref(), &args.run).await?;
     let url = crate::report::write(store.as_ref(), &args.run).await?;
     println!("{url}");
     Ok(crate::exit::OK)
@@ -215,6 +217,9 @@ pub async fn verify(args: RunRefArgs) -> anyhow::Result<u8> {
 
 pub async fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     let store = open_store(&absolute_store(&args.store)).await?;
+    for run in [&args.run_a, &args.run_b] {
+        run::inputs::load_stored(store.as_ref(), run).await?;
+    }
     let url = crate::compare::write(store.as_ref(), &args.run_a, &args.run_b).await?;
     println!("comparison: {url}");
     Ok(crate::exit::OK)

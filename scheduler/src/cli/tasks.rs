@@ -48,6 +48,10 @@ pub struct CheckArgs {
     /// Print every task's verdict, not only the disagreements.
     #[arg(long)]
     pub verbose: bool,
+    /// Read tasks: commit what the gold SQL returns (run on SQLite) instead of the label,
+    /// so that a label that disagrees with its own query fails.
+    #[arg(long)]
+    pub verify_labels: bool,
 }
 
 #[derive(Debug, Args)]
@@ -91,7 +95,7 @@ async fn check(args: CheckArgs) -> anyhow::Result<u8> {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_message(args.engine.clone());
-    let report = check_tasks(Arc::new(loaded.tasks), &config, |_| bar.inc(1))
+    let report = check_tasks(Arc::new(loaded.tasks), &config, args.verify_labels, |_| bar.inc(1))
         .await
         .with_context(|| format!("checking {} on {}", args.file.display(), args.engine))?;
     bar.finish_and_clear();

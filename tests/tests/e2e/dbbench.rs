@@ -65,7 +65,7 @@ fn commit(answers: serde_json::Value) -> ToolCall {
 
 #[tokio::test]
 async fn dev_split_gold_answers_agree_on_sqlite() {
-    let report = check_tasks(dev_tasks(), &DbBenchConfig::sqlite(), |_| {}).await.unwrap();
+    let report = check_tasks(dev_tasks(), &DbBenchConfig::sqlite(), false, |_| {}).await.unwrap();
     print_failures(&report);
     let (writes_ok, writes) = report.agreement(is_write_type);
     let (reads_ok, reads) = report.agreement(|t| !is_write_type(t));
@@ -77,7 +77,7 @@ async fn dev_split_gold_answers_agree_on_sqlite() {
 #[tokio::test]
 async fn dev_split_gold_answers_agree_on_mariadb_and_every_database_is_dropped() {
     let (config, prefix) = mariadb("dev");
-    let report = check_tasks(dev_tasks(), &config, |_| {}).await.unwrap();
+    let report = check_tasks(dev_tasks(), &config, false, |_| {}).await.unwrap();
     print_failures(&report);
     assert_eq!(report.agreement(is_write_type), (40, 40), "gold SQL replay on MariaDB");
     assert_eq!(report.agreement(|t| !is_write_type(t)), (20, 20), "committed labels on MariaDB");
@@ -321,4 +321,56 @@ fn generated_tasks_are_deterministic_and_agree_on_both_engines() {
             stdout.lines().find(|l| l.starts_with("all ")).unwrap_or_default().split_whitespace().collect();
         assert_eq!(total, ["all", "48", "48", "100.0%"], "{stdout}");
     }
+}
+
+/// A read task whose label disagrees with its own gold SQL passes the plain check (the
+/// grader compares the label with itself) and fails `--verify-labels`, by task id.
+#[test]
+fn tasks_check_verify_labels_runs_the_gold_sql() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tasks.jsonl");
+    let out = Command::new(harness_s_bin())
+        .args(["tasks", "generate", "--seed", "3", "--n", "6", "--difficulty", "easy", "--kinds", "counting", "--out", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut lines: Vec<String> = std::fs::read_to_string(&file).unwrap().lines().map(str::to_string).collect();
+    let mut first: serde_json::Value = serde_json::from_str(&lines[0]).unwrap();
+    let id = first["id"].as_str().map(str::to_string).unwrap_or_else(|| "gen-3-0".into());
+    first["label"] = serde_json::json!(["banana"]);
+    lines[0] = first.to_string();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let plain = Command::new(harness_s_bin()).args(["tasks", "check", file.to_str().unwrap()]).output().unwrap();
+    assert!(plain.status.success(), "the plain check grades the label against itself");
+    let verified = Command::new(harness_s_bin()).args(["tasks", "check", file.to_str().unwrap(), "--verify-labels"]).output().unwrap();
+    let text = String::from_utf8_lossy(&verified.stdout);
+    assert_eq!(verified.status.code(), Some(1), "{text}");
+    assert!(text.contains(&format!("FAIL {id}")) && text.contains("banana") && text.contains("5  "), "{text}");
+}
+
+/// `harness-s ... | head -1`: the closed pipe ends the program quietly (a listing far
+/// larger than the pipe's buffer, so that writing does hit the closed pipe).
+#[test]
+fn a_closed_pipe_ends_quietly() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    for i in 0..4000 {
+        let folder = dir.path().join(format!("runs/r/trajectories/step={}", i / 100));
+        std::fs::create_dir_all(&folder).unwrap();
+        std::fs::write(folder.join(format!("part-{i:05}-with-a-long-name-to-fill-the-pipe.parquet")), b"x").unwrap();
+    }
+    let mut child = Command::new(harness_s_bin())
+        .args(["store", "ls", dir.path().to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    // the reader (and with it the pipe) is dropped here, long before the listing ends
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(first.contains("part-"), "{first}");
+    assert!(!err.contains("panicked") && !err.contains("Broken pipe") && !err.contains("error"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
 }

@@ -2,7 +2,9 @@
 //! environment and its grader, should be graded correct.
 //!
 //! Write tasks replay their gold SQL with `execute_sql` and commit; read tasks commit
-//! their label with `commit_final_answer`. The report counts agreement per task type
+//! their label with `commit_final_answer` — or, with `verify_labels`, the answers their
+//! gold SQL returns on SQLite, so that a label that disagrees with its own query (say
+//! `["banana"]` for a count) is caught. The report counts agreement per task type
 //! ([`CheckReport::table`]); `harness-s tasks check` prints it.
 
 use std::sync::Arc;
@@ -87,16 +89,34 @@ impl CheckReport {
 pub async fn check_tasks(
     tasks: Arc<TaskSet>,
     config: &DbBenchConfig,
+    verify_labels: bool,
     mut progress: impl FnMut(&TaskCheck),
 ) -> Result<CheckReport, EnvError> {
     let mut checks = Vec::with_capacity(tasks.len());
     for task in tasks.iter() {
         let gold = if task.is_write() { task.gold_sql() } else { Vec::new() };
+        // Writes: "your answer field can be anything"; reads: the label, or what the gold
+        // SQL answers.
+        let answers = if task.is_write() {
+            json!([])
+        } else if verify_labels {
+            match gold_answers(task) {
+                Ok(a) => a,
+                Err(detail) => {
+                    let check = TaskCheck { task_id: task.id.clone(), task_type: task.task_type.clone(), agreed: false, detail };
+                    progress(&check);
+                    checks.push(check);
+                    continue;
+                }
+            }
+        } else {
+            task.label.clone()
+        };
         // Room for every gold statement and the commit.
         let mut cfg = config.clone();
         cfg.max_rounds = cfg.max_rounds.max(gold.len() as u32 + 1);
         let mut env = DbBenchEnv::new(Arc::clone(&tasks), cfg);
-        let outcome = check_one(&mut env, &task.id, task.is_write(), &gold, &task.label).await;
+        let outcome = check_one(&mut env, &task.id, &gold, &answers).await;
         let closed = env.close().await;
         let check = match outcome {
             Ok((agreed, detail)) => {
@@ -117,13 +137,15 @@ pub async fn check_tasks(
     Ok(CheckReport { engine: config.engine.kind().to_string(), checks })
 }
 
-async fn check_one(
-    env: &mut DbBenchEnv,
-    task_id: &str,
-    is_write: bool,
-    gold: &[String],
-    label: &serde_json::Value,
-) -> Result<(bool, String), EnvError> {
+/// The answers a read task's gold SQL returns on SQLite, as the label would list them.
+fn gold_answers(task: &super::task::DbTask) -> Result<serde_json::Value, String> {
+    let Some(sql) = &task.sql_query else { return Err("no gold SQL (`sql.query`) to verify the label with".into()) };
+    let db = super::sqlite::SqliteDb::create(&task.tables).map_err(|e| format!("cannot set up the tables: {e}"))?;
+    let rows = db.query_values(sql).map_err(|e| format!("gold SQL failed: {e}"))?;
+    Ok(json!(rows.iter().flatten().map(super::pyvalue::PyValue::to_py_str).collect::<Vec<String>>()))
+}
+
+async fn check_one(env: &mut DbBenchEnv, task_id: &str, gold: &[String], answers: &serde_json::Value) -> Result<(bool, String), EnvError> {
     env.reset(task_id, 0).await?;
     let mut failures = Vec::new();
     for sql in gold {
@@ -132,8 +154,6 @@ async fn check_one(
             failures.push(format!("gold SQL failed: {}", obs.text));
         }
     }
-    // Writes: "your answer field can be anything"; reads: the label itself.
-    let answers = if is_write { json!([]) } else { label.clone() };
     env.step(&ToolCall { name: COMMIT_FINAL_ANSWER.into(), args: json!({ "answers": answers }) }).await?;
     let eval = env.evaluate().await?;
     failures.push(eval.detail);

@@ -646,7 +646,7 @@ mod tests {
     async fn every_generated_answer_is_graded_correct_on_sqlite() {
         let text = generate_jsonl(&GenerateOptions { seed: 11, n: 60, difficulty: None, kinds: vec![] }).unwrap();
         let loaded = TaskSet::parse(&text, "gen.jsonl", "gen");
-        let report = check_tasks(Arc::new(loaded.tasks), &DbBenchConfig::sqlite(), |_| {}).await.unwrap();
+        let report = check_tasks(Arc::new(loaded.tasks), &DbBenchConfig::sqlite(), false, |_| {}).await.unwrap();
         let bad: Vec<_> = report.checks.iter().filter(|c| !c.agreed).collect();
         assert!(bad.is_empty(), "{bad:#?}");
         assert_eq!(report.checks.len(), 60);

@@ -94,7 +94,7 @@ impl Target {
             .with_total_delay(Some(within));
         (|| self.connect_once(role))
             .retry(backoff)
-            .when(|e| !matches!(e, QueueError::AccessRefused { .. } | QueueError::InvalidUrl { .. }))
+            .when(|e| !matches!(e, QueueError::AccessRefused { .. } | QueueError::InvalidUrl { .. } | QueueError::NotAmqp { .. }))
             .notify(|e, wait| tracing::warn!(broker = %self.shown, role, error = %e, "broker not reachable; retrying in {wait:?}"))
             .await
     }
@@ -118,6 +118,8 @@ impl Target {
             },
             // The broker closes the socket during the handshake when it rejects the
             // credentials and the client did not ask for an explicit close reason.
+            // Something answered, but not in AMQP (an HTTP server, the management port).
+            ErrorKind::ParsingError(_) | ErrorKind::InvalidProtocolVersion(_) => QueueError::NotAmqp { url: self.shown.clone() },
             ErrorKind::InvalidConnectionState(lapin::ConnectionState::Connecting) => QueueError::AccessRefused {
                 url: self.shown.clone(),
                 detail: format!("{detail} (the broker closed the connection during login)"),

@@ -89,6 +89,11 @@ impl Default for QueueOptions {
     }
 }
 
+/// Query parameters of every queue URL.
+const QUEUE_OPTIONS: &[&str] = &["prefix", "max_attempts", "retry_base_ms", "retry_max_ms", "connect_timeout_s", "reconnect_timeout_s"];
+/// Query parameters an `amqp://` URI passes to the AMQP client.
+const AMQP_URI_OPTIONS: &[&str] = &["heartbeat", "channel_max", "frame_max", "connection_timeout", "auth_mechanism"];
+
 impl QueueOptions {
     /// Reads the options out of a URL and returns them with the URL minus those
     /// parameters (what the backend itself should see).
@@ -122,7 +127,19 @@ impl QueueOptions {
                 "retry_max_ms" => opts.retry_max = Duration::from_millis(num("milliseconds")?.max(1)),
                 "connect_timeout_s" => opts.connect_timeout = Duration::from_secs(num("seconds")?),
                 "reconnect_timeout_s" => opts.reconnect_timeout = Duration::from_secs(num("seconds")?),
-                _ => rest.push((k, v)),
+                other => {
+                    // The broker's own URI options pass through; anything else is a typo.
+                    let passed: &[&str] = if url.scheme().starts_with("amqp") { AMQP_URI_OPTIONS } else { &[] };
+                    if !passed.contains(&other) {
+                        let mut known: Vec<&str> = QUEUE_OPTIONS.to_vec();
+                        known.extend(passed);
+                        return Err(QueueError::InvalidUrl {
+                            url: crate::redact_url(raw),
+                            reason: format!("unknown query parameter `{other}`; known: {}", known.join(", ")),
+                        });
+                    }
+                    rest.push((k, v))
+                }
             }
         }
         if opts.retry_max < opts.retry_base {
@@ -175,6 +192,8 @@ pub enum QueueError {
     InvalidUrl { url: String, reason: String },
     #[error("cannot reach the message broker at {url}: {detail}; check that RabbitMQ is running and listening there (e.g. `rabbitmqctl status`), or use `memory://` for an in-process queue")]
     Unreachable { url: String, detail: String },
+    #[error("the server at {url} does not speak AMQP 0-9-1: is this RabbitMQ's AMQP port (usually 5672), not its management port or another service's?")]
+    NotAmqp { url: String },
     #[error("the message broker at {url} refused the login: {detail}; check the user name and password in the queue URL (and that the user may use the virtual host)")]
     AccessRefused { url: String, detail: String },
     #[error("queue `{queue}` already exists with different settings: {detail}; delete it (`rabbitmqctl delete_queue {queue}`) or use another `prefix=`")]
@@ -478,6 +497,11 @@ mod tests {
         assert!(e.contains("max_attempts=zero") && !e.contains("secret"), "{e}");
         let e = QueueOptions::from_url("memory://x?prefix=a/b").unwrap_err().to_string();
         assert!(e.contains("prefix"), "{e}");
+        // a typo is refused, naming the parameter and the known ones
+        let e = QueueOptions::from_url("amqp://u:secret@h/%2f?max_atempts=3").unwrap_err().to_string();
+        assert!(e.contains("unknown query parameter `max_atempts`") && e.contains("max_attempts") && e.contains("heartbeat") && !e.contains("secret"), "{e}");
+        let e = QueueOptions::from_url("memory://x?heartbeat=10").unwrap_err().to_string();
+        assert!(e.contains("unknown query parameter `heartbeat`"), "{e}");
     }
 
     #[test]

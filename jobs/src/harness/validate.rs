@@ -58,12 +58,10 @@ pub struct ValidateOptions {
 
 /// Parses and validates a spec text; `file` names it in errors.
 pub fn parse_spec(file: &str, text: &str, opts: &ValidateOptions) -> Result<HarnessSpec, SpecError> {
-    let value: Value = serde_json::from_str(text).map_err(|e| SpecError::Json {
-        file: file.to_string(),
-        line: e.line(),
-        column: e.column(),
-        detail: e.to_string(),
-    })?;
+    let json_error = |e: serde_json::Error| SpecError::Json { file: file.to_string(), line: e.line(), column: e.column(), detail: e.to_string() };
+    // JSON readers keep the last of two equal keys; a spec that says a thing twice is refused.
+    serde_json::from_str::<NoDuplicateKeys>(text).map_err(json_error)?;
+    let value: Value = serde_json::from_str(text).map_err(json_error)?;
     spec_from_value(file, &value, opts)
 }
 
@@ -84,6 +82,61 @@ pub fn check_spec(spec: &HarnessSpec, opts: &ValidateOptions) -> Vec<Problem> {
     match serde_json::to_value(spec) {
         Ok(v) => validate_value(&v, opts),
         Err(e) => vec![Problem { path: String::new(), message: format!("cannot be serialised: {e}") }],
+    }
+}
+
+/// A JSON document in which no object has the same key twice (deserialising it checks).
+struct NoDuplicateKeys;
+
+impl<'de> serde::Deserialize<'de> for NoDuplicateKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = NoDuplicateKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("JSON")
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<NoDuplicateKeys>()?.is_some() {}
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut seen = std::collections::HashSet::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if !seen.insert(key.clone()) {
+                        return Err(serde::de::Error::custom(format!("key `{key}` appears twice in one object; keep one")));
+                    }
+                    map.next_value::<NoDuplicateKeys>()?;
+                }
+                Ok(NoDuplicateKeys)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Whether a string of `v` has a `{{` without a `}}` after it.
+fn unterminated_placeholder(v: &Value) -> bool {
+    match v {
+        Value::String(text) => {
+            let mut rest = text.as_str();
+            while let Some(start) = rest.find("{{") {
+                match rest[start + 2..].find("}}") {
+                    Some(end) => rest = &rest[start + 2 + end + 2..],
+                    None => return true,
+                }
+            }
+            false
+        }
+        Value::Array(items) => items.iter().any(unterminated_placeholder),
+        Value::Object(map) => map.values().any(unterminated_placeholder),
+        _ => false,
     }
 }
 
@@ -423,6 +476,13 @@ impl Validator<'_> {
             None => String::new(),
             Some(m) => self.text(&join(path, "message"), m, false).unwrap_or_default(),
         };
+        // A message is shown as written: a placeholder in it would reach the policy verbatim.
+        if message.contains("{{") || message.contains("}}") {
+            self.problem(
+                join(path, "message"),
+                "messages are shown to the policy as written and have no placeholders; `{{...}}` works in `parameters.args` of rewrite_action and tool_call hooks".to_string(),
+            );
+        }
 
         if let (Some(event), Some(action)) = (event, action.as_deref()) {
             match action {
@@ -645,6 +705,9 @@ impl Validator<'_> {
                     if value.to_string().len() > MAX_TEXT_BYTES {
                         self.problem(kp.clone(), format!("arguments exceed {MAX_TEXT_BYTES} bytes"));
                     }
+                    if unterminated_placeholder(value) {
+                        self.problem(kp.clone(), "a placeholder opens with `{{` but never closes with `}}`".to_string());
+                    }
                     for tp in template_paths(value) {
                         let check = match event {
                             Some(ev) => self.check_path(&tp, ev),
@@ -668,6 +731,18 @@ mod tests {
 
     fn problems(v: Value) -> Vec<String> {
         validate_value(&v, &ValidateOptions::default()).iter().map(|p| p.to_string()).collect()
+    }
+
+    #[test]
+    fn duplicate_keys_placeholders_in_messages_and_open_placeholders_are_refused() {
+        let dup = r#"{"id": "s1", "id": "s2"}"#;
+        let e = parse_spec("s.json", dup, &ValidateOptions::default()).unwrap_err().to_string();
+        assert!(e.contains("`id` appears twice") && e.contains("s.json"), "{e}");
+        let msg = problems(json!({"id": "x", "hooks": [{"event": "before_action", "condition": "always", "action": "warn", "message": "use {{extract.x}}"}]}));
+        assert!(msg.iter().any(|p| p.contains("message") && p.contains("no placeholders")), "{msg:?}");
+        let open = problems(json!({"id": "x", "hooks": [{"event": "before_action", "condition": "always", "action": "rewrite_action",
+            "parameters": {"args": {"query": "SELECT {{action.args.query"}}}]}));
+        assert!(open.iter().any(|p| p.contains("never closes")), "{open:?}");
     }
 
     #[test]

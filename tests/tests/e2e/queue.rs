@@ -857,6 +857,26 @@ async fn rabbitmq_unreachable_broker_and_wrong_password_give_clear_errors() {
     assert!(err.contains("cannot reach the message broker at amqp://guest:***@127.0.0.1:1"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 
+    // Something listens but does not speak AMQP (an HTTP server): said at once, not retried.
+    let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = http.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for s in http.incoming().flatten() {
+            let mut s = s;
+            let _ = std::io::Write::write_all(&mut s, b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n");
+        }
+    });
+    let started = std::time::Instant::now();
+    let out = Command::new(harness_s_bin())
+        .args(["queue", "stats", "--queue", &format!("amqp://guest:guest@127.0.0.1:{port}/%2f?connect_timeout_s=20")])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("does not speak AMQP") && err.contains("5672"), "{err}");
+    assert!(!err.contains("ParserErrors") && !err.contains("Nom("), "{err}");
+    assert!(started.elapsed().as_secs() < 15, "retried for {:?}", started.elapsed());
+
     let wrong = amqp_url().replacen("guest:guest@", "guest:not-the-password@", 1);
     assert_ne!(wrong, amqp_url(), "the test URL carries guest:guest");
     let out = Command::new(harness_s_bin())

@@ -230,12 +230,13 @@ struct RawTask {
     description: String,
     #[serde(default)]
     label: serde_json::Value,
+    #[serde(deserialize_with = "table_field")]
     table: OneOrMany<RawTable>,
     #[serde(default)]
     add_description: Option<String>,
     #[serde(default)]
     evidence: Option<String>,
-    #[serde(rename = "type")]
+    #[serde(rename = "type", deserialize_with = "type_field")]
     task_type: OneOrMany<String>,
     #[serde(default)]
     answer_md5: Option<String>,
@@ -247,11 +248,49 @@ struct RawTask {
     difficulty: Option<String>,
 }
 
-#[derive(Deserialize, Serialize)]
+#[derive(Serialize)]
 #[serde(untagged)]
 enum OneOrMany<T> {
     One(T),
     Many(Vec<T>),
+}
+
+/// One value or a list of them; the error names `field` and what was wrong, instead of
+/// serde's "did not match any variant of untagged enum".
+fn one_or_many<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(d: D, field: &str, what: &str) -> Result<OneOrMany<T>, D::Error> {
+    use serde::de::Error;
+    let v = serde_json::Value::deserialize(d)?;
+    let shape = |v: &serde_json::Value| match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "a list",
+        serde_json::Value::Object(_) => "an object",
+    };
+    match v {
+        serde_json::Value::Array(items) => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let got = shape(&x);
+                serde_json::from_value(x).map_err(|e| D::Error::custom(format!("field `{field}`[{i}]: expected {what}, got {got} ({e})")))
+            })
+            .collect::<Result<Vec<T>, _>>()
+            .map(OneOrMany::Many),
+        other => {
+            let got = shape(&other);
+            serde_json::from_value(other).map(OneOrMany::One).map_err(|e| D::Error::custom(format!("field `{field}`: expected {what} or a list of them, got {got} ({e})")))
+        }
+    }
+}
+
+fn table_field<'de, D: serde::Deserializer<'de>>(d: D) -> Result<OneOrMany<RawTable>, D::Error> {
+    one_or_many(d, "table", "a table object ({\"table_name\", \"table_info\": {\"columns\", \"rows\"}})")
+}
+
+fn type_field<'de, D: serde::Deserializer<'de>>(d: D) -> Result<OneOrMany<String>, D::Error> {
+    one_or_many(d, "type", "a task type string")
 }
 
 impl<T> OneOrMany<T> {
@@ -412,6 +451,8 @@ mod tests {
             (GOOD.replace("\"type\": [\"counting\"]", "\"type\": []"), "field `type`"),
             (GOOD.replace("{\"name\": \"b\"", "{\"name\": \"A\""), "column `A` appears twice"),
             (GOOD.replace("\"description\": \"How many?\", ", ""), "missing field `description`"),
+            (GOOD.replace("\"type\": [\"counting\"]", "\"type\": 5"), "field `type`: expected a task type string or a list of them, got a number"),
+            (GOOD.replace("\"type\": [\"counting\"]", "\"type\": [\"counting\", 7]"), "field `type`[1]: expected a task type string, got a number"),
             (
                 GOOD.replace("\"counting\"", "\"INSERT\"")
                     .replace("\"label\": [\"2\"], ", "")

@@ -92,6 +92,14 @@ pub fn init_tracing(global: &GlobalArgs) {
             filter = filter.add_directive(d);
         }
     }
+    // The AMQP client logs every connection failure at ERROR in its own terms ("parse
+    // error ... Nom(MapOpt)"); the queue reports the same failure as one clear error. Its
+    // logs stay off unless the filter names `lapin`.
+    if !global.log.contains("lapin") {
+        if let Ok(d) = "lapin=off".parse() {
+            filter = filter.add_directive(d);
+        }
+    }
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if global.log_format == "json" {
         builder.json().init();

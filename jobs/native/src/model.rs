@@ -395,11 +395,7 @@ impl Llama {
     /// Logits `[B, T, vocab]` of `tokens` `[B, T]` (i64) placed after the positions already in
     /// `cache` (which is extended). Without a cache the tokens start at position 0.
     pub fn forward(&self, tokens: &Tensor, cache: Option<&mut KvCache>) -> Tensor {
-        let h = self.hidden(tokens, cache);
-        match &self.lm_head {
-            Some(w) => h.matmul(&w.tr()),
-            None => h.matmul(&self.embed.tr()),
-        }
+        self.logits_of(&self.hidden(tokens, cache))
     }
 
     /// Logits `[B, vocab]` of the last position only (the prompt's other positions need no

@@ -162,7 +162,8 @@ fn join(path: &str, key: &str) -> String {
     }
 }
 
-fn type_name(v: &Value) -> &'static str {
+/// "a string", "an array", ...: what a JSON value is, for error messages.
+pub(crate) fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",

@@ -42,12 +42,21 @@ impl Executor {
     pub async fn run(&self, run_id: &str, label: &str, jobs: Vec<JobEnvelope>) -> Result<Vec<DoneMarker>, StageError> {
         let prefix = keys::jobs_prefix(run_id);
         let mut done = self.markers(&prefix).await?;
-        // Markers left by an earlier drive are checked before they are trusted.
+        // Markers left by an earlier drive are checked before they are trusted, once.
+        let mut checked: std::collections::BTreeMap<String, DoneMarker> = Default::default();
         let mut to_publish: Vec<JobEnvelope> = vec![];
         for j in &jobs {
-            if !done.contains(&j.job_id) || self.repair(run_id, j).await?.is_none() {
-                done.remove(&j.job_id);
-                to_publish.push(j.clone());
+            match done.contains(&j.job_id) {
+                true => match self.repair(run_id, j).await? {
+                    Some(m) => {
+                        checked.insert(j.job_id.clone(), m);
+                    }
+                    None => {
+                        done.remove(&j.job_id);
+                        to_publish.push(j.clone());
+                    }
+                },
+                false => to_publish.push(j.clone()),
             }
         }
         let skipped = jobs.len() - to_publish.len();
@@ -75,19 +84,22 @@ impl Executor {
             let finished = wanted.iter().filter(|id| done.contains(*id)).count();
             bar.set_position(finished as u64);
             if finished == wanted.len() {
-                // Every marker is there: read and check them; damaged ones run again.
-                let mut out = Vec::with_capacity(jobs.len());
+                // Every marker is there: check the ones not checked yet; damaged ones run again.
                 let mut again = vec![];
                 for j in &jobs {
-                    match self.repair(run_id, j).await? {
-                        Some(m) => out.push(m),
-                        None => again.push(j.clone()),
+                    if !checked.contains_key(&j.job_id) {
+                        match self.repair(run_id, j).await? {
+                            Some(m) => {
+                                checked.insert(j.job_id.clone(), m);
+                            }
+                            None => again.push(j.clone()),
+                        }
                     }
                 }
                 if again.is_empty() {
                     bar.finish_and_clear();
                     tracing::info!(stage = label, jobs = jobs.len(), "stage finished");
-                    return Ok(out);
+                    return Ok(jobs.iter().filter_map(|j| checked.get(&j.job_id).cloned()).collect());
                 }
                 repairs += 1;
                 if repairs > REPAIRS {

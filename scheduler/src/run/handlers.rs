@@ -121,13 +121,7 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                     "backend `openai` cannot serve trained checkpoints; train with backend = \"native\"".into(),
                 ));
             }
-            let mut config = jobs::policy::openai::OpenAiConfig::new(
-                spec.policy.base_url.clone().unwrap_or_default(),
-                spec.policy.model.clone(),
-            );
-            config.api_key_env = spec.policy.api_key_env.clone();
-            config.tool_protocol = spec.policy.tool_protocol;
-            let p = jobs::policy::openai::OpenAiPolicy::new(config).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+            let p = jobs::policy::openai::OpenAiPolicy::new(spec.policy.openai_config()).map_err(|e| JobFailure::Fatal(e.to_string()))?;
             Ok(Arc::new(p))
         }
         other => Err(JobFailure::Fatal(format!("unknown policy backend `{other}`"))),

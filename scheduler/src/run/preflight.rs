@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use super::spec::{EndpointSection, RunSpec};
+use jobs::policy::openai::OpenAiConfig;
+
+use super::spec::RunSpec;
 
 /// How long one service may take to answer.
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -21,22 +23,20 @@ pub async fn check(spec: &RunSpec) -> anyhow::Result<()> {
             }
         }
     }
-    let mut endpoints: Vec<(String, EndpointSection)> = vec![];
+    let mut endpoints: Vec<(String, OpenAiConfig)> = vec![];
     if spec.policy.backend == "openai" {
-        let p = &spec.policy;
-        endpoints.push(("policy.base_url".into(), EndpointSection { base_url: p.base_url.clone().unwrap_or_default(), model: p.model.clone(), api_key_env: p.api_key_env.clone() }));
+        endpoints.push(("policy.base_url".into(), spec.policy.openai_config()));
     }
     for (i, v) in spec.router.voters.iter().enumerate() {
-        endpoints.push((format!("router.voters[{i}]"), v.clone()));
+        endpoints.push((format!("router.voters[{i}]"), v.openai_config()));
     }
     if let Some(p) = &spec.router.profiler {
-        endpoints.push(("router.profiler".into(), p.clone()));
+        endpoints.push(("router.profiler".into(), p.openai_config()));
     }
     if let Some(llm) = spec.evolution.as_ref().and_then(|e| e.llm.as_ref()) {
-        endpoints.push(("evolution.llm".into(), llm.clone()));
+        endpoints.push(("evolution.llm".into(), llm.openai_config()));
     }
-    for (key, endpoint) in endpoints {
-        let mut config = endpoint.openai_config();
+    for (key, mut config) in endpoints {
         config.connect_timeout_s = TIMEOUT.as_secs_f64();
         let outcome = match jobs::policy::openai::OpenAiPolicy::new(config) {
             Ok(p) => p.probe().await,

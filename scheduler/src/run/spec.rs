@@ -181,6 +181,14 @@ pub struct PolicySection {
 }
 
 impl PolicySection {
+    /// The client settings of the `openai` backend.
+    pub fn openai_config(&self) -> jobs::policy::openai::OpenAiConfig {
+        let mut c = jobs::policy::openai::OpenAiConfig::new(self.base_url.clone().unwrap_or_default(), self.model.clone());
+        c.api_key_env = self.api_key_env.clone();
+        c.tool_protocol = self.tool_protocol;
+        c
+    }
+
     /// The rollout engine's settings of the native backend.
     pub fn engine(&self) -> native::engine::EngineConfig {
         native::engine::EngineConfig { weights: self.rollout_weights.unwrap_or_default(), ..Default::default() }

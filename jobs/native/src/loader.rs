@@ -21,8 +21,9 @@ pub fn resolve_model(reference: &str, base_dir: &Path) -> Result<PathBuf, Native
     };
     let config = |detail: String| NativeError::Config { field: "model".into(), detail };
     let module = package.replace('-', "_");
+    // Found, not imported: the package's own imports (and their dependencies) do not matter.
     let out = std::process::Command::new("python3")
-        .args(["-c", &format!("import {module}, os; print(os.path.dirname({module}.__file__))")])
+        .args(["-c", &format!("import importlib.util as u; s = u.find_spec({module:?}); print(s.submodule_search_locations[0])")])
         .output()
         .map_err(|e| config(format!("`{reference}`: cannot run python3 to find the package: {e}")))?;
     if !out.status.success() {

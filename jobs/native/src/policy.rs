@@ -10,7 +10,7 @@ use tch::Device;
 
 use crate::model::Llama;
 use crate::engine::{Engine, EngineConfig, Request, StopFn};
-use crate::sampler::{Finish, GenerateOptions};
+use crate::sampler::{Finish, GenerateOptions, Generation};
 use crate::tokenizer::Tokenizer;
 use crate::NativeError;
 use jobs::env::ToolSpec;
@@ -35,9 +35,54 @@ impl NativePolicy {
 
     /// Starts a batching engine with `engine`'s settings over `model`.
     pub fn new(model: Llama, tokenizer: Tokenizer, checkpoint: String, engine: EngineConfig) -> Result<Self, NativeError> {
+        Self::with_tokenizer(model, Arc::new(tokenizer), checkpoint, engine)
+    }
+
+    /// [`NativePolicy::new`] with a tokenizer shared with another policy (new weights of
+    /// the same model).
+    pub fn with_tokenizer(model: Llama, tokenizer: Arc<Tokenizer>, checkpoint: String, engine: EngineConfig) -> Result<Self, NativeError> {
         let context_limit = model.config.max_position_embeddings as u64;
         let engine = Engine::start(model, engine)?;
-        Ok(NativePolicy { engine, tokenizer: Arc::new(tokenizer), context_limit, checkpoint })
+        Ok(NativePolicy { engine, tokenizer, context_limit, checkpoint })
+    }
+}
+
+impl NativePolicy {
+    /// The tokenizer the engine's prompts are built with.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// Generates after `prompt` on the engine; returns the generation and its text, cut
+    /// before the first of `sampling.stop`. `top_logprobs` most likely tokens are recorded
+    /// per position when it is not 0.
+    pub async fn generate(&self, prompt: Vec<u32>, sampling: &SamplingParams, top_logprobs: usize) -> Result<(Generation, String), PolicyError> {
+        if prompt.len() as u64 >= self.context_limit {
+            return Err(PolicyError::ContextLength { tokens: prompt.len() as u64, limit: self.context_limit });
+        }
+        let opts = GenerateOptions {
+            max_tokens: sampling.max_tokens as usize,
+            temperature: sampling.temperature.max(0.0) as f64,
+            top_p: sampling.top_p as f64,
+            seed: sampling.seed.unwrap_or(0),
+        };
+        let stops = sampling.stop.clone();
+        let should_stop: Option<StopFn> = (!stops.is_empty()).then(|| {
+            let (tok, stops) = (self.tokenizer.clone(), stops.clone());
+            Box::new(move |ids: &[u32]| tok.decode(ids).map(|t| stops.iter().any(|s| t.contains(s.as_str()))).unwrap_or(false)) as StopFn
+        });
+        let request = Request { prompt, opts, stop_ids: self.tokenizer.stop_ids(), should_stop, top_logprobs };
+        let gen = self
+            .engine
+            .submit(request)
+            .await
+            .map_err(|_| PolicyError::Native("the generation engine stopped".into()))?
+            .map_err(native_err)?;
+        let mut text = self.tokenizer.decode(&gen.tokens).map_err(native_err)?;
+        if let Some(cut) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+            text.truncate(cut);
+        }
+        Ok((gen, text))
     }
 }
 
@@ -86,31 +131,7 @@ impl Policy for NativePolicy {
             .await
             .map_err(|e| PolicyError::Native(format!("tokenizer thread failed: {e}")))?
             .map_err(native_err)?;
-        if prompt.len() as u64 >= self.context_limit {
-            return Err(PolicyError::ContextLength { tokens: prompt.len() as u64, limit: self.context_limit });
-        }
-        let opts = GenerateOptions {
-            max_tokens: sampling.max_tokens as usize,
-            temperature: sampling.temperature.max(0.0) as f64,
-            top_p: sampling.top_p as f64,
-            seed: sampling.seed.unwrap_or(0),
-        };
-        let stops = sampling.stop.clone();
-        let should_stop: Option<StopFn> = (!stops.is_empty()).then(|| {
-            let (tok, stops) = (self.tokenizer.clone(), stops.clone());
-            Box::new(move |ids: &[u32]| tok.decode(ids).map(|t| stops.iter().any(|s| t.contains(s.as_str()))).unwrap_or(false)) as StopFn
-        });
-        let request = Request { prompt: prompt.clone(), opts, stop_ids: self.tokenizer.stop_ids(), should_stop };
-        let gen = self
-            .engine
-            .submit(request)
-            .await
-            .map_err(|_| PolicyError::Native("the generation engine stopped".into()))?
-            .map_err(native_err)?;
-        let mut text = self.tokenizer.decode(&gen.tokens).map_err(native_err)?;
-        if let Some(cut) = stops.iter().filter_map(|s| text.find(s.as_str())).min() {
-            text.truncate(cut);
-        }
+        let (gen, text) = self.generate(prompt.clone(), sampling, 0).await?;
         // No structured tool channel: calls are read from the text protocol that
         // `with_tools` described in the system message.
         let names: Vec<&str> = offered.iter().map(String::as_str).collect();

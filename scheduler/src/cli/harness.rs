@@ -47,9 +47,7 @@ pub async fn run(cmd: HarnessCommand) -> anyhow::Result<u8> {
 
 fn read_json(path: &Path) -> anyhow::Result<Value> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read harness spec {}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| {
-        anyhow::anyhow!("{}:{}:{}: not valid JSON: {e}", path.display(), e.line(), e.column())
-    })
+    Ok(jobs::harness::validate::read_value(&path.display().to_string(), &text)?)
 }
 
 fn validate(args: ValidateArgs) -> anyhow::Result<u8> {

@@ -9,6 +9,7 @@ mod pool;
 mod rollout;
 mod run;
 mod queue;
+mod serve;
 mod store;
 mod tasks;
 mod worker;
@@ -77,6 +78,8 @@ pub enum Command {
     /// The Sibling Harness Pool of a run: list members, show one, diff two.
     #[command(subcommand)]
     Pool(pool::PoolCommand),
+    /// Serve the native model over an OpenAI-compatible HTTP API (batched), with SGLang-style weight updates.
+    Serve(serve::ServeArgs),
     /// Complete one prompt with the native backend (GGUF or HF directory); --logprobs shows each token's log-probability.
     Generate(generate::GenerateArgs),
 }
@@ -129,5 +132,15 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Tasks(cmd) => tasks::run(cmd).await,
         Command::Pool(cmd) => pool::run(cmd).await,
         Command::Generate(args) => generate::run(args).await,
+        Command::Serve(args) => serve::run(args).await,
+    }
+}
+
+/// Parses a count that must be at least 1 (`--workers 0` would run nothing).
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{s}` is not a whole number")),
     }
 }

@@ -23,7 +23,7 @@ pub struct RunArgs {
     #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
     pub store: String,
     /// In-process workers.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::at_least_one)]
     pub workers: usize,
 }
 
@@ -75,7 +75,7 @@ pub struct ResumeArgs {
     #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
     pub queue: Option<String>,
     /// In-process workers (embedded resume only).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::at_least_one)]
     pub workers: usize,
 }
 

@@ -79,12 +79,6 @@ pub fn read_pool(dir: &std::path::Path) -> anyhow::Result<Vec<HarnessSpec>> {
     }
     let mut seen = std::collections::BTreeSet::new();
     for h in &pool {
-        if h.id == schemas::H0_ID {
-            problems.push(format!(
-                "pool: `{}` is the base harness H0 and cannot carry edits; give the sibling another id",
-                h.id
-            ));
-        }
         if !seen.insert(h.id.clone()) {
             problems.push(format!("pool: harness id `{}` appears twice", h.id));
         }

@@ -611,7 +611,13 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     match p.backend.as_str() {
         "native" => {
             let full = if Path::new(&p.model).is_absolute() { PathBuf::from(&p.model) } else { base_dir.join(&p.model) };
-            if !p.model.starts_with("pypi:") {
+            if p.model.starts_with("pypi:") {
+                match native::loader::resolve_model(&p.model, base_dir) {
+                    Err(native::NativeError::Config { detail, .. }) => bad("policy.model", detail),
+                    Err(e) => bad("policy.model", e.to_string()),
+                    Ok(_) => {}
+                }
+            } else {
                 if !full.exists() {
                     bad("policy.model", format!("{} does not exist (a GGUF file or a safetensors folder)", full.display()));
                 } else if let Err(why) = looks_like_a_model(&full) {
@@ -852,7 +858,7 @@ rescue = "h0"
                 GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = [\"h0\", \"s9-unknown\"]") + &format!("[pool]\ndir = \"{}\"\n", pool.display()),
                 "algorithm.mixture[1]",
             ),
-            (format!("{GOOD}[pool]\ndir = \"{}\"\n", h0_pool.display()), "is the base harness H0 and cannot carry edits"),
+            (format!("{GOOD}[pool]\ndir = \"{}\"\n", h0_pool.display()), "is the base harness and carries no edits"),
         ];
         for (text, key) in cases {
             if key == "policy.device" && tch::Cuda::is_available() {

@@ -315,6 +315,11 @@ struct RawColumn {
     column_type: Option<String>,
 }
 
+/// The task types of AgentBench's DBBench: reads are graded by their answers, the writes of
+/// [`WRITE_TYPES`](super::grade::WRITE_TYPES) by the table they leave.
+pub const TASK_TYPES: [&str; 11] =
+    ["other", "counting", "comparison", "ranking", "aggregation-SUM", "aggregation-MIN", "aggregation-MAX", "aggregation-AVG", "INSERT", "UPDATE", "DELETE"];
+
 fn parse_task(value: serde_json::Value, stem: &str, line: usize) -> Result<DbTask, String> {
     if !value.is_object() {
         return Err("a task must be a JSON object".into());
@@ -330,6 +335,14 @@ fn parse_task(value: serde_json::Value, stem: &str, line: usize) -> Result<DbTas
     let Some(task_type) = task_type else {
         return Err("field `type` must name the task type, e.g. [\"counting\"] or [\"INSERT\"]".into());
     };
+    if !TASK_TYPES.contains(&task_type.as_str()) {
+        let hint = TASK_TYPES.iter().find(|t| t.eq_ignore_ascii_case(&task_type)).map(|t| format!(" (did you mean `{t}`?)")).unwrap_or_default();
+        return Err(format!("field `type`: `{task_type}` is not a DBBench task type{hint}; expected one of: {}", TASK_TYPES.join(", ")));
+    }
+    let has_object = |v: &serde_json::Value| v.is_object() || v.as_array().is_some_and(|a| a.iter().any(|x| x.is_object() || x.is_array()));
+    if has_object(&raw.label) {
+        return Err("field `label` must hold the answers as a list of strings or numbers, e.g. [\"2\"] (or the gold SQL of a write task)".into());
+    }
     let mut tables = Vec::new();
     for (ti, t) in raw.table.into_vec().into_iter().enumerate() {
         if t.table_name.is_empty() {

@@ -1,0 +1,300 @@
+//! `harness-s serve`: an OpenAI-compatible HTTP server over the native batching engine.
+//!
+//! Why it exists: at scale rollouts come from inference servers and the learner runs
+//! apart; this server is that inference server for the native model, so the same spec
+//! that samples in process can sample through an endpoint, and a learner can push new
+//! weights into it between updates.
+//!
+//! - `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`.
+//!   Concurrent requests are decoded together by the engine (continuous batching);
+//!   `logprobs` / `top_logprobs`, and the sampled token ids (`return_token_ids`, as vLLM
+//!   names it; each log-probability entry also carries its `id`, as llama.cpp's server
+//!   does). Tools go through the text protocol (the model has no tool-call channel) and
+//!   come back as `tool_calls`.
+//! - `POST /update_weights_from_disk {"model_path"}` (SGLang's request and response): a
+//!   checkpoint folder, a GGUF file, or a store URL (`file://`, `s3://`) of a checkpoint
+//!   folder as the learner writes it. The new weights get their own engine; requests in
+//!   flight finish on the old weights, requests that arrive after the reply use the new
+//!   ones. `/v1/models` and the `x-harness-s-checkpoint` header (and each response's
+//!   `system_fingerprint`) name the loaded checkpoint.
+//! - Bad requests get HTTP 400 with the OpenAI error body naming the field, never a crash.
+
+pub mod openai;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use jobs::policy::PolicyError;
+use native::engine::EngineConfig;
+use native::{NativePolicy, Tokenizer};
+use openai::BadRequest;
+
+/// Why the server could not start or load weights.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Native(#[from] native::NativeError),
+    #[error("{0}")]
+    Weights(String),
+}
+
+/// The loaded weights: a policy (engine + tokenizer) and the checkpoint it names.
+struct Loaded {
+    policy: NativePolicy,
+    checkpoint: String,
+}
+
+/// What the handlers share.
+pub struct AppState {
+    /// The name clients send as `model`.
+    served_name: String,
+    current: RwLock<Arc<Loaded>>,
+    device: tch::Device,
+    engine: EngineConfig,
+    /// One weight update at a time.
+    updating: tokio::sync::Mutex<()>,
+    counter: AtomicU64,
+}
+
+impl AppState {
+    /// Loads `model` (a GGUF file or a safetensors folder) and starts its engine.
+    pub fn load(model: &Path, served_name: String, device: tch::Device, engine: EngineConfig) -> Result<Arc<AppState>, ServeError> {
+        let policy = NativePolicy::load(model, device, engine.clone())?;
+        let loaded = Loaded { policy, checkpoint: model.display().to_string() };
+        Ok(Arc::new(AppState { served_name, current: RwLock::new(Arc::new(loaded)), device, engine, updating: Default::default(), counter: AtomicU64::new(0) }))
+    }
+
+    fn current(&self) -> Arc<Loaded> {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The checkpoint the server samples from now.
+    pub fn checkpoint(&self) -> String {
+        self.current().checkpoint.clone()
+    }
+
+    fn next_id(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", self.counter.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// The routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/update_weights_from_disk", post(update_weights))
+        .route("/get_model_info", get(model_info))
+        .with_state(state)
+}
+
+/// Serves on `listener` until `shutdown` resolves; requests in flight then finish.
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn error(e: BadRequest) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST);
+    (status, Json(e.body())).into_response()
+}
+
+fn policy_error(e: PolicyError) -> Response {
+    match e {
+        PolicyError::ContextLength { tokens, limit } => error(BadRequest::field("messages", format!("the prompt has {tokens} tokens; the model's context is {limit}"))),
+        other => {
+            tracing::warn!(error = %other, "generation failed");
+            (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({"error": {"message": other.to_string(), "type": "server_error", "param": null, "code": null}}))).into_response()
+        }
+    }
+}
+
+fn with_checkpoint(body: Value, checkpoint: &str) -> Response {
+    let mut headers = HeaderMap::new();
+    if let Ok(v) = HeaderValue::from_str(checkpoint) {
+        headers.insert("x-harness-s-checkpoint", v);
+    }
+    (headers, Json(body)).into_response()
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    Json(json!({"status": "ok", "checkpoint": state.checkpoint()})).into_response()
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let checkpoint = state.checkpoint();
+    let body = json!({"object": "list", "data": [{"id": state.served_name, "object": "model", "created": 0, "owned_by": "harness-s", "checkpoint": checkpoint}]});
+    with_checkpoint(body, &checkpoint)
+}
+
+async fn model_info(State(state): State<Arc<AppState>>) -> Response {
+    Json(json!({"model_path": state.checkpoint(), "tokenizer_path": state.checkpoint(), "is_generation": true})).into_response()
+}
+
+/// Token id → its text, for log-probability entries.
+fn pieces(tok: &Tokenizer) -> impl Fn(u32) -> String + '_ {
+    move |id| tok.decode(&[id]).unwrap_or_default()
+}
+
+async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = async {
+        let v = openai::body(&body)?;
+        let req: openai::ChatRequest = openai::parse(&v)?;
+        let sampling = openai::sampling(&openai::parse(&v)?, &state.served_name, 512)?;
+        let return_ids = openai::parse::<openai::Sampling>(&v)?.return_token_ids.unwrap_or(false);
+        let messages = openai::messages(&req)?;
+        let tools = openai::tools(&req)?;
+        let top = openai::chat_top_logprobs(&req)?;
+        Ok::<_, BadRequest>((req.logprobs.unwrap_or(false), sampling, return_ids, messages, tools, top))
+    };
+    let (logprobs, sampling, return_ids, messages, tools, top) = match run.await {
+        Ok(x) => x,
+        Err(e) => return error(e),
+    };
+    let loaded = state.current();
+    let tok = loaded.policy.tokenizer().clone();
+    let prompt = match native::policy::prompt_ids(&tok, &messages, &tools) {
+        Ok(p) => p,
+        Err(e) => return error(BadRequest::field("messages", e.to_string())),
+    };
+    let (gen, text) = match loaded.policy.generate(prompt.clone(), &sampling, top).await {
+        Ok(x) => x,
+        Err(e) => return policy_error(e),
+    };
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    let calls = if names.is_empty() { vec![] } else { jobs::policy::text_protocol::parse(&text, &names, true) };
+    let piece = pieces(&tok);
+    let lp = logprobs.then(|| openai::chat_logprobs(&gen, &piece));
+    let meta = openai::Meta { id: state.next_id("chatcmpl"), created: now(), model: &state.served_name, checkpoint: &loaded.checkpoint, prompt: &prompt, return_token_ids: return_ids };
+    with_checkpoint(openai::chat_response(&meta, &gen, &text, &calls, lp), &loaded.checkpoint)
+}
+
+async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let parsed = (|| {
+        let v = openai::body(&body)?;
+        let req: openai::CompletionRequest = openai::parse(&v)?;
+        let s: openai::Sampling = openai::parse(&v)?;
+        let sampling = openai::sampling(&s, &state.served_name, 16)?;
+        if req.echo == Some(true) {
+            return Err(BadRequest::field("echo", "is not supported"));
+        }
+        if let Some(k) = req.logprobs.filter(|&k| k > 5) {
+            return Err(BadRequest::field("logprobs", format!("at most 5, is {k}")));
+        }
+        Ok((req, sampling, s.return_token_ids.unwrap_or(false)))
+    })();
+    let (req, sampling, return_ids) = match parsed {
+        Ok(x) => x,
+        Err(e) => return error(e),
+    };
+    let loaded = state.current();
+    let tok = loaded.policy.tokenizer().clone();
+    let prompt = match &req.prompt {
+        openai::Prompt::Ids(ids) if !ids.is_empty() => Ok(ids.clone()),
+        openai::Prompt::Text(t) => tok.encode(t).map_err(|e| BadRequest::field("prompt", e.to_string())),
+        openai::Prompt::Texts(ts) if ts.len() == 1 => tok.encode(&ts[0]).map_err(|e| BadRequest::field("prompt", e.to_string())),
+        openai::Prompt::Texts(_) => Err(BadRequest::field("prompt", "give one prompt per request (the engine batches concurrent requests)")),
+        openai::Prompt::Ids(_) => Err(BadRequest::field("prompt", "is empty")),
+    };
+    let prompt = match prompt {
+        Ok(p) if p.is_empty() => return error(BadRequest::field("prompt", "is empty")),
+        Ok(p) => p,
+        Err(e) => return error(e),
+    };
+    let top = req.logprobs.unwrap_or(0) as usize;
+    let (gen, text) = match loaded.policy.generate(prompt.clone(), &sampling, top).await {
+        Ok(x) => x,
+        Err(e) => return policy_error(e),
+    };
+    let piece = pieces(&tok);
+    let meta = openai::Meta { id: state.next_id("cmpl"), created: now(), model: &state.served_name, checkpoint: &loaded.checkpoint, prompt: &prompt, return_token_ids: return_ids };
+    with_checkpoint(openai::completion_response(&meta, &gen, &text, req.logprobs, &piece), &loaded.checkpoint)
+}
+
+#[derive(serde::Deserialize)]
+struct UpdateRequest {
+    model_path: String,
+    /// Accepted for SGLang compatibility; the format comes from the files.
+    #[serde(default)]
+    #[allow(dead_code)]
+    load_format: Option<String>,
+}
+
+/// SGLang's `/update_weights_from_disk`: `{"success", "message", "num_paused_requests"}`.
+async fn update_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: UpdateRequest = match openai::body(&body).and_then(|v| openai::parse(&v)) {
+        Ok(r) => r,
+        Err(e) => return error(e),
+    };
+    let _one = state.updating.lock().await;
+    let started = std::time::Instant::now();
+    match load_weights(&state, &req.model_path).await {
+        Ok(loaded) => {
+            let checkpoint = loaded.checkpoint.clone();
+            *state.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(loaded);
+            tracing::info!(checkpoint = %checkpoint, seconds = started.elapsed().as_secs_f64(), "weights updated");
+            with_checkpoint(json!({"success": true, "message": format!("loaded {checkpoint}"), "num_paused_requests": 0}), &checkpoint)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "weight update refused; the old weights stay");
+            (StatusCode::BAD_REQUEST, Json(json!({"success": false, "message": format!("model_path: {e}; the server keeps serving {}", state.checkpoint()), "num_paused_requests": 0}))).into_response()
+        }
+    }
+}
+
+/// Loads new weights for the served model: a GGUF file or checkpoint folder on disk, or a
+/// store URL of a checkpoint folder (copied to a temporary folder first). The tokenizer
+/// stays the one the server started with (the same model, trained further).
+async fn load_weights(state: &AppState, model_path: &str) -> Result<Loaded, ServeError> {
+    let (dir, _tmp) = if model_path.contains("://") {
+        let tmp = tempfile::tempdir().map_err(|e| ServeError::Weights(format!("cannot make a temporary folder: {e}")))?;
+        fetch_folder(model_path, tmp.path()).await?;
+        (tmp.path().to_path_buf(), Some(tmp))
+    } else {
+        (PathBuf::from(model_path), None)
+    };
+    if !dir.exists() {
+        return Err(ServeError::Weights(format!("{} does not exist (give a checkpoint folder, a GGUF file, or a file:// or s3:// URL of a checkpoint folder)", dir.display())));
+    }
+    let tokenizer = state.current().policy.tokenizer().clone();
+    let (device, engine, name) = (state.device, state.engine.clone(), model_path.to_string());
+    let policy = tokio::task::spawn_blocking(move || -> Result<NativePolicy, ServeError> {
+        let model = if dir.is_dir() { native::hf::load_model(&dir, device)? } else { native::loader::load(&dir, device)?.0 };
+        Ok(NativePolicy::with_tokenizer(model, tokenizer, name, engine)?)
+    })
+    .await
+    .map_err(|e| ServeError::Weights(format!("the loading thread failed: {e}")))??;
+    Ok(Loaded { policy, checkpoint: infra::redact_url(model_path) })
+}
+
+/// Copies every object under a store URL into `into` (the weights and config of a
+/// checkpoint folder; the optimizer state is left out).
+async fn fetch_folder(url: &str, into: &Path) -> Result<(), ServeError> {
+    let fail = |e: infra::store::StoreError| ServeError::Weights(e.to_string());
+    let store = infra::store::open_store(url).await.map_err(fail)?;
+    let objects = store.list("").await.map_err(fail)?;
+    let wanted: Vec<_> = objects.iter().filter(|o| !o.key.contains('/') && o.key != native::checkpoint::OPTIMIZER_FILE).collect();
+    if !wanted.iter().any(|o| o.key == native::checkpoint::MODEL_FILE) {
+        return Err(ServeError::Weights(format!("no {} under {}", native::checkpoint::MODEL_FILE, infra::redact_url(url))));
+    }
+    for o in wanted {
+        let bytes = store.get(&o.key).await.map_err(fail)?;
+        tokio::fs::write(into.join(&o.key), &bytes).await.map_err(|e| ServeError::Weights(format!("cannot write {}: {e}", into.join(&o.key).display())))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,510 @@
+//! The OpenAI wire format: requests as they arrive, checked field by field, and the
+//! responses built from a native generation. Pure functions; the handlers in `lib.rs` do
+//! the IO.
+
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use jobs::env::{ToolCall, ToolSpec};
+use jobs::policy::{Message, SamplingParams};
+use native::sampler::{Finish, Generation};
+use schemas::Role;
+
+/// A request the server refuses, with the field it names (HTTP 400, or 404 for a model).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BadRequest {
+    pub status: u16,
+    pub param: Option<String>,
+    pub message: String,
+}
+
+impl BadRequest {
+    pub fn field(param: &str, message: impl Into<String>) -> Self {
+        BadRequest { status: 400, param: Some(param.to_string()), message: format!("{param}: {}", message.into()) }
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> Value {
+        let kind = if self.status == 404 { "not_found_error" } else { "invalid_request_error" };
+        json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": if self.status == 404 { json!("model_not_found") } else { Value::Null }}})
+    }
+}
+
+/// Reads a body as one JSON object.
+pub fn body(bytes: &[u8]) -> Result<Value, BadRequest> {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(v) if v.is_object() => Ok(v),
+        Ok(_) => Err(BadRequest { status: 400, param: None, message: "the body must be a JSON object".into() }),
+        Err(e) => Err(BadRequest { status: 400, param: None, message: format!("the body is not valid JSON: {e}") }),
+    }
+}
+
+/// Deserialises a request object into `T` (fields `T` does not know are ignored, as
+/// OpenAI-compatible servers do); errors name the field's path.
+pub fn parse<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, BadRequest> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            BadRequest { status: 400, param: None, message: format!("not a valid request: {inner}") }
+        } else {
+            BadRequest::field(&path, inner.to_string())
+        }
+    })
+}
+
+/// `"text"` or `[{"type": "text", "text": ...}]`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+    #[serde(default)]
+    pub tool_calls: Option<Vec<WireToolCall>>,
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct WireToolCall {
+    #[serde(default)]
+    pub id: Option<String>,
+    pub function: WireFunction,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct WireFunction {
+    pub name: String,
+    /// A JSON string (the OpenAI form) or an object.
+    #[serde(default)]
+    pub arguments: Value,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ToolDef {
+    #[serde(rename = "type", default = "function_type")]
+    pub kind: String,
+    pub function: FunctionDef,
+}
+
+fn function_type() -> String {
+    "function".into()
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FunctionDef {
+    pub name: String,
+    #[serde(default)]
+    pub description: Option<String>,
+    #[serde(default)]
+    pub parameters: Option<Value>,
+}
+
+/// `"stop"` or `["a", "b"]`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The sampling fields chat and text completions share (read from the same object as the
+/// endpoint's own request type).
+#[derive(Debug, Deserialize)]
+pub struct Sampling {
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Return the sampled token ids as `choices[i].token_ids` and the prompt's as
+    /// `prompt_token_ids` (vLLM's request field).
+    #[serde(default)]
+    pub return_token_ids: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    #[serde(default)]
+    pub tools: Option<Vec<ToolDef>>,
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    #[serde(default)]
+    pub top_logprobs: Option<u32>,
+}
+
+/// `"text"`, `["text"]`, or token ids `[1, 2, 3]`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    /// The legacy form: how many top log-probabilities per token (0 = only the sampled one).
+    #[serde(default)]
+    pub logprobs: Option<u32>,
+    #[serde(default)]
+    pub echo: Option<bool>,
+}
+
+/// The most top log-probabilities a request may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// Checks the shared fields; returns the sampling settings. `default_max` is the
+/// endpoint's default `max_tokens`; a missing seed draws one (so that two requests
+/// without a seed do not sample the same tokens).
+pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<SamplingParams, BadRequest> {
+    if let Some(m) = &s.model {
+        if m != served {
+            return Err(BadRequest { status: 404, param: Some("model".into()), message: format!("model: `{m}` is not served here; this server serves `{served}`") });
+        }
+    }
+    if s.stream == Some(true) {
+        return Err(BadRequest::field("stream", "streaming is not supported; send stream=false"));
+    }
+    if s.n.is_some_and(|n| n != 1) {
+        return Err(BadRequest::field("n", "only n=1 is supported; send several requests (the engine batches them)"));
+    }
+    let temperature = s.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(BadRequest::field("temperature", format!("must be between 0 and 2, is {temperature}")));
+    }
+    let top_p = s.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(BadRequest::field("top_p", format!("must be in (0, 1], is {top_p}")));
+    }
+    let max_tokens = s.max_completion_tokens.or(s.max_tokens).unwrap_or(default_max);
+    if max_tokens == 0 {
+        return Err(BadRequest::field(if s.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" }, "must be at least 1"));
+    }
+    let stop = match &s.stop {
+        None => vec![],
+        Some(Stop::One(x)) => vec![x.clone()],
+        Some(Stop::Many(v)) => v.clone(),
+    };
+    if stop.len() > 4 || stop.iter().any(|x| x.is_empty()) {
+        return Err(BadRequest::field("stop", "give at most 4 non-empty stop strings"));
+    }
+    Ok(SamplingParams { temperature, top_p, max_tokens, seed: Some(s.seed.unwrap_or_else(rand::random)), stop })
+}
+
+fn content_text(c: &Option<Content>, path: &str) -> Result<String, BadRequest> {
+    match c {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => {
+            let mut out = String::new();
+            for (i, p) in parts.iter().enumerate() {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => out.push_str(t),
+                    ("text", None) => return Err(BadRequest::field(&format!("{path}[{i}].text"), "missing")),
+                    (other, _) => return Err(BadRequest::field(&format!("{path}[{i}].type"), format!("`{other}` content is not supported; only text"))),
+                }
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// The conversation as the policy's messages.
+pub fn messages(req: &ChatRequest) -> Result<Vec<Message>, BadRequest> {
+    if req.messages.is_empty() {
+        return Err(BadRequest::field("messages", "must hold at least one message"));
+    }
+    let mut out = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        let role = match m.role.as_str() {
+            "system" | "developer" => Role::System,
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            "tool" => Role::Tool,
+            other => return Err(BadRequest::field(&format!("messages[{i}].role"), format!("`{other}` is not system, user, assistant or tool"))),
+        };
+        let content = content_text(&m.content, &format!("messages[{i}].content"))?;
+        let mut msg = Message::new(role, content);
+        if let Some(calls) = &m.tool_calls {
+            if role != Role::Assistant {
+                return Err(BadRequest::field(&format!("messages[{i}].tool_calls"), "only assistant messages carry tool calls"));
+            }
+            for (j, c) in calls.iter().enumerate() {
+                let args = match &c.function.arguments {
+                    Value::String(s) => serde_json::from_str(s)
+                        .map_err(|e| BadRequest::field(&format!("messages[{i}].tool_calls[{j}].function.arguments"), format!("is not a JSON object: {e}")))?,
+                    Value::Null => json!({}),
+                    other => other.clone(),
+                };
+                msg.tool_calls.push(ToolCall { name: c.function.name.clone(), args });
+            }
+        }
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+/// The offered tools (none with `tool_choice: "none"`).
+pub fn tools(req: &ChatRequest) -> Result<Vec<ToolSpec>, BadRequest> {
+    if let Some(choice) = &req.tool_choice {
+        match choice.as_str() {
+            Some("none") => return Ok(vec![]),
+            Some("auto") | Some("required") => {}
+            _ if choice.is_object() => {}
+            _ => return Err(BadRequest::field("tool_choice", "must be \"none\", \"auto\", \"required\" or a named function")),
+        }
+    }
+    let mut out = vec![];
+    for (i, t) in req.tools.iter().flatten().enumerate() {
+        if t.kind != "function" {
+            return Err(BadRequest::field(&format!("tools[{i}].type"), format!("`{}` is not `function`", t.kind)));
+        }
+        if t.function.name.trim().is_empty() {
+            return Err(BadRequest::field(&format!("tools[{i}].function.name"), "must not be empty"));
+        }
+        out.push(ToolSpec {
+            name: t.function.name.clone(),
+            description: t.function.description.clone().unwrap_or_default(),
+            parameters: t.function.parameters.clone().unwrap_or_else(|| json!({"type": "object", "properties": {}})),
+        });
+    }
+    Ok(out)
+}
+
+/// How many top log-probabilities a chat request asks for (0 = none), checked.
+pub fn chat_top_logprobs(req: &ChatRequest) -> Result<usize, BadRequest> {
+    match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (_, Some(k)) if k > MAX_TOP_LOGPROBS => Err(BadRequest::field("top_logprobs", format!("at most {MAX_TOP_LOGPROBS}, is {k}"))),
+        (false, Some(k)) if k > 0 => Err(BadRequest::field("top_logprobs", "needs logprobs=true")),
+        (_, k) => Ok(k.unwrap_or(0) as usize),
+    }
+}
+
+/// The text of every token, for log-probability entries.
+pub type Pieces<'a> = &'a dyn Fn(u32) -> String;
+
+fn finish_reason(gen: &Generation, tool_calls: bool) -> &'static str {
+    match (gen.finish, tool_calls) {
+        (_, true) => "tool_calls",
+        (Finish::Stop, _) => "stop",
+        (Finish::Length, _) => "length",
+    }
+}
+
+fn logprob_entry(piece: &dyn Fn(u32) -> String, id: u32, logprob: f32) -> Map<String, Value> {
+    let token = piece(id);
+    let mut m = Map::new();
+    m.insert("token".into(), json!(token));
+    m.insert("logprob".into(), json!(logprob));
+    m.insert("bytes".into(), json!(token.as_bytes()));
+    // the sampled id, as llama.cpp's server sends it
+    m.insert("id".into(), json!(id));
+    m
+}
+
+/// `choices[0].logprobs` of a chat completion.
+pub fn chat_logprobs(gen: &Generation, piece: &dyn Fn(u32) -> String) -> Value {
+    let content: Vec<Value> = gen
+        .tokens
+        .iter()
+        .zip(&gen.logprobs)
+        .enumerate()
+        .map(|(i, (&id, &lp))| {
+            let mut e = logprob_entry(piece, id, lp);
+            let top: Vec<Value> = gen.top_logprobs.get(i).into_iter().flatten().map(|&(t, l)| Value::Object(logprob_entry(piece, t, l))).collect();
+            e.insert("top_logprobs".into(), Value::Array(top));
+            Value::Object(e)
+        })
+        .collect();
+    json!({"content": content})
+}
+
+/// Everything a response names besides the generation.
+pub struct Meta<'a> {
+    pub id: String,
+    pub created: u64,
+    pub model: &'a str,
+    /// The checkpoint that sampled the reply (also in the `x-harness-s-checkpoint` header).
+    pub checkpoint: &'a str,
+    pub prompt: &'a [u32],
+    pub return_token_ids: bool,
+}
+
+fn usage(prompt: usize, gen: &Generation) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": gen.tokens.len(), "total_tokens": prompt + gen.tokens.len()})
+}
+
+/// A chat completion: the text, the calls read from it by the text protocol (the native
+/// model has no tool-call channel), log-probabilities when asked.
+pub fn chat_response(meta: &Meta, gen: &Generation, text: &str, calls: &[ToolCall], logprobs: Option<Value>) -> Value {
+    let tool_calls: Vec<Value> = calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| json!({"id": format!("call_{}_{i}", meta.id), "type": "function", "function": {"name": c.name, "arguments": c.args.to_string()}}))
+        .collect();
+    let mut message = json!({"role": "assistant", "content": text});
+    if !tool_calls.is_empty() {
+        message["tool_calls"] = Value::Array(tool_calls);
+    }
+    let mut choice = json!({"index": 0, "message": message, "finish_reason": finish_reason(gen, !calls.is_empty()), "logprobs": logprobs});
+    let mut body = json!({
+        "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+        "system_fingerprint": meta.checkpoint, "choices": [], "usage": usage(meta.prompt.len(), gen),
+    });
+    if meta.return_token_ids {
+        choice["token_ids"] = json!(gen.tokens);
+        body["prompt_token_ids"] = json!(meta.prompt);
+    }
+    body["choices"] = json!([choice]);
+    body
+}
+
+/// A text completion; `logprobs` in the legacy form (tokens, token_logprobs, top_logprobs,
+/// text_offset) when asked.
+pub fn completion_response(meta: &Meta, gen: &Generation, text: &str, logprobs: Option<u32>, piece: &dyn Fn(u32) -> String) -> Value {
+    let lp = logprobs.map(|_| {
+        let tokens: Vec<String> = gen.tokens.iter().map(|&t| piece(t)).collect();
+        let mut offset = 0usize;
+        let offsets: Vec<usize> = tokens
+            .iter()
+            .map(|t| {
+                let at = offset;
+                offset += t.len();
+                at
+            })
+            .collect();
+        let top: Vec<Value> = (0..gen.tokens.len())
+            .map(|i| {
+                let m: Map<String, Value> = gen.top_logprobs.get(i).into_iter().flatten().map(|&(t, l)| (piece(t), json!(l))).collect();
+                Value::Object(m)
+            })
+            .collect();
+        json!({"tokens": tokens, "token_logprobs": gen.logprobs, "top_logprobs": top, "text_offset": offsets})
+    });
+    let mut choice = json!({"index": 0, "text": text, "finish_reason": finish_reason(gen, false), "logprobs": lp});
+    let mut body = json!({
+        "id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+        "system_fingerprint": meta.checkpoint, "choices": [], "usage": usage(meta.prompt.len(), gen),
+    });
+    if meta.return_token_ids {
+        choice["token_ids"] = json!(gen.tokens);
+        body["prompt_token_ids"] = json!(meta.prompt);
+    }
+    body["choices"] = json!([choice]);
+    body
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn generation() -> Generation {
+        Generation { tokens: vec![5, 6], logprobs: vec![-0.5, -1.0], finish: Finish::Stop, stop_token: Some(2), top_logprobs: vec![vec![(5, -0.5), (9, -1.5)], vec![(7, -0.2), (6, -1.0)]] }
+    }
+
+    #[test]
+    fn a_wrong_type_names_its_field() {
+        let e = parse::<Sampling>(&body(br#"{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}"#).unwrap()).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert_eq!(e.param.as_deref(), Some("temperature"), "{e:?}");
+        let e = parse::<ChatRequest>(&body(br#"{"messages": [{"role": 5}]}"#).unwrap()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"), "{e:?}");
+        let e = parse::<ChatRequest>(&body(br#"{"model": "m"}"#).unwrap()).unwrap_err();
+        assert!(e.message.contains("messages"), "{e:?}");
+        let e = body(b"{not json").unwrap_err();
+        assert!(e.param.is_none() && e.message.contains("not valid JSON"), "{e:?}");
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_by_name() {
+        let v = |extra: &str| body(format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}]{extra}}}"#).as_bytes()).unwrap();
+        let req = |extra: &str| parse::<ChatRequest>(&v(extra)).unwrap();
+        let samp = |extra: &str| parse::<Sampling>(&v(extra)).unwrap();
+        for (extra, field) in [(r#", "temperature": 3"#, "temperature"), (r#", "top_p": 0"#, "top_p"), (r#", "max_tokens": 0"#, "max_tokens"), (r#", "n": 2"#, "n"), (r#", "stream": true"#, "stream")] {
+            let e = sampling(&samp(extra), "m", 16).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{extra}: {e:?}");
+        }
+        let e = sampling(&samp(r#", "model": "other""#), "m", 16).unwrap_err();
+        assert_eq!(e.status, 404);
+        let e = chat_top_logprobs(&req(r#", "top_logprobs": 3"#)).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+        assert_eq!(chat_top_logprobs(&req(r#", "logprobs": true, "top_logprobs": 3"#)).unwrap(), 3);
+        let s = sampling(&samp(r#", "stop": "\n", "seed": 4, "max_completion_tokens": 7"#), "m", 16).unwrap();
+        assert_eq!((s.stop, s.seed, s.max_tokens), (vec!["\n".to_string()], Some(4), 7));
+    }
+
+    #[test]
+    fn history_with_tool_calls_becomes_policy_messages() {
+        let req = parse::<ChatRequest>(&body(
+            br#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "count"}]},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "execute_sql", "arguments": "{\"query\": \"SELECT 1\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "[(1,)]"}],
+               "tools": [{"type": "function", "function": {"name": "execute_sql", "parameters": {"type": "object"}}}]}"#,
+        ).unwrap())
+        .unwrap();
+        let m = messages(&req).unwrap();
+        assert_eq!(m.len(), 3);
+        assert_eq!(m[0].content, "count");
+        assert_eq!(m[1].tool_calls[0].args["query"], "SELECT 1");
+        assert_eq!(m[2].role, Role::Tool);
+        assert_eq!(tools(&req).unwrap()[0].name, "execute_sql");
+        let bad = parse::<ChatRequest>(&body(br#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#).unwrap()).unwrap();
+        assert_eq!(messages(&bad).unwrap_err().param.as_deref(), Some("messages[0].content[0].type"));
+    }
+
+    #[test]
+    fn responses_carry_calls_logprobs_and_token_ids() {
+        let piece = |id: u32| format!("<{id}>");
+        let meta = Meta { id: "x".into(), created: 1, model: "m", checkpoint: "ckpt", prompt: &[1, 2, 3], return_token_ids: true };
+        let calls = vec![ToolCall { name: "execute_sql".into(), args: json!({"query": "SELECT 1"}) }];
+        let body = chat_response(&meta, &generation(), "Action: ...", &calls, Some(chat_logprobs(&generation(), &piece)));
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        assert_eq!(choice["message"]["tool_calls"][0]["function"]["arguments"], r#"{"query":"SELECT 1"}"#);
+        assert_eq!(choice["token_ids"], json!([5, 6]));
+        assert_eq!(body["prompt_token_ids"], json!([1, 2, 3]));
+        assert_eq!(choice["logprobs"]["content"][1]["id"], 6);
+        assert_eq!(choice["logprobs"]["content"][1]["top_logprobs"][0]["token"], "<7>");
+        assert_eq!(body["usage"]["total_tokens"], 5);
+        assert_eq!(body["system_fingerprint"], "ckpt");
+        let text = completion_response(&meta, &generation(), "<5><6>", Some(2), &piece);
+        assert_eq!(text["choices"][0]["logprobs"]["text_offset"], json!([0, 3]));
+        assert_eq!(text["choices"][0]["logprobs"]["top_logprobs"][0]["<9>"], -1.5);
+        assert_eq!(text["choices"][0]["finish_reason"], "stop");
+    }
+}

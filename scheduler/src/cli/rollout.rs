@@ -62,7 +62,7 @@ pub struct RolloutArgs {
     #[arg(long, default_value = "native")]
     pub tool_protocol: ToolProtocol,
     /// Rollouts per task.
-    #[arg(long = "n", value_name = "K", default_value_t = 1)]
+    #[arg(long = "n", value_name = "K", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub attempts: u32,
     /// Store URL for the outputs: a directory, file:///abs/dir or s3://bucket/prefix?endpoint=...
     #[arg(long, value_name = "URL")]

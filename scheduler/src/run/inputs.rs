@@ -125,7 +125,7 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
                 Some(d) => Some(d.parse::<Difficulty>().map_err(|e| anyhow::anyhow!("tasks.generate.difficulty: {e}"))?),
             };
             for (i, (name, n)) in [("train", g.train), ("validation", g.validation), ("test", g.test)].into_iter().enumerate() {
-                let opts = GenerateOptions { seed: g.seed.wrapping_mul(3).wrapping_add(i as u64), n, difficulty, kinds: g.kinds.clone() };
+                let opts = GenerateOptions { seed: g.seed.wrapping_mul(3).wrapping_add(i as u64), n, difficulty, kinds: g.kinds.clone().unwrap_or_default() };
                 texts.insert(name, generate_jsonl(&opts).map_err(|e| anyhow::anyhow!("tasks.generate: {e}"))?);
             }
         }

@@ -138,7 +138,7 @@ pub struct GenerateSection {
     /// Only these task kinds (`counting`, `aggregation`, `ranking`, `comparison`, `INSERT`,
     /// `UPDATE`); default all.
     #[serde(default)]
-    pub kinds: Vec<String>,
+    pub kinds: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -489,18 +489,24 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
             return Err(SpecError { file: file.to_string(), problems });
         }
     };
+    // The run id names store folders: the same rules whether it is given or taken from the
+    // file name.
+    let run_id = spec.run.id.clone().unwrap_or_else(|| stem.to_string());
+    let id_path = if spec.run.id.is_some() { "run.id" } else { "run.id (from the file name; set [run] id)" };
+    if run_id.is_empty() || !run_id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        problems.push(SpecProblem { path: id_path.into(), message: format!("`{}` must be non-empty letters, digits, `-` or `_` (it names store folders)", shorten(&run_id, 80)) });
+    } else if run_id.len() > MAX_RUN_ID {
+        problems.push(SpecProblem { path: id_path.into(), message: format!("is {} characters; a run id names store folders, use at most {MAX_RUN_ID}", run_id.len()) });
+    }
     check(&spec, base_dir, &mut problems);
     if !problems.is_empty() {
         return Err(SpecError { file: file.to_string(), problems });
     }
-    let run_id = spec.run.id.clone().unwrap_or_else(|| stem.to_string());
-    if run_id.len() > MAX_RUN_ID {
-        let path = if spec.run.id.is_some() { "run.id" } else { "run.id (from the file name)" };
-        let problems = vec![SpecProblem { path: path.into(), message: format!("is {} characters; a run id names store folders, use at most {MAX_RUN_ID}", run_id.len()) }];
-        return Err(SpecError { file: file.to_string(), problems });
-    }
     Ok(LoadedSpec { spec, text: text.to_string(), base_dir: base_dir.to_path_buf(), run_id })
 }
+
+/// Rollouts per group at most (a larger K is a typo, not a group).
+const MAX_K: u32 = 256;
 
 /// Characters of a run id (it names store folders; file systems cap names at 255 bytes).
 const MAX_RUN_ID: usize = 100;
@@ -536,11 +542,6 @@ fn looks_like_a_model(path: &Path) -> Result<(), &'static str> {
 
 fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     let mut bad = |path: &str, message: String| problems.push(SpecProblem { path: path.into(), message });
-    if let Some(id) = &spec.run.id {
-        if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-            bad("run.id", format!("`{}` must be non-empty letters, digits, `-` or `_` (it names store folders)", shorten(id, 80)));
-        }
-    }
     if spec.environment.kind != "dbbench" {
         bad("environment.kind", format!("`{}` is not a known environment; use `dbbench`", spec.environment.kind));
     }
@@ -585,7 +586,10 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
                     bad("tasks.generate.difficulty", format!("`{d}` is not easy, medium, hard or mixed"));
                 }
             }
-            for (i, k) in g.kinds.iter().enumerate() {
+            if g.kinds.as_ref().is_some_and(|k| k.is_empty()) {
+                bad("tasks.generate.kinds", "is empty: name at least one kind, or leave kinds out for all of them".into());
+            }
+            for (i, k) in g.kinds.iter().flatten().enumerate() {
                 if !jobs::env::dbbench::generate::KINDS.contains(&k.as_str()) {
                     bad(&format!("tasks.generate.kinds[{i}]"), format!("`{k}` is not one of {}", jobs::env::dbbench::generate::KINDS.join(", ")));
                 }
@@ -636,7 +640,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         }
         "openai" => match p.base_url.as_deref() {
             None => bad("policy.base_url", "required with backend = \"openai\"".into()),
-            Some(u) if !(u.starts_with("http://") || u.starts_with("https://")) => {
+            Some(u) if !url::Url::parse(u).is_ok_and(|p| matches!(p.scheme(), "http" | "https") && p.host_str().is_some()) => {
                 bad("policy.base_url", format!("`{}` is not an http(s) URL (e.g. http://127.0.0.1:8080/v1)", infra::redact_url(u)))
             }
             Some(_) => {}
@@ -659,8 +663,13 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         bad("policy.max_tokens", format!("{} is out of range; use 1 to {MAX_REPLY_TOKENS} tokens per reply", p.max_tokens));
     }
     let a = &spec.algorithm;
-    if a.k == 0 {
-        bad("algorithm.k", "must be at least 1 (rollouts per group)".into());
+    if a.k == 0 || a.k > MAX_K {
+        bad("algorithm.k", format!("{} is out of range; use 1 to {MAX_K} rollouts per group", a.k));
+    } else if a.k == 1 && a.learn {
+        bad("algorithm.k", "is 1: GRPO's advantage compares the K rollouts of a group, so one rollout trains nothing; use k >= 2 (or learn = false)".into());
+    }
+    if spec.calibration.tasks == Some(0) {
+        bad("calibration.tasks", "must be at least 1 (or leave it out for all validation tasks)".into());
     }
     if a.tasks_per_update == 0 {
         bad("algorithm.tasks_per_update", "must be at least 1".into());

@@ -1,0 +1,74 @@
+//! Weight updates over HTTP: a tiny model served, a checkpoint folder laid out as the
+//! learner writes it in a `file://` store, `POST /update_weights_from_disk` with its URL;
+//! later requests sample from the new weights, a bad path leaves the old ones serving.
+
+use std::sync::Arc;
+
+use native::checkpoint::{CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE};
+use native::{Llama, LlamaConfig};
+use serde_json::{json, Value};
+use tch::Device;
+
+const WORDS: [&str; 8] = ["user", "assistant", "count", "rows", "yes", "no", "maybe", "ten"];
+
+fn write_model(dir: &std::path::Path, seed: u64, tokenizer: Option<&native::Tokenizer>) {
+    let vocab = native::tokenizer::word_level(&WORDS).vocab_size() as i64;
+    let model = Llama::new(LlamaConfig::tiny(vocab, 32, 2), Device::Cpu, seed).unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join(CONFIG_FILE), model.config.to_hf_json().to_string()).unwrap();
+    std::fs::write(dir.join(MODEL_FILE), native::hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
+    if let Some(t) = tokenizer {
+        std::fs::write(dir.join("tokenizer.json"), t.to_json().unwrap()).unwrap();
+    }
+}
+
+async fn post(addr: &str, path: &str, body: Value) -> (u16, Value, Option<String>) {
+    let r = reqwest::Client::new().post(format!("http://{addr}{path}")).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let header = r.headers().get("x-harness-s-checkpoint").map(|v| v.to_str().unwrap().to_string());
+    (status, r.json().await.unwrap(), header)
+}
+
+/// The log-probabilities of a greedy completion (they differ between any two weights).
+async fn greedy_logprobs(addr: &str) -> (Vec<f64>, Option<String>) {
+    let (status, body, header) = post(addr, "/v1/completions", json!({"prompt": [2, 3], "max_tokens": 8, "temperature": 0, "logprobs": 0})).await;
+    assert_eq!(status, 200, "{body}");
+    let lps = body["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    (lps, header)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_in_a_store_replaces_the_served_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = native::tokenizer::word_level(&WORDS);
+    let base = dir.path().join("base");
+    write_model(&base, 1, Some(&tok));
+    // the learner's layout: runs/<run>/checkpoints/step=<n>/ with an optimizer file beside
+    let step1 = dir.path().join("store/runs/r/checkpoints/step=1");
+    write_model(&step1, 2, None);
+    std::fs::write(step1.join(OPTIMIZER_FILE), b"not needed by the server").unwrap();
+
+    let state = serve::AppState::load(&base, "tiny".into(), Device::Cpu, Default::default()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let served = Arc::clone(&state);
+    tokio::spawn(async move { serve::serve(listener, served, std::future::pending()).await.unwrap() });
+
+    let (before, header) = greedy_logprobs(&addr).await;
+    assert_eq!(header.as_deref(), Some(base.display().to_string().as_str()));
+
+    let (status, body, _) = post(&addr, "/update_weights_from_disk", json!({"model_path": dir.path().join("missing").display().to_string()})).await;
+    assert_eq!((status, &body["success"]), (400, &json!(false)), "{body}");
+    assert_eq!(greedy_logprobs(&addr).await.0, before, "a refused update leaves the old weights serving");
+
+    let url = format!("file://{}", step1.display());
+    let (status, body, header) = post(&addr, "/update_weights_from_disk", json!({"model_path": url})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body, json!({"success": true, "message": format!("loaded {url}"), "num_paused_requests": 0}));
+    assert_eq!(header.as_deref(), Some(url.as_str()));
+    let (after, header) = greedy_logprobs(&addr).await;
+    assert_eq!(header.as_deref(), Some(url.as_str()), "responses name the checkpoint that sampled them");
+    assert_ne!(after, before, "other weights, other log-probabilities");
+    let models: Value = reqwest::get(format!("http://{addr}/v1/models")).await.unwrap().json().await.unwrap();
+    assert_eq!(models["data"][0]["checkpoint"], url.as_str());
+}

@@ -58,11 +58,18 @@ pub struct EngineConfig {
     /// The format of the weights decoded with (see [`crate::packed`]): `f32` rolls out with
     /// the learner's numerics; `bf16` and `int4` trade a measured mismatch for speed.
     pub weights: WeightFormat,
+    /// libtorch CPU threads of the engine thread (`None`: OpenMP's default). A thread's
+    /// OpenMP team size is its own setting, so the engine sets it on its thread; with
+    /// several threads calling into libtorch, teams of more than one thread hand off
+    /// through sleeps and a decode pass of hundreds of small operations slows down many
+    /// times (see `harness-s bench serve`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threads: Option<usize>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { max_batch: 16, decode_rows: 8, chunk: 64, cache_tokens: 8_192, weights: WeightFormat::F32 }
+        EngineConfig { max_batch: 16, decode_rows: 8, chunk: 64, cache_tokens: 8_192, weights: WeightFormat::F32, threads: None }
     }
 }
 
@@ -155,6 +162,9 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("native-engine".into())
             .spawn(move || {
+                if let Some(n) = config.threads {
+                    tch::set_num_threads(n as i32);
+                }
                 let _g = tch::no_grad_guard();
                 Worker { model, weights, config, seqs: vec![], idle: vec![], waiting: VecDeque::new(), stats: EngineStats::default(), clock: 0 }.run(rx)
             })
@@ -545,7 +555,7 @@ mod tests {
     }
 
     fn small() -> EngineConfig {
-        EngineConfig { max_batch: 6, decode_rows: 4, chunk: 4, cache_tokens: 1_000, weights: WeightFormat::F32 }
+        EngineConfig { max_batch: 6, decode_rows: 4, chunk: 4, cache_tokens: 1_000, weights: WeightFormat::F32, threads: None }
     }
 
     fn req(prompt: Vec<u32>, seed: u64, max_tokens: usize) -> Request {

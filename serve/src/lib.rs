@@ -155,8 +155,9 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let run = async {
         let v = openai::body(&body)?;
         let req: openai::ChatRequest = openai::parse(&v)?;
-        let sampling = openai::sampling(&openai::parse(&v)?, &state.served_name, 512)?;
-        let return_ids = openai::parse::<openai::Sampling>(&v)?.return_token_ids.unwrap_or(false);
+        let s: openai::Sampling = openai::parse(&v)?;
+        let sampling = openai::sampling(&s, &state.served_name, 512)?;
+        let return_ids = s.return_token_ids.unwrap_or(false);
         let messages = openai::messages(&req)?;
         let tools = openai::tools(&req)?;
         let top = openai::chat_top_logprobs(&req)?;

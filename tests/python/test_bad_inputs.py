@@ -28,16 +28,12 @@ from pathlib import Path
 
 import pytest
 
+from harness_s import harness_s_bin
+
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hunter2xyz"
 
 
-def harness_s_bin() -> str:
-    path = os.environ.get("HARNESS_S_BIN")
-    if path:
-        return path
-    target = os.environ.get("CARGO_TARGET_DIR", str(ROOT / "target"))
-    return str(Path(target) / "debug" / "harness-s")
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,13 +17,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from harness_s import harness_s_bin
 
-def harness_s_bin() -> str:
-    path = os.environ.get("HARNESS_S_BIN")
-    if path:
-        return path
-    target = os.environ.get("CARGO_TARGET_DIR", str(Path(__file__).resolve().parents[2] / "target"))
-    return str(Path(target) / "debug" / "harness-s")
+
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ must agree with the writer exactly.
 """
 
 import json
-import os
 import subprocess
 from pathlib import Path
 

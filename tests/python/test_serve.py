@@ -7,7 +7,6 @@ weight update in SGLang's shape that `/v1/models` then reports.
 """
 
 import json
-import os
 import socket
 import subprocess
 import time

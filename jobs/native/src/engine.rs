@@ -58,7 +58,8 @@ pub struct EngineConfig {
     /// The format of the weights decoded with (see [`crate::packed`]): `f32` rolls out with
     /// the learner's numerics; `bf16` and `int4` trade a measured mismatch for speed.
     pub weights: WeightFormat,
-    /// libtorch CPU threads of the engine thread (`None`: OpenMP's default). A thread's
+    /// Threads of the engine's products: the `int4` kernels' thread count, and libtorch's
+    /// on the engine thread for `f32`/`bf16` (`None`: the machine's cores). A thread's
     /// OpenMP team size is its own setting, so the engine sets it on its thread; with
     /// several threads calling into libtorch, teams of more than one thread hand off
     /// through sleeps and a decode pass of hundreds of small operations slows down many
@@ -157,7 +158,8 @@ impl Engine {
     /// Starts the engine thread with `model`.
     pub fn start(model: Llama, config: EngineConfig) -> Result<Arc<Engine>, NativeError> {
         config.validate()?;
-        let weights = model.engine_weights(config.weights)?;
+        let threads = config.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        let weights = model.engine_weights(config.weights, threads)?;
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("native-engine".into())

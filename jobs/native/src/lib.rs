@@ -6,7 +6,7 @@
 //! Q4_1/Q4_K/Q6_K, and [`hf`] for safetensors + `config.json`), the tokenizer with the
 //! ChatML template ([`tokenizer`]), the sampler that records each token's log-probability
 //! ([`sampler`]), the continuous-batching rollout engine with prefix reuse ([`engine`]) and its weight
-//! formats ([`packed`]: f32, bf16, int4), the `native` [`jobs::policy::Policy`] backend ([`policy::NativePolicy`]),
+//! formats ([`packed`]: f32, bf16, and int4 on the CPU's own kernels: [`kernels`], [`cpu`]), the `native` [`jobs::policy::Policy`] backend ([`policy::NativePolicy`]),
 //! the GRPO learner of the paper's Appendix B ([`learner`]) and checkpoints ([`checkpoint`]).
 //!
 //! Only crates that need libtorch depend on this one. Build with `LIBTORCH` pointing at a
@@ -25,9 +25,11 @@
 use std::path::{Path, PathBuf};
 
 pub mod checkpoint;
+pub mod cpu;
 pub mod engine;
 pub mod gguf;
 pub mod hf;
+pub mod kernels;
 pub mod learner;
 pub mod loader;
 pub mod model;

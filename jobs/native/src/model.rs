@@ -149,19 +149,19 @@ impl LlamaConfig {
     }
 }
 
-struct Layer {
-    input_norm: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_bias: Option<Tensor>,
-    k_bias: Option<Tensor>,
-    v_bias: Option<Tensor>,
-    o: Tensor,
-    post_norm: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+pub(crate) struct Layer {
+    pub(crate) input_norm: Tensor,
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+    pub(crate) q_bias: Option<Tensor>,
+    pub(crate) k_bias: Option<Tensor>,
+    pub(crate) v_bias: Option<Tensor>,
+    pub(crate) o: Tensor,
+    pub(crate) post_norm: Tensor,
+    pub(crate) gate: Tensor,
+    pub(crate) up: Tensor,
+    pub(crate) down: Tensor,
 }
 
 /// Keys and values of past positions, one pair per layer, `[B, kv_heads, T, head_dim]`.
@@ -219,8 +219,25 @@ impl SeqKv {
         self.cap
     }
 
+    /// Layer `i`'s key and value buffers `[kv_heads, capacity, head_dim]` and the capacity
+    /// (for the CPU kernels, which write them directly).
+    pub(crate) fn layer(&mut self, i: usize) -> (&mut [f32], &mut [f32], usize) {
+        let n = self.k[i].numel();
+        let (k, v) = (&self.k[i], &self.v[i]);
+        assert!(k.device() == Device::Cpu && k.kind() == Kind::Float && k.is_contiguous() && v.is_contiguous());
+        // SAFETY: contiguous float32 CPU buffers of `n` values that this cache owns and
+        // `&mut self` borrows exclusively.
+        unsafe { (std::slice::from_raw_parts_mut(k.data_ptr() as *mut f32, n), std::slice::from_raw_parts_mut(v.data_ptr() as *mut f32, n), self.cap) }
+    }
+
+    /// Counts `n` more positions as held (written through [`SeqKv::layer`]).
+    pub(crate) fn advance(&mut self, n: usize) {
+        debug_assert!(self.len + n <= self.cap);
+        self.len += n;
+    }
+
     /// Makes room for `n` positions, keeping those held.
-    fn reserve(&mut self, n: usize) {
+    pub(crate) fn reserve(&mut self, n: usize) {
         if n <= self.cap {
             return;
         }
@@ -268,17 +285,25 @@ struct EngineLayer {
 }
 
 /// The weights the rollout engine decodes with: a copy of the model's matrices in one
-/// [`WeightFormat`] (norms and embeddings are the model's own).
+/// [`WeightFormat`] (norms and embeddings are the model's own). `f32` and `bf16` run on
+/// libtorch (any device); `int4` on the CPU's own kernels ([`crate::cpu`]).
 pub struct EngineWeights {
     pub format: WeightFormat,
-    layers: Vec<EngineLayer>,
-    head: Packed,
+    kernels: Kernels,
+}
+
+enum Kernels {
+    Torch { layers: Vec<EngineLayer>, head: Packed },
+    Cpu(crate::cpu::CpuWeights),
 }
 
 impl EngineWeights {
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.
     pub fn logits_of(&self, h: &Tensor) -> Tensor {
-        self.head.apply(h)
+        match &self.kernels {
+            Kernels::Torch { head, .. } => head.apply(h),
+            Kernels::Cpu(c) => c.logits(h),
+        }
     }
 }
 
@@ -286,10 +311,10 @@ impl EngineWeights {
 pub struct Llama {
     pub config: LlamaConfig,
     pub vs: nn::VarStore,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
-    lm_head: Option<Tensor>,
+    pub(crate) embed: Tensor,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Tensor,
+    pub(crate) lm_head: Option<Tensor>,
 }
 
 impl Llama {
@@ -471,28 +496,28 @@ impl Llama {
 
     /// The engine's copy of the weights in `format`, with the products that share an input
     /// fused (q, k and v into one matrix; gate and up into another): fewer, larger products
-    /// per layer. The LM head stays bfloat16 under `int4` (4-bit logits over a 49k
-    /// vocabulary cost more quality than the head's share of the time is worth).
-    pub fn engine_weights(&self, format: WeightFormat) -> Result<EngineWeights, NativeError> {
+    /// per layer. `threads`: the CPU kernels' thread count (`int4`).
+    pub fn engine_weights(&self, format: WeightFormat, threads: usize) -> Result<EngineWeights, NativeError> {
+        if format == WeightFormat::Int4 {
+            return Ok(EngineWeights { format, kernels: Kernels::Cpu(crate::cpu::CpuWeights::new(self, threads)?) });
+        }
         let _g = tch::no_grad_guard();
         let mut layers = Vec::with_capacity(self.layers.len());
-        for (i, l) in self.layers.iter().enumerate() {
-            let name = |m: &str| format!("model.layers.{i}.{m}");
+        for l in &self.layers {
             let qkv_bias = match (&l.q_bias, &l.k_bias, &l.v_bias) {
                 (Some(q), Some(k), Some(v)) => Some(Tensor::cat(&[q, k, v], 0)),
                 _ => None,
             };
             layers.push(EngineLayer {
-                qkv: Packed::new(&Tensor::cat(&[&l.q, &l.k, &l.v], 0), format, &name("self_attn.qkv"))?,
+                qkv: Packed::new(&Tensor::cat(&[&l.q, &l.k, &l.v], 0), format),
                 qkv_bias,
-                o: Packed::new(&l.o, format, &name("self_attn.o_proj"))?,
-                gate_up: Packed::new(&Tensor::cat(&[&l.gate, &l.up], 0), format, &name("mlp.gate_up"))?,
-                down: Packed::new(&l.down, format, &name("mlp.down_proj"))?,
+                o: Packed::new(&l.o, format),
+                gate_up: Packed::new(&Tensor::cat(&[&l.gate, &l.up], 0), format),
+                down: Packed::new(&l.down, format),
             });
         }
-        let head_format = if format == WeightFormat::Int4 { WeightFormat::Bf16 } else { format };
-        let head = Packed::new(self.lm_head.as_ref().unwrap_or(&self.embed), head_format, "lm_head")?;
-        Ok(EngineWeights { format, layers, head })
+        let head = Packed::new(self.lm_head.as_ref().unwrap_or(&self.embed), format);
+        Ok(EngineWeights { format, kernels: Kernels::Torch { layers, head } })
     }
 
     /// Final-norm hidden states `[rows, hidden]` of one engine pass over `ids` (one token
@@ -503,6 +528,10 @@ impl Llama {
     /// tests), which makes the engine's numerics independent of batch composition.
     /// Attention runs per segment against its own cache.
     pub fn forward_rows(&self, w: &EngineWeights, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
+        let layers = match &w.kernels {
+            Kernels::Cpu(c) => return crate::cpu::forward(self, c, ids, segments),
+            Kernels::Torch { layers, .. } => layers,
+        };
         let c = &self.config;
         let m = ids.len() as i64;
         let hd = c.head_dim();
@@ -530,7 +559,7 @@ impl Llama {
             })
             .collect();
         let att = Tensor::zeros([1, heads, m, hd], (Kind::Float, dev));
-        for (i, (l, pl)) in self.layers.iter().zip(&w.layers).enumerate() {
+        for (i, (l, pl)) in self.layers.iter().zip(layers).enumerate() {
             let h = rms_norm(&x, &l.input_norm, c.rms_norm_eps);
             let mut qkv = pl.qkv.apply(&h);
             if let Some(b) = &pl.qkv_bias {

@@ -218,7 +218,7 @@ async fn llama_server(model: &std::path::Path, args: &SamplerArgs, prompt: &str)
 }
 
 fn engine_row(streams: usize, weights: WeightFormat, model: &native::Llama, tok: &native::Tokenizer, args: &SamplerArgs) -> anyhow::Result<Row> {
-    let engine = Engine::start(model.clone_weights()?, EngineConfig { max_batch: streams.max(1), weights, ..Default::default() })?;
+    let engine = Engine::start(model.clone_weights()?, EngineConfig { max_batch: streams.max(1), weights, threads: Some(args.threads as usize), ..Default::default() })?;
     let greedy = GenerateOptions::greedy(args.max_tokens);
     // warm-up
     engine.generate(Request::new(prompt_ids(tok, 32, 999)?, GenerateOptions::greedy(4)))?;

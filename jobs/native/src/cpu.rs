@@ -1,0 +1,288 @@
+//! The rollout engine's forward pass on the CPU with its own kernels ([`crate::kernels`]):
+//! the `int4` weight format. Matrices are 4-bit (the LM head 8-bit) times 8-bit
+//! activations; norms, RoPE, attention and the residual stream are float32 loops; keys and
+//! values go straight into the engine's per-sequence caches ([`SeqKv`]).
+//!
+//! Each row of a pass (one token of one sequence) is computed on its own: only the rows
+//! that carry a real token are computed (padding costs nothing), a position's keys and
+//! values come out the same from a prefill chunk as from a decode step, and a row's
+//! result is bitwise independent of the other rows and of the thread count.
+
+use tch::{Kind, Tensor};
+
+use crate::kernels::{self, Bits, QActs, QMatrix};
+use crate::model::{Llama, Segment};
+use crate::NativeError;
+
+struct CpuLayer {
+    input_norm: Vec<f32>,
+    qkv: QMatrix,
+    qkv_bias: Option<Vec<f32>>,
+    o: QMatrix,
+    post_norm: Vec<f32>,
+    gate_up: QMatrix,
+    down: QMatrix,
+}
+
+/// A model's weights for the CPU kernels.
+pub struct CpuWeights {
+    layers: Vec<CpuLayer>,
+    norm: Vec<f32>,
+    head: QMatrix,
+    /// float32 `[vocab, hidden]`, the model's own (shared, not copied)
+    embed: Tensor,
+    inv_freq: Vec<f32>,
+    pool: Option<rayon::ThreadPool>,
+}
+
+fn floats(t: &Tensor, name: &str) -> Result<Vec<f32>, NativeError> {
+    let t = t.to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous().view([-1]);
+    Vec::<f32>::try_from(&t).map_err(|e| NativeError::Config { field: "rollout_weights".into(), detail: format!("cannot read `{name}`: {e}") })
+}
+
+fn matrix(parts: &[&Tensor], bits: Bits, name: &str) -> Result<QMatrix, NativeError> {
+    let w = Tensor::cat(parts, 0);
+    let (rows, cols) = w.size2()?;
+    Ok(QMatrix::quantize(&floats(&w, name)?, rows as usize, cols as usize, bits))
+}
+
+impl CpuWeights {
+    /// Quantises `model`'s matrices; products run on `threads` threads.
+    pub fn new(model: &Llama, threads: usize) -> Result<CpuWeights, NativeError> {
+        if model.device() != tch::Device::Cpu {
+            return Err(NativeError::Config { field: "rollout_weights".into(), detail: "int4 runs on the CPU's own kernels; on a GPU use bf16".into() });
+        }
+        let _g = tch::no_grad_guard();
+        let c = &model.config;
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for (i, l) in model.layers.iter().enumerate() {
+            let name = |m: &str| format!("model.layers.{i}.{m}");
+            let qkv_bias = match (&l.q_bias, &l.k_bias, &l.v_bias) {
+                (Some(q), Some(k), Some(v)) => Some(floats(&Tensor::cat(&[q, k, v], 0), &name("self_attn.qkv_bias"))?),
+                _ => None,
+            };
+            layers.push(CpuLayer {
+                input_norm: floats(&l.input_norm, &name("input_layernorm"))?,
+                qkv: matrix(&[&l.q, &l.k, &l.v], Bits::Four, &name("self_attn.qkv"))?,
+                qkv_bias,
+                o: matrix(&[&l.o], Bits::Four, &name("self_attn.o_proj"))?,
+                post_norm: floats(&l.post_norm, &name("post_attention_layernorm"))?,
+                gate_up: matrix(&[&l.gate, &l.up], Bits::Four, &name("mlp.gate_up"))?,
+                down: matrix(&[&l.down], Bits::Four, &name("mlp.down_proj"))?,
+            });
+        }
+        // 4-bit logits over a 49k vocabulary cost more quality than the head's share of the time is worth
+        let head = matrix(&[model.lm_head.as_ref().unwrap_or(&model.embed)], Bits::Eight, "lm_head")?;
+        let hd = c.head_dim() as usize;
+        let theta = c.rope_theta as f32;
+        let inv_freq = (0..hd / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / hd as f32)).collect();
+        let embed = model.embed.to_kind(Kind::Float).contiguous();
+        Ok(CpuWeights { layers, norm: floats(&model.norm, "model.norm")?, head, embed, inv_freq, pool: kernels::pool(threads) })
+    }
+
+    /// Bytes of quantised weights a decode step reads.
+    pub fn bytes(&self) -> usize {
+        self.head.bytes() + self.layers.iter().map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes()).sum::<usize>()
+    }
+
+    /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.
+    pub fn logits(&self, h: &Tensor) -> Tensor {
+        let (rows, hidden) = h.size2().expect("hidden states [rows, hidden]");
+        let x = Vec::<f32>::try_from(&h.to_kind(Kind::Float).contiguous().view([-1])).expect("float32 hidden states");
+        let mut qa = QActs::default();
+        qa.quantize(&x, rows as usize, hidden as usize);
+        let mut y = vec![0f32; rows as usize * self.head.rows];
+        kernels::matmul(&self.head, &qa, &mut y, self.pool.as_ref());
+        Tensor::from_slice(&y).view([rows, self.head.rows as i64])
+    }
+
+    fn embed_row(&self, token: u32, out: &mut [f32]) {
+        let hidden = out.len();
+        // SAFETY: a contiguous float32 CPU tensor [vocab, hidden]; `token` is checked against vocab.
+        let vocab = self.embed.size()[0] as usize;
+        assert!((token as usize) < vocab, "token {token} is beyond the vocabulary ({vocab})");
+        let src = unsafe { std::slice::from_raw_parts((self.embed.data_ptr() as *const f32).add(token as usize * hidden), hidden) };
+        out.copy_from_slice(src);
+    }
+}
+
+/// One computed row of a pass: pass row `row` is position `pos` of segment `seg`.
+struct Row {
+    seg: usize,
+    row: usize,
+    pos: usize,
+}
+
+/// `Σ a·b` in 16 lanes (a plain float sum is sequential; lanes let the compiler vectorise).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    // a tree, not a chain: 16 → 8 → 4 → 2 → 1
+    let mut n = 16;
+    while n > 1 {
+        n /= 2;
+        for i in 0..n {
+            acc[i] += acc[i + n];
+        }
+    }
+    acc[0] + tail
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    for (xr, or) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+        let var = dot(xr, xr) / w.len() as f32;
+        let r = 1.0 / (var + eps).sqrt();
+        for ((o, v), g) in or.iter_mut().zip(xr).zip(w) {
+            *o = v * r * g;
+        }
+    }
+}
+
+/// Rotates one head `x` at `pos` (HF half rotation, or ggml's adjacent pairs).
+fn rope(x: &mut [f32], pos: usize, inv_freq: &[f32], interleaved: bool) {
+    let half = inv_freq.len();
+    for (i, f) in inv_freq.iter().enumerate() {
+        let (sin, cos) = (pos as f32 * f).sin_cos();
+        let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+        let (x0, x1) = (x[a], x[b]);
+        x[a] = x0 * cos - x1 * sin;
+        x[b] = x1 * cos + x0 * sin;
+    }
+}
+
+/// A raw view of a cache layer buffer `[kv_heads, cap, head_dim]` shared by the threads of
+/// one attention step (they only read it).
+#[derive(Clone, Copy)]
+struct Buf(*const f32);
+unsafe impl Send for Buf {}
+unsafe impl Sync for Buf {}
+
+/// The attention output, each row written by one thread.
+#[derive(Clone, Copy)]
+struct OutBuf(*mut f32);
+unsafe impl Send for OutBuf {}
+unsafe impl Sync for OutBuf {}
+
+impl OutBuf {
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
+impl Buf {
+    fn ptr(self) -> *const f32 {
+        self.0
+    }
+}
+
+/// Final-norm hidden states `[ids.len(), hidden]` of one engine pass (see
+/// [`Llama::forward_rows`]); rows no segment's real tokens cover stay zero.
+pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
+    let c = &model.config;
+    let (hidden, hd) = (c.hidden_size as usize, c.head_dim() as usize);
+    let (heads, kv_heads, inter) = (c.num_attention_heads as usize, c.num_key_value_heads as usize, c.intermediate_size as usize);
+    let group = heads / kv_heads;
+    let qkv_dim = (heads + 2 * kv_heads) * hd;
+    let eps = c.rms_norm_eps as f32;
+    let pool = w.pool.as_ref();
+
+    let mut rows = vec![];
+    for (si, s) in segments.iter_mut().enumerate() {
+        s.cache.reserve(s.cache.len() + s.rows);
+        for r in 0..s.attend {
+            rows.push(Row { seg: si, row: s.first + r, pos: s.cache.len() + r });
+        }
+    }
+    let n = rows.len();
+    let mut x = vec![0f32; n * hidden];
+    for (r, row) in rows.iter().enumerate() {
+        w.embed_row(ids[row.row], &mut x[r * hidden..(r + 1) * hidden]);
+    }
+    let mut h = vec![0f32; n * hidden];
+    let mut qkv = vec![0f32; n * qkv_dim];
+    let mut att = vec![0f32; n * heads * hd];
+    let mut tmp = vec![0f32; n * hidden];
+    let mut gu = vec![0f32; n * 2 * inter];
+    let mut act = vec![0f32; n * inter];
+    let mut qa = QActs::default();
+    let scale = 1.0 / (hd as f32).sqrt();
+    for (li, l) in w.layers.iter().enumerate() {
+        rms_norm(&x, &l.input_norm, eps, &mut h);
+        qa.quantize(&h, n, hidden);
+        kernels::matmul(&l.qkv, &qa, &mut qkv, pool);
+        for (r, row) in rows.iter().enumerate() {
+            let v = &mut qkv[r * qkv_dim..(r + 1) * qkv_dim];
+            if let Some(b) = &l.qkv_bias {
+                v.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+            }
+            for head in v[..(heads + kv_heads) * hd].chunks_exact_mut(hd) {
+                rope(head, row.pos, &w.inv_freq, c.rope_interleaved);
+            }
+            let (k, v) = v[heads * hd..].split_at(kv_heads * hd);
+            let (kb, vb, cap) = segments[row.seg].cache.layer(li);
+            for g in 0..kv_heads {
+                let at = (g * cap + row.pos) * hd;
+                kb[at..at + hd].copy_from_slice(&k[g * hd..(g + 1) * hd]);
+                vb[at..at + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
+            }
+        }
+        let caches: Vec<(Buf, Buf, usize)> = segments
+            .iter_mut()
+            .map(|s| {
+                let (k, v, cap) = s.cache.layer(li);
+                (Buf(k.as_ptr()), Buf(v.as_ptr()), cap)
+            })
+            .collect();
+        let (qkv_ref, rows_ref, caches) = (&qkv, &rows, &caches);
+        let att_out = OutBuf(att.as_mut_ptr());
+        kernels::split(n, pool, move |range| {
+            let mut scores = vec![];
+            for r in range {
+                let row = &rows_ref[r];
+                let (kb, vb, cap) = caches[row.seg];
+                let len = row.pos + 1;
+                scores.resize(len, 0f32);
+                for head in 0..heads {
+                    let q = &qkv_ref[r * qkv_dim + head * hd..r * qkv_dim + (head + 1) * hd];
+                    let g = head / group;
+                    // SAFETY: positions 0..len of kv head g are written (this layer) and only read here.
+                    let keys = unsafe { std::slice::from_raw_parts(kb.ptr().add(g * cap * hd), len * hd) };
+                    let values = unsafe { std::slice::from_raw_parts(vb.ptr().add(g * cap * hd), len * hd) };
+                    // SAFETY: row r's output is written by this part only.
+                    let out = unsafe { std::slice::from_raw_parts_mut(att_out.ptr().add(r * heads * hd + head * hd), hd) };
+                    kernels::attend(q, keys, values, scale, &mut scores, out);
+                }
+            }
+        });
+        qa.quantize(&att, n, heads * hd);
+        kernels::matmul(&l.o, &qa, &mut tmp, pool);
+        x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
+        rms_norm(&x, &l.post_norm, eps, &mut h);
+        qa.quantize(&h, n, hidden);
+        kernels::matmul(&l.gate_up, &qa, &mut gu, pool);
+        for (a, g) in act.chunks_exact_mut(inter).zip(gu.chunks_exact(2 * inter)) {
+            let (gate, up) = g.split_at(inter);
+            for ((o, g), u) in a.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        }
+        qa.quantize(&act, n, inter);
+        kernels::matmul(&l.down, &qa, &mut tmp, pool);
+        x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
+    }
+    for s in segments.iter_mut() {
+        s.cache.advance(s.attend);
+    }
+    rms_norm(&x.clone(), &w.norm, eps, &mut x);
+    let mut out = vec![0f32; ids.len() * hidden];
+    for (r, row) in rows.iter().enumerate() {
+        out[row.row * hidden..(row.row + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
+    }
+    Tensor::from_slice(&out).view([ids.len() as i64, hidden as i64])
+}

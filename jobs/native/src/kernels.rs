@@ -1,0 +1,680 @@
+//! Quantised matrix products of the CPU rollout engine, in the manner of llama.cpp: 4-bit
+//! (or 8-bit) weights in groups of 32 times 8-bit activations, integer dot products per
+//! group, one float scale per group.
+//!
+//! Why own kernels: a decode step of a 135M-parameter model is ~120 matrix-vector products
+//! and ~400 small element-wise operations. Through libtorch each costs a dispatch of a few
+//! microseconds, which alone is more than llama.cpp's whole step (7 ms); here a step is a
+//! plain loop over memory, and one stream decodes at llama.cpp's speed.
+//!
+//! **Formats.** A [`QMatrix`] row holds groups ("blocks") of 32 weights `w ≈ d·u + m`,
+//! `u` unsigned: 4-bit `u ∈ 0..=15` with `d = (max − min)/15, m = min` (GGUF's Q4_1), or
+//! 8-bit `u ∈ 1..=255` with `d = amax/127, m = −128·d` (symmetric, like Q8_0). Activations
+//! ([`QActs`]) are 8-bit per block, `x ≈ dx·q`, `q ∈ −127..=127` (Q8_1). The product of one
+//! block is `Σ w·x ≈ d·dx·Σ u·q + m·dx·Σ q`, so both formats share one kernel.
+//!
+//! **Layout.** Blocks go in pairs, 64 values, stored in the order that lets one AVX-512
+//! VNNI instruction (`vpdpbusd`: 64 unsigned × signed byte products, summed in fours into
+//! 16 lanes) leave block 0 in the even lanes and block 1 in the odd ones: then a pair's two
+//! scales multiply all 16 lanes from one 64-bit broadcast. A 4-bit pair is 32 bytes: the
+//! low nibbles are bytes 0..32 of that order, the high nibbles bytes 32..64.
+//!
+//! **Numerics do not depend on batch composition.** Every output row of every input row
+//! is computed by the same sequence of operations whatever the other rows are, how many
+//! there are, or how the rows are split among threads: the engine's results are bitwise
+//! independent of what else it decodes. They may differ between a CPU with AVX-512 VNNI
+//! and one without (the portable kernel sums in another order).
+
+use std::sync::OnceLock;
+
+/// Values per quantisation block.
+pub const BLOCK: usize = 32;
+/// Values per stored block pair.
+const PAIR: usize = 2 * BLOCK;
+
+/// Weight bits of a [`QMatrix`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bits {
+    Four,
+    Eight,
+}
+
+/// Position, in a block pair's stored order, of value `e` (0..32) of block `parity` (0, 1):
+/// lane `k` of the 16 four-byte lanes holds block `k % 2`, values `(k / 2)·4 ..+4`.
+#[inline]
+fn slot(parity: usize, e: usize) -> usize {
+    (e / 4) * 8 + parity * 4 + e % 4
+}
+
+/// A quantised weight matrix `[rows, cols]` (one row per output feature), `cols` padded
+/// with zero weights to a multiple of 64.
+pub struct QMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: Bits,
+    pairs: usize,
+    /// per row, `pairs` × 32 (4-bit) or 64 (8-bit) bytes
+    q: Vec<u8>,
+    /// per row and block: scale and offset
+    d: Vec<f32>,
+    m: Vec<f32>,
+}
+
+impl QMatrix {
+    /// Quantises `w` (`[rows, cols]`, row-major float32).
+    pub fn quantize(w: &[f32], rows: usize, cols: usize, bits: Bits) -> QMatrix {
+        assert_eq!(w.len(), rows * cols, "matrix data does not match its shape");
+        let pairs = cols.div_ceil(PAIR);
+        let blocks = 2 * pairs;
+        let row_bytes = pairs * if bits == Bits::Four { BLOCK } else { PAIR };
+        let mut q = vec![0u8; rows * row_bytes];
+        let mut d = vec![0f32; rows * blocks];
+        let mut m = vec![0f32; rows * blocks];
+        let mut u = [0u8; PAIR];
+        for r in 0..rows {
+            let row = &w[r * cols..(r + 1) * cols];
+            for p in 0..pairs {
+                for parity in 0..2 {
+                    let b = 2 * p + parity;
+                    let start = (b * BLOCK).min(cols);
+                    let vals = &row[start..((b + 1) * BLOCK).min(cols)];
+                    let (scale, offset) = match bits {
+                        Bits::Four => {
+                            // a short last block is padded with zeros, which it must represent
+                            let pad = if vals.len() < BLOCK { 0.0 } else { f32::NAN };
+                            let lo = vals.iter().copied().fold(pad, f32::min);
+                            let hi = vals.iter().copied().fold(pad, f32::max);
+                            ((hi - lo) / 15.0, lo)
+                        }
+                        Bits::Eight => {
+                            let amax = vals.iter().fold(0f32, |a, v| a.max(v.abs()));
+                            let scale = amax / 127.0;
+                            (scale, -128.0 * scale)
+                        }
+                    };
+                    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                    for e in 0..BLOCK {
+                        let v = vals.get(e).copied().unwrap_or(0.0);
+                        u[slot(parity, e)] = match bits {
+                            Bits::Four => round(((v - offset) * inv).clamp(0.0, 15.0)) as u8,
+                            Bits::Eight => (round((v * inv).clamp(-127.0, 127.0)) as i32 + 128) as u8,
+                        };
+                    }
+                    d[r * blocks + b] = scale;
+                    m[r * blocks + b] = offset;
+                }
+                let out = &mut q[r * row_bytes..];
+                match bits {
+                    Bits::Four => {
+                        for i in 0..BLOCK {
+                            out[p * BLOCK + i] = u[i] | (u[i + BLOCK] << 4);
+                        }
+                    }
+                    Bits::Eight => out[p * PAIR..(p + 1) * PAIR].copy_from_slice(&u),
+                }
+            }
+        }
+        QMatrix { rows, cols, bits, pairs, q, d, m }
+    }
+
+    /// The weights as float32 `[rows, cols]`, as the kernels see them.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let blocks = 2 * self.pairs;
+        let row_bytes = self.row_bytes();
+        let mut w = vec![0f32; self.rows * self.cols];
+        for r in 0..self.rows {
+            for c in 0..self.cols {
+                let (b, e) = (c / BLOCK, c % BLOCK);
+                let (p, parity) = (b / 2, b % 2);
+                let j = slot(parity, e);
+                let base = &self.q[r * row_bytes..];
+                let u = match self.bits {
+                    Bits::Four => {
+                        let byte = base[p * BLOCK + j % BLOCK];
+                        if j < BLOCK { byte & 0x0F } else { byte >> 4 }
+                    }
+                    Bits::Eight => base[p * PAIR + j],
+                };
+                w[r * self.cols + c] = self.d[r * blocks + b] * u as f32 + self.m[r * blocks + b];
+            }
+        }
+        w
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.pairs * if self.bits == Bits::Four { BLOCK } else { PAIR }
+    }
+
+    /// Bytes of weight data the kernels read per product (quantised values and scales).
+    pub fn bytes(&self) -> usize {
+        self.q.len() + 4 * (self.d.len() + self.m.len())
+    }
+}
+
+/// Activations `[rows, cols]` quantised for a product with a [`QMatrix`] of `cols` columns.
+#[derive(Default)]
+pub struct QActs {
+    pub rows: usize,
+    pairs: usize,
+    q: Vec<i8>,
+    /// per row and block: dx, and dx·Σq / 8 (each of a block's 8 lanes adds an eighth)
+    dx: Vec<f32>,
+    sx8: Vec<f32>,
+}
+
+impl QActs {
+    /// Quantises `x` (`[rows, cols]`, row-major) into this buffer, reusing its memory.
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+        assert_eq!(x.len(), rows * cols, "activations do not match their shape");
+        let pairs = cols.div_ceil(PAIR);
+        let blocks = 2 * pairs;
+        self.rows = rows;
+        self.pairs = pairs;
+        self.q.clear();
+        self.q.resize(rows * pairs * PAIR, 0);
+        self.dx.clear();
+        self.dx.resize(rows * blocks, 0.0);
+        self.sx8.clear();
+        self.sx8.resize(rows * blocks, 0.0);
+        for r in 0..rows {
+            let row = &x[r * cols..(r + 1) * cols];
+            for b in 0..blocks {
+                let start = (b * BLOCK).min(cols);
+                let vals = &row[start..((b + 1) * BLOCK).min(cols)];
+                let amax = vals.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                let out = &mut self.q[(r * pairs + b / 2) * PAIR..];
+                let mut sum = 0i32;
+                for (e, v) in vals.iter().enumerate() {
+                    let q = round((v * inv).clamp(-127.0, 127.0)) as i8;
+                    out[slot(b % 2, e)] = q;
+                    sum += q as i32;
+                }
+                self.dx[r * blocks + b] = d;
+                self.sx8[r * blocks + b] = d * sum as f32 / 8.0;
+            }
+        }
+    }
+}
+
+/// `v` rounded to the nearest integer (ties to even) for |v| < 2²²: an addition instead of a
+/// call to the C library's `roundf`, which the baseline x86-64 target compiles `round` to.
+#[inline(always)]
+fn round(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³
+    (v + MAGIC) - MAGIC
+}
+
+/// A raw pointer that may cross threads: each thread writes its own disjoint elements.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// (A method, so that closures capture the wrapper and not its raw field.)
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Whether this CPU runs the AVX-512 VNNI kernel (checked once).
+pub fn vnni() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// `y[a, o] = Σ_c x[a, c] · w[o, c]` for every input row `a` and output row `o`:
+/// `y` is `[x.rows, w.rows]`, row-major. Output rows are split among `pool`'s threads.
+pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&rayon::ThreadPool>) {
+    assert_eq!(w.pairs, x.pairs, "activations were quantised for another column count");
+    assert_eq!(y.len(), x.rows * w.rows, "output does not match the product's shape");
+    let out = Out(y.as_mut_ptr());
+    let run = move |o0: usize, o1: usize| {
+        // SAFETY: every (a, o) with o in o0..o1 is written by this call only.
+        #[cfg(target_arch = "x86_64")]
+        if vnni() {
+            unsafe { avx512::rows(w, x, o0, o1, out.ptr()) };
+            return;
+        }
+        unsafe { portable_rows(w, x, o0, o1, out.ptr()) };
+    };
+    match pool {
+        Some(pool) if w.rows >= 64 => {
+            // the calling thread takes the first part, the pool's threads the others; parts
+            // are multiples of 16 rows
+            let parts = pool.current_num_threads() + 1;
+            let per = w.rows.div_ceil(parts).div_ceil(16) * 16;
+            pool.in_place_scope(|s| {
+                for t in 1..parts {
+                    let (o0, o1) = ((t * per).min(w.rows), ((t + 1) * per).min(w.rows));
+                    if o0 < o1 {
+                        s.spawn(move |_| run(o0, o1));
+                    }
+                }
+                run(0, per.min(w.rows));
+            });
+        }
+        _ => run(0, w.rows),
+    }
+}
+
+/// Runs `f` on parts of `0..n` (contiguous, in order), the first on the calling thread
+/// and the others on `pool`'s threads.
+pub fn split<F: Fn(std::ops::Range<usize>) + Sync>(n: usize, pool: Option<&rayon::ThreadPool>, f: F) {
+    match pool {
+        Some(pool) if n > 1 => {
+            let parts = (pool.current_num_threads() + 1).min(n);
+            let per = n.div_ceil(parts);
+            let f = &f;
+            pool.in_place_scope(|s| {
+                for t in 1..parts {
+                    let r = (t * per).min(n)..((t + 1) * per).min(n);
+                    if !r.is_empty() {
+                        s.spawn(move |_| f(r));
+                    }
+                }
+                f(0..per.min(n));
+            });
+        }
+        _ => f(0..n),
+    }
+}
+
+/// The kernel without SIMD intrinsics (what the compiler vectorises of it).
+unsafe fn portable_rows(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f32) {
+    let blocks = 2 * w.pairs;
+    let row_bytes = w.row_bytes();
+    let mut u = [0u8; PAIR];
+    for o in o0..o1 {
+        let wq = &w.q[o * row_bytes..(o + 1) * row_bytes];
+        let (wd, wm) = (&w.d[o * blocks..(o + 1) * blocks], &w.m[o * blocks..(o + 1) * blocks]);
+        for a in 0..x.rows {
+            let xq = &x.q[a * w.pairs * PAIR..(a + 1) * w.pairs * PAIR];
+            let (xd, xs) = (&x.dx[a * blocks..(a + 1) * blocks], &x.sx8[a * blocks..(a + 1) * blocks]);
+            let mut acc = 0f32;
+            for p in 0..w.pairs {
+                match w.bits {
+                    Bits::Four => {
+                        for i in 0..BLOCK {
+                            let byte = wq[p * BLOCK + i];
+                            u[i] = byte & 0x0F;
+                            u[i + BLOCK] = byte >> 4;
+                        }
+                    }
+                    Bits::Eight => u.copy_from_slice(&wq[p * PAIR..(p + 1) * PAIR]),
+                }
+                let mut sums = [0i32; 2];
+                for j in 0..PAIR {
+                    sums[(j / 4) % 2] += u[j] as i32 * xq[p * PAIR + j] as i32;
+                }
+                for (parity, s) in sums.iter().enumerate() {
+                    let b = 2 * p + parity;
+                    acc += *s as f32 * (wd[b] * xd[b]) + 8.0 * wm[b] * xs[b];
+                }
+            }
+            *y.add(a * w.rows + o) = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Output rows `o0..o1` for every input row: tiles of four input rows by one output
+    /// row, and what is left of the input rows in tiles of four output rows by one input
+    /// row, so that every tile keeps at least eight independent accumulators busy.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn rows(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f32) {
+        match w.bits {
+            Bits::Four => rows_of::<true>(w, x, o0, o1, y),
+            Bits::Eight => rows_of::<false>(w, x, o0, o1, y),
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn rows_of<const FOUR: bool>(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f32) {
+        let k = Kernel::<FOUR>::new(w, x, y);
+        let full = x.rows / 4 * 4;
+        for o in o0..o1 {
+            let mut a = 0;
+            while a < full {
+                k.one_by_four(o, a);
+                a += 4;
+            }
+        }
+        for a in full..x.rows {
+            let mut o = o0;
+            while o + 4 <= o1 {
+                k.four_by_one(o, a);
+                o += 4;
+            }
+            while o < o1 {
+                k.one_by_one(o, a);
+                o += 1;
+            }
+        }
+    }
+
+    /// The operands of one product, as raw pointers.
+    struct Kernel<const FOUR: bool> {
+        pairs: usize,
+        out: usize,
+        row_bytes: usize,
+        wq: *const u8,
+        wd: *const f32,
+        wm: *const f32,
+        xq: *const i8,
+        xd: *const f32,
+        xs: *const f32,
+        y: *mut f32,
+    }
+
+    /// Two f32 (a block pair's values) broadcast to 16 lanes: even lanes the first.
+    #[inline(always)]
+    unsafe fn pair(p: *const f32) -> __m512 {
+        _mm512_castpd_ps(_mm512_set1_pd((p as *const f64).read_unaligned()))
+    }
+
+    /// A block pair's 64 unsigned weights in the stored order.
+    #[inline(always)]
+    unsafe fn weights<const FOUR: bool>(p: *const u8) -> __m512i {
+        if FOUR {
+            // both halves hold the 32 bytes; the low half keeps the low nibbles, the high half
+            // shifts the high ones down
+            let v = _mm512_castsi256_si512(_mm256_loadu_si256(p as *const __m256i));
+            let v = _mm512_shuffle_i64x2(v, v, 0b01_00_01_00);
+            let shift = _mm512_set_epi64(4 * 0x0001_0001_0001_0001, 4 * 0x0001_0001_0001_0001, 4 * 0x0001_0001_0001_0001, 4 * 0x0001_0001_0001_0001, 0, 0, 0, 0);
+            _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(0x0F))
+        } else {
+            _mm512_loadu_si512(p as *const _)
+        }
+    }
+
+    impl<const FOUR: bool> Kernel<FOUR> {
+        #[inline(always)]
+        unsafe fn new(w: &QMatrix, x: &QActs, y: *mut f32) -> Self {
+            Kernel {
+                pairs: w.pairs,
+                out: w.rows,
+                row_bytes: w.row_bytes(),
+                wq: w.q.as_ptr(),
+                wd: w.d.as_ptr(),
+                wm: w.m.as_ptr(),
+                xq: x.q.as_ptr(),
+                xd: x.dx.as_ptr(),
+                xs: x.sx8.as_ptr(),
+                y,
+            }
+        }
+
+        /// Output `o`, input `a`, block pair `p`, added to the accumulators `acc`
+        /// (scaled integer dots) and `accm` (offsets): the one operation sequence every
+        /// tile shape uses.
+        #[inline(always)]
+        unsafe fn step(&self, wv: __m512i, dw: __m512, mw: __m512, a: usize, p: usize, acc: &mut __m512, accm: &mut __m512) {
+            let xv = _mm512_loadu_si512(self.xq.add((a * self.pairs + p) * PAIR) as *const _);
+            let i = 2 * (a * self.pairs + p);
+            let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
+            *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, pair(self.xd.add(i))), *acc);
+            *accm = _mm512_fmadd_ps(mw, pair(self.xs.add(i)), *accm);
+        }
+
+        #[inline(always)]
+        unsafe fn load(&self, o: usize, p: usize) -> (__m512i, __m512, __m512) {
+            let step = if FOUR { BLOCK } else { PAIR };
+            let b = 2 * (o * self.pairs + p);
+            (weights::<FOUR>(self.wq.add(o * self.row_bytes + p * step)), pair(self.wd.add(b)), pair(self.wm.add(b)))
+        }
+
+        #[inline(always)]
+        unsafe fn store(&self, o: usize, a: usize, acc: __m512, accm: __m512) {
+            *self.y.add(a * self.out + o) = _mm512_reduce_add_ps(_mm512_add_ps(acc, accm));
+        }
+
+        #[inline(always)]
+        unsafe fn one_by_one(&self, o: usize, a: usize) {
+            let (mut acc, mut accm) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for p in 0..self.pairs {
+                let (wv, dw, mw) = self.load(o, p);
+                self.step(wv, dw, mw, a, p, &mut acc, &mut accm);
+            }
+            self.store(o, a, acc, accm);
+        }
+
+        #[inline(always)]
+        unsafe fn four_by_one(&self, o: usize, a: usize) {
+            let z = _mm512_setzero_ps();
+            let (mut a0, mut a1, mut a2, mut a3) = (z, z, z, z);
+            let (mut m0, mut m1, mut m2, mut m3) = (z, z, z, z);
+            for p in 0..self.pairs {
+                let (w0, d0, n0) = self.load(o, p);
+                self.step(w0, d0, n0, a, p, &mut a0, &mut m0);
+                let (w1, d1, n1) = self.load(o + 1, p);
+                self.step(w1, d1, n1, a, p, &mut a1, &mut m1);
+                let (w2, d2, n2) = self.load(o + 2, p);
+                self.step(w2, d2, n2, a, p, &mut a2, &mut m2);
+                let (w3, d3, n3) = self.load(o + 3, p);
+                self.step(w3, d3, n3, a, p, &mut a3, &mut m3);
+            }
+            self.store(o, a, a0, m0);
+            self.store(o + 1, a, a1, m1);
+            self.store(o + 2, a, a2, m2);
+            self.store(o + 3, a, a3, m3);
+        }
+
+        #[inline(always)]
+        unsafe fn one_by_four(&self, o: usize, a: usize) {
+            let z = _mm512_setzero_ps();
+            let (mut a0, mut a1, mut a2, mut a3) = (z, z, z, z);
+            let (mut m0, mut m1, mut m2, mut m3) = (z, z, z, z);
+            for p in 0..self.pairs {
+                let (wv, dw, mw) = self.load(o, p);
+                self.step(wv, dw, mw, a, p, &mut a0, &mut m0);
+                self.step(wv, dw, mw, a + 1, p, &mut a1, &mut m1);
+                self.step(wv, dw, mw, a + 2, p, &mut a2, &mut m2);
+                self.step(wv, dw, mw, a + 3, p, &mut a3, &mut m3);
+            }
+            self.store(o, a, a0, m0);
+            self.store(o, a + 1, a1, m1);
+            self.store(o, a + 2, a2, m2);
+            self.store(o, a + 3, a3, m3);
+        }
+    }
+
+    /// [`super::attend`] for a head of `N` × 16 values.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn attend<const N: usize>(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+        let hd = N * 16;
+        let len = scores.len();
+        debug_assert!(q.len() == hd && keys.len() >= len * hd && values.len() >= len * hd && out.len() == hd);
+        let mut qv = [_mm512_setzero_ps(); N];
+        for c in 0..N {
+            qv[c] = _mm512_loadu_ps(q.as_ptr().add(16 * c));
+        }
+        let kp = keys.as_ptr();
+        let mut max = f32::NEG_INFINITY;
+        for t in 0..len {
+            let k = kp.add(t * hd);
+            let mut acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+            for c in 1..N {
+                acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k.add(16 * c)), acc);
+            }
+            let s = _mm512_reduce_add_ps(acc) * scale;
+            scores[t] = s;
+            max = max.max(s);
+        }
+        let mut total = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            total += *s;
+        }
+        let mut acc = [_mm512_setzero_ps(); N];
+        let vp = values.as_ptr();
+        for t in 0..len {
+            let p = _mm512_set1_ps(scores[t] / total);
+            let v = vp.add(t * hd);
+            for c in 0..N {
+                acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v.add(16 * c)), acc[c]);
+            }
+        }
+        for c in 0..N {
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), acc[c]);
+        }
+    }
+}
+
+/// One attention head of one query row: `out = softmax(scale · q·Kᵀ) · V` over the `len`
+/// positions of `keys` and `values` (`[len, hd]` each); `scores` is scratch space.
+pub fn attend(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let hd = q.len();
+    let len = keys.len() / hd;
+    scores.resize(len, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if vnni() {
+        match hd {
+            // SAFETY: the AVX-512 check above; lengths as asserted by the slices' shapes
+            64 => return unsafe { avx512::attend::<4>(q, keys, values, scale, scores, out) },
+            128 => return unsafe { avx512::attend::<8>(q, keys, values, scale, scores, out) },
+            _ => {}
+        }
+    }
+    let mut max = f32::NEG_INFINITY;
+    for (s, k) in scores.iter_mut().zip(keys.chunks_exact(hd)) {
+        *s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+        max = max.max(*s);
+    }
+    let total: f32 = scores.iter_mut().map(|s| {
+        *s = (*s - max).exp();
+        *s
+    }).sum();
+    out.fill(0.0);
+    for (s, v) in scores.iter().zip(values.chunks_exact(hd)) {
+        let p = s / total;
+        out.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
+    }
+}
+
+/// The helper threads for products on `threads` threads: `threads − 1` of them beside the
+/// calling thread (`None` for one thread: no hand-offs at all).
+pub fn pool(threads: usize) -> Option<rayon::ThreadPool> {
+    (threads > 1).then(|| rayon::ThreadPoolBuilder::new().num_threads(threads - 1).thread_name(|i| format!("harness-s-kernel-{i}")).build().ok()).flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    fn reference(w: &[f32], x: &[f32], rows: usize, cols: usize, n: usize) -> Vec<f32> {
+        let mut y = vec![0f32; n * rows];
+        for a in 0..n {
+            for o in 0..rows {
+                y[a * rows + o] = (0..cols).map(|c| w[o * cols + c] * x[a * cols + c]).sum();
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn quantised_products_approximate_the_float_product() {
+        for (rows, cols) in [(48, 576), (5, 40), (70, 96)] {
+            let w = data(rows * cols, 1);
+            let x = data(6 * cols, 2);
+            let want = reference(&w, &x, rows, cols, 6);
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for (bits, tol) in [(Bits::Four, 0.15), (Bits::Eight, 0.03)] {
+                let qm = QMatrix::quantize(&w, rows, cols, bits);
+                // the dequantised weights are within half a step of the originals
+                let dq = qm.dequantize();
+                let step = if bits == Bits::Four { 2.0 / 15.0 } else { 1.0 / 127.0 };
+                assert!(dq.iter().zip(&w).all(|(a, b)| (a - b).abs() <= step * 0.5 + 1e-6), "{bits:?}");
+                let mut qa = QActs::default();
+                qa.quantize(&x, 6, cols);
+                let mut y = vec![0f32; 6 * rows];
+                matmul(&qm, &qa, &mut y, None);
+                let err = y.iter().zip(&want).fold(0f32, |a, (g, t)| a.max((g - t).abs())) / scale;
+                assert!(err < tol && err > 0.0, "{bits:?} [{rows}, {cols}]: relative error {err}");
+                // against the dequantised matrix the error is the activations' rounding only
+                let exact = reference(&dq, &x, rows, cols, 6);
+                let err = y.iter().zip(&exact).fold(0f32, |a, (g, t)| a.max((g - t).abs())) / scale;
+                assert!(err < 0.02, "{bits:?}: activation rounding {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_others_or_the_threads() {
+        let (rows, cols) = (160, 128);
+        let w = QMatrix::quantize(&data(rows * cols, 3), rows, cols, Bits::Four);
+        let x = data(7 * cols, 4);
+        let mut all = QActs::default();
+        all.quantize(&x, 7, cols);
+        let mut y_all = vec![0f32; 7 * rows];
+        matmul(&w, &all, &mut y_all, None);
+        let two = pool(2);
+        let mut y_par = vec![0f32; 7 * rows];
+        matmul(&w, &all, &mut y_par, two.as_ref());
+        assert_eq!(y_all, y_par);
+        for a in 0..7 {
+            let mut one = QActs::default();
+            one.quantize(&x[a * cols..(a + 1) * cols], 1, cols);
+            let mut y = vec![0f32; rows];
+            matmul(&w, &one, &mut y, None);
+            assert_eq!(y, y_all[a * rows..(a + 1) * rows], "row {a}");
+        }
+    }
+
+    #[test]
+    fn portable_and_vnni_kernels_agree() {
+        let (rows, cols) = (32, 192);
+        let x = data(5 * cols, 6);
+        let mut qa = QActs::default();
+        qa.quantize(&x, 5, cols);
+        for bits in [Bits::Four, Bits::Eight] {
+            let w = QMatrix::quantize(&data(rows * cols, 5), rows, cols, bits);
+            let mut fast = vec![0f32; 5 * rows];
+            matmul(&w, &qa, &mut fast, None);
+            let mut slow = vec![0f32; 5 * rows];
+            unsafe { portable_rows(&w, &qa, 0, rows, slow.as_mut_ptr()) };
+            for (f, s) in fast.iter().zip(&slow) {
+                assert!((f - s).abs() <= 1e-4 * s.abs().max(1.0), "{bits:?}: {f} vs {s}");
+            }
+        }
+    }
+
+    #[test]
+    fn attention_is_a_softmax_weighted_sum_of_values() {
+        for hd in [64, 128, 24] {
+            let len = 37;
+            let (q, k, v) = (data(hd, 7), data(len * hd, 8), data(len * hd, 9));
+            let mut out = vec![0f32; hd];
+            attend(&q, &k, &v, 0.125, &mut vec![], &mut out);
+            let s: Vec<f64> = (0..len).map(|t| (0..hd).map(|c| (q[c] * k[t * hd + c]) as f64).sum::<f64>() * 0.125).collect();
+            let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
+            let total: f64 = e.iter().sum();
+            for c in 0..hd {
+                let want: f64 = (0..len).map(|t| e[t] / total * v[t * hd + c] as f64).sum();
+                assert!((out[c] as f64 - want).abs() < 1e-5, "hd {hd}, value {c}: {} vs {want}", out[c]);
+            }
+        }
+    }
+}

@@ -69,7 +69,8 @@ impl QMatrix {
         let row_bytes = pairs * if bits == Bits::Four { BLOCK } else { PAIR };
         let mut q = vec![0u8; rows * row_bytes];
         let mut d = vec![0f32; rows * blocks];
-        let mut m = vec![0f32; rows * blocks];
+        // 8-bit offsets are −128 · scale, computed where used
+        let mut m = vec![0f32; if bits == Bits::Four { rows * blocks } else { 0 }];
         let mut u = [0u8; PAIR];
         for r in 0..rows {
             let row = &w[r * cols..(r + 1) * cols];
@@ -101,7 +102,9 @@ impl QMatrix {
                         };
                     }
                     d[r * blocks + b] = scale;
-                    m[r * blocks + b] = offset;
+                    if bits == Bits::Four {
+                        m[r * blocks + b] = offset;
+                    }
                 }
                 let out = &mut q[r * row_bytes..];
                 match bits {
@@ -135,10 +138,18 @@ impl QMatrix {
                     }
                     Bits::Eight => base[p * PAIR + j],
                 };
-                w[r * self.cols + c] = self.d[r * blocks + b] * u as f32 + self.m[r * blocks + b];
+                w[r * self.cols + c] = self.d[r * blocks + b] * u as f32 + self.offset(r * blocks + b);
             }
         }
         w
+    }
+
+    /// Block `i`'s offset (`m`).
+    fn offset(&self, i: usize) -> f32 {
+        match self.bits {
+            Bits::Four => self.m[i],
+            Bits::Eight => -128.0 * self.d[i],
+        }
     }
 
     fn row_bytes(&self) -> usize {
@@ -250,7 +261,10 @@ pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&rayon::Thread
         unsafe { portable_rows(w, x, o0, o1, out.ptr()) };
     };
     match pool {
-        Some(pool) if w.rows >= 64 => {
+        // One input row (a single stream's decode step) stays on the calling thread: its
+        // products take tens of microseconds, and waking the pool's threads for each costs
+        // more than they share (measured with `harness-s bench sampler --threads 2`).
+        Some(pool) if w.rows >= 64 && x.rows >= 2 => {
             // the calling thread takes the first part, the pool's threads the others; parts
             // are multiples of 16 rows
             let parts = pool.current_num_threads() + 1;
@@ -298,7 +312,7 @@ unsafe fn portable_rows(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f3
     let mut u = [0u8; PAIR];
     for o in o0..o1 {
         let wq = &w.q[o * row_bytes..(o + 1) * row_bytes];
-        let (wd, wm) = (&w.d[o * blocks..(o + 1) * blocks], &w.m[o * blocks..(o + 1) * blocks]);
+        let wd = &w.d[o * blocks..(o + 1) * blocks];
         for a in 0..x.rows {
             let xq = &x.q[a * w.pairs * PAIR..(a + 1) * w.pairs * PAIR];
             let (xd, xs) = (&x.dx[a * blocks..(a + 1) * blocks], &x.sx8[a * blocks..(a + 1) * blocks]);
@@ -320,7 +334,7 @@ unsafe fn portable_rows(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f3
                 }
                 for (parity, s) in sums.iter().enumerate() {
                     let b = 2 * p + parity;
-                    acc += *s as f32 * (wd[b] * xd[b]) + 8.0 * wm[b] * xs[b];
+                    acc += *s as f32 * (wd[b] * xd[b]) + 8.0 * w.offset(o * blocks + b) * xs[b];
                 }
             }
             *y.add(a * w.rows + o) = acc;
@@ -420,23 +434,31 @@ mod avx512 {
             }
         }
 
-        /// Output `o`, input `a`, block pair `p`, added to the accumulators `acc`
-        /// (scaled integer dots) and `accm` (offsets): the one operation sequence every
-        /// tile shape uses.
+        /// Input `a`'s block pair `p`: its values, scales and offset sums.
         #[inline(always)]
-        unsafe fn step(&self, wv: __m512i, dw: __m512, mw: __m512, a: usize, p: usize, acc: &mut __m512, accm: &mut __m512) {
-            let xv = _mm512_loadu_si512(self.xq.add((a * self.pairs + p) * PAIR) as *const _);
+        unsafe fn input(&self, a: usize, p: usize) -> (__m512i, __m512, __m512) {
             let i = 2 * (a * self.pairs + p);
-            let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
-            *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, pair(self.xd.add(i))), *acc);
-            *accm = _mm512_fmadd_ps(mw, pair(self.xs.add(i)), *accm);
+            (_mm512_loadu_si512(self.xq.add((a * self.pairs + p) * PAIR) as *const _), pair(self.xd.add(i)), pair(self.xs.add(i)))
+        }
+
+        /// One output's weights `(wv, dw, mw)` times one input's block pair `(xv, dx, sx)`,
+        /// added to the accumulators `acc` (scaled integer dots) and `accm` (offsets): the
+        /// one operation sequence every tile shape uses.
+        #[inline(always)]
+        unsafe fn step(w: (__m512i, __m512, __m512), x: (__m512i, __m512, __m512), acc: &mut __m512, accm: &mut __m512) {
+            let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.0, x.0));
+            *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(w.1, x.1), *acc);
+            *accm = _mm512_fmadd_ps(w.2, x.2, *accm);
         }
 
         #[inline(always)]
         unsafe fn load(&self, o: usize, p: usize) -> (__m512i, __m512, __m512) {
             let step = if FOUR { BLOCK } else { PAIR };
             let b = 2 * (o * self.pairs + p);
-            (weights::<FOUR>(self.wq.add(o * self.row_bytes + p * step)), pair(self.wd.add(b)), pair(self.wm.add(b)))
+            let dw = pair(self.wd.add(b));
+            // 8-bit offsets are −128 · scale: computed, not stored
+            let mw = if FOUR { pair(self.wm.add(b)) } else { _mm512_mul_ps(dw, _mm512_set1_ps(-128.0)) };
+            (weights::<FOUR>(self.wq.add(o * self.row_bytes + p * step)), dw, mw)
         }
 
         #[inline(always)]
@@ -448,8 +470,7 @@ mod avx512 {
         unsafe fn one_by_one(&self, o: usize, a: usize) {
             let (mut acc, mut accm) = (_mm512_setzero_ps(), _mm512_setzero_ps());
             for p in 0..self.pairs {
-                let (wv, dw, mw) = self.load(o, p);
-                self.step(wv, dw, mw, a, p, &mut acc, &mut accm);
+                Self::step(self.load(o, p), self.input(a, p), &mut acc, &mut accm);
             }
             self.store(o, a, acc, accm);
         }
@@ -460,14 +481,11 @@ mod avx512 {
             let (mut a0, mut a1, mut a2, mut a3) = (z, z, z, z);
             let (mut m0, mut m1, mut m2, mut m3) = (z, z, z, z);
             for p in 0..self.pairs {
-                let (w0, d0, n0) = self.load(o, p);
-                self.step(w0, d0, n0, a, p, &mut a0, &mut m0);
-                let (w1, d1, n1) = self.load(o + 1, p);
-                self.step(w1, d1, n1, a, p, &mut a1, &mut m1);
-                let (w2, d2, n2) = self.load(o + 2, p);
-                self.step(w2, d2, n2, a, p, &mut a2, &mut m2);
-                let (w3, d3, n3) = self.load(o + 3, p);
-                self.step(w3, d3, n3, a, p, &mut a3, &mut m3);
+                let x = self.input(a, p);
+                Self::step(self.load(o, p), x, &mut a0, &mut m0);
+                Self::step(self.load(o + 1, p), x, &mut a1, &mut m1);
+                Self::step(self.load(o + 2, p), x, &mut a2, &mut m2);
+                Self::step(self.load(o + 3, p), x, &mut a3, &mut m3);
             }
             self.store(o, a, a0, m0);
             self.store(o + 1, a, a1, m1);
@@ -481,11 +499,11 @@ mod avx512 {
             let (mut a0, mut a1, mut a2, mut a3) = (z, z, z, z);
             let (mut m0, mut m1, mut m2, mut m3) = (z, z, z, z);
             for p in 0..self.pairs {
-                let (wv, dw, mw) = self.load(o, p);
-                self.step(wv, dw, mw, a, p, &mut a0, &mut m0);
-                self.step(wv, dw, mw, a + 1, p, &mut a1, &mut m1);
-                self.step(wv, dw, mw, a + 2, p, &mut a2, &mut m2);
-                self.step(wv, dw, mw, a + 3, p, &mut a3, &mut m3);
+                let w = self.load(o, p);
+                Self::step(w, self.input(a, p), &mut a0, &mut m0);
+                Self::step(w, self.input(a + 1, p), &mut a1, &mut m1);
+                Self::step(w, self.input(a + 2, p), &mut a2, &mut m2);
+                Self::step(w, self.input(a + 3, p), &mut a3, &mut m3);
             }
             self.store(o, a, a0, m0);
             self.store(o, a + 1, a1, m1);
@@ -493,7 +511,6 @@ mod avx512 {
             self.store(o, a + 3, a3, m3);
         }
     }
-
     /// [`super::attend`] for a head of `N` × 16 values.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn attend<const N: usize>(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {

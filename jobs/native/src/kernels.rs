@@ -261,10 +261,11 @@ pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&rayon::Thread
         unsafe { portable_rows(w, x, o0, o1, out.ptr()) };
     };
     match pool {
-        // One input row (a single stream's decode step) stays on the calling thread: its
-        // products take tens of microseconds, and waking the pool's threads for each costs
-        // more than they share (measured with `harness-s bench sampler --threads 2`).
-        Some(pool) if w.rows >= 64 && x.rows >= 2 => {
+        // One input row (a single stream's decode step) stays on the calling thread unless
+        // the matrix is large (the MLP's gate/up, the LM head): a product of tens of
+        // microseconds gains less from the pool's threads than waking them costs
+        // (measured with `harness-s bench sampler --threads 2`).
+        Some(pool) if w.rows >= 64 && (x.rows >= 2 || w.rows >= 2048) => {
             // the calling thread takes the first part, the pool's threads the others; parts
             // are multiples of 16 rows
             let parts = pool.current_num_threads() + 1;

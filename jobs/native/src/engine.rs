@@ -631,6 +631,27 @@ mod tests {
         batched_generation_equals_generation_alone(WeightFormat::Int4);
     }
 
+    /// With 64-value heads (the SIMD attention path), several kernel threads and a mix of
+    /// prefilling and decoding sequences, int4 generations are still bitwise those alone.
+    #[test]
+    fn int4_with_wide_heads_and_threads_equals_generation_alone() {
+        let wide = || Llama::new(LlamaConfig { num_attention_heads: 4, num_key_value_heads: 2, ..LlamaConfig::tiny(96, 256, 2) }, Device::Cpu, 9).unwrap();
+        let config = EngineConfig { weights: WeightFormat::Int4, threads: Some(2), ..small() };
+        let engine = Engine::start(wide(), config.clone()).unwrap();
+        let rxs: Vec<_> = [(5, 1), (19, 2), (2, 3), (33, 4), (9, 5)].iter().map(|&(n, s)| (n, s, engine.submit(req(prompt(n, s as u32), s, 12)))).collect();
+        for (n, s, rx) in rxs {
+            let got = rx.blocking_recv().unwrap().unwrap();
+            let one = Engine::start(wide(), EngineConfig { threads: Some(1), ..config.clone() }).unwrap();
+            let want = one.generate(req(prompt(n, s as u32), s, 12)).unwrap();
+            assert_eq!((got.tokens, got.logprobs), (want.tokens, want.logprobs), "prompt of {n} tokens");
+        }
+        // and close to the float32 engine on the first token
+        let f32_first = Engine::start(wide(), small()).unwrap().generate(Request::new(prompt(10, 3), GenerateOptions::greedy(1))).unwrap();
+        let int4_first = Engine::start(wide(), config).unwrap().generate(Request::new(prompt(10, 3), GenerateOptions::greedy(1))).unwrap();
+        let d = (f32_first.logprobs[0] - int4_first.logprobs[0]).abs();
+        assert!(d < 0.5 && d > 0.0, "|Δ log p| = {d}");
+    }
+
     /// Cheaper formats round, but stay close to the float32 engine: the first token's
     /// log-probabilities of a greedy decode agree to the format's precision.
     #[test]

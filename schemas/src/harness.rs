@@ -1,4 +1,4 @@
-//! The declarative harness spec (DESIGN.md "Harness spec"; paper Appendix D, Table 7;
+//! The declarative harness spec (docs/ARCHITECTURE.md, "Harness runtime and rollouts"; paper Appendix D, Table 7;
 //! Harness-R1 §3.1 lifecycle points). A spec is data only: nothing in it is ever executed
 //! as code. Semantic validation lives in the harness runtime (`jobs::harness`).
 

@@ -149,7 +149,7 @@ pub enum EvolveError {
     Rows { key: String, detail: String },
 }
 
-/// Deterministic id of one batch of evolve episodes (DESIGN.md durability contract).
+/// Deterministic id of one batch of evolve episodes (docs/ARCHITECTURE.md, "Durability contract").
 pub fn batch_job_id(run_id: &str, stage: &str, round: u32, harness: &HarnessSpec, tasks: &[String], seed: u64) -> String {
     let harness_key = format!("{}@{}", harness.id, harness.version_hash());
     job_id(&JobIdParts { run_id, stage: &format!("evolve/{stage}"), step: round, task_id: &tasks.join(","), harness_id: &harness_key, attempt_index: 0, seed })

@@ -10,7 +10,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::kernels::{self, Bits, QActs, QMatrix};
+use crate::kernels::{self, Bits, QActs, QMatrix, Shared};
 use crate::model::{Llama, Segment};
 use crate::NativeError;
 
@@ -78,11 +78,6 @@ impl CpuWeights {
         let inv_freq = (0..hd / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / hd as f32)).collect();
         let embed = model.embed.to_kind(Kind::Float).contiguous();
         Ok(CpuWeights { layers, norm: floats(&model.norm, "model.norm")?, head, embed, inv_freq, pool: kernels::pool(threads) })
-    }
-
-    /// Bytes of quantised weights a decode step reads.
-    pub fn bytes(&self) -> usize {
-        self.head.bytes() + self.layers.iter().map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes()).sum::<usize>()
     }
 
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.
@@ -156,31 +151,6 @@ fn rope(x: &mut [f32], pos: usize, inv_freq: &[f32], interleaved: bool) {
     }
 }
 
-/// A raw view of a cache layer buffer `[kv_heads, cap, head_dim]` shared by the threads of
-/// one attention step (they only read it).
-#[derive(Clone, Copy)]
-struct Buf(*const f32);
-unsafe impl Send for Buf {}
-unsafe impl Sync for Buf {}
-
-/// The attention output, each row written by one thread.
-#[derive(Clone, Copy)]
-struct OutBuf(*mut f32);
-unsafe impl Send for OutBuf {}
-unsafe impl Sync for OutBuf {}
-
-impl OutBuf {
-    fn ptr(self) -> *mut f32 {
-        self.0
-    }
-}
-
-impl Buf {
-    fn ptr(self) -> *const f32 {
-        self.0
-    }
-}
-
 /// Final-norm hidden states `[ids.len(), hidden]` of one engine pass (see
 /// [`Llama::forward_rows`]); rows no segment's real tokens cover stay zero.
 pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
@@ -232,16 +202,17 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
                 vb[at..at + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
             }
         }
-        let caches: Vec<(Buf, Buf, usize)> = segments
+        // read-only views of every segment's cache layer, shared by the attention threads
+        let caches: Vec<(Shared, Shared, usize)> = segments
             .iter_mut()
             .map(|s| {
                 let (k, v, cap) = s.cache.layer(li);
-                (Buf(k.as_ptr()), Buf(v.as_ptr()), cap)
+                (Shared::new(k.as_mut_ptr()), Shared::new(v.as_mut_ptr()), cap)
             })
             .collect();
         let (qkv_ref, rows_ref, caches) = (&qkv, &rows, &caches);
-        let att_out = OutBuf(att.as_mut_ptr());
-        kernels::split(n, pool, move |range| {
+        let att_out = Shared::new(att.as_mut_ptr());
+        kernels::split(n, 1, pool, move |range| {
             let mut scores = vec![];
             for r in range {
                 let row = &rows_ref[r];
@@ -279,10 +250,10 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
     for s in segments.iter_mut() {
         s.cache.advance(s.attend);
     }
-    rms_norm(&x.clone(), &w.norm, eps, &mut x);
+    rms_norm(&x, &w.norm, eps, &mut h);
     let mut out = vec![0f32; ids.len() * hidden];
     for (r, row) in rows.iter().enumerate() {
-        out[row.row * hidden..(row.row + 1) * hidden].copy_from_slice(&x[r * hidden..(r + 1) * hidden]);
+        out[row.row * hidden..(row.row + 1) * hidden].copy_from_slice(&h[r * hidden..(r + 1) * hidden]);
     }
     Tensor::from_slice(&out).view([ids.len() as i64, hidden as i64])
 }

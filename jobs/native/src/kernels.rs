@@ -25,8 +25,6 @@
 //! independent of what else it decodes. They may differ between CPUs with and without
 //! AVX-512 VNNI (the AVX2 and portable kernels sum in other orders).
 
-use std::sync::OnceLock;
-
 /// Values per quantisation block.
 pub const BLOCK: usize = 32;
 /// Values per stored block pair.
@@ -155,11 +153,6 @@ impl QMatrix {
     fn row_bytes(&self) -> usize {
         self.pairs * if self.bits == Bits::Four { BLOCK } else { PAIR }
     }
-
-    /// Bytes of weight data the kernels read per product (quantised values and scales).
-    pub fn bytes(&self) -> usize {
-        self.q.len() + 4 * (self.d.len() + self.m.len())
-    }
 }
 
 /// Activations `[rows, cols]` quantised for a product with a [`QMatrix`] of `cols` columns.
@@ -217,47 +210,34 @@ fn round(v: f32) -> f32 {
     (v + MAGIC) - MAGIC
 }
 
-/// A raw pointer that may cross threads: each thread writes its own disjoint elements.
+/// A raw pointer that may cross threads: each thread writes its own disjoint elements, or
+/// all of them only read.
 #[derive(Clone, Copy)]
-struct Out(*mut f32);
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
+pub(crate) struct Shared(*mut f32);
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
 
-impl Out {
+impl Shared {
+    pub(crate) fn new(p: *mut f32) -> Self {
+        Shared(p)
+    }
+
     /// (A method, so that closures capture the wrapper and not its raw field.)
-    fn ptr(self) -> *mut f32 {
+    pub(crate) fn ptr(self) -> *mut f32 {
         self.0
     }
 }
 
-/// Whether this CPU runs the AVX-512 VNNI kernel (checked once).
+/// Whether this CPU runs the AVX-512 VNNI kernel (std caches the CPU's answer).
+#[cfg(target_arch = "x86_64")]
 pub fn vnni() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
 }
 
 /// Whether this CPU runs the AVX2 kernel (the fallback without AVX-512 VNNI).
+#[cfg(target_arch = "x86_64")]
 pub fn avx2() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 
 /// `y[a, o] = Σ_c x[a, c] · w[o, c]` for every input row `a` and output row `o`:
@@ -265,7 +245,7 @@ pub fn avx2() -> bool {
 pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&rayon::ThreadPool>) {
     assert_eq!(w.pairs, x.pairs, "activations were quantised for another column count");
     assert_eq!(y.len(), x.rows * w.rows, "output does not match the product's shape");
-    let out = Out(y.as_mut_ptr());
+    let out = Shared::new(y.as_mut_ptr());
     let run = move |o0: usize, o1: usize| {
         // SAFETY: every (a, o) with o in o0..o1 is written by this call only.
         #[cfg(target_arch = "x86_64")]
@@ -280,37 +260,21 @@ pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&rayon::Thread
         }
         unsafe { portable_rows(w, x, o0, o1, out.ptr()) };
     };
-    match pool {
-        // One input row (a single stream's decode step) stays on the calling thread unless
-        // the matrix is large (the MLP's gate/up, the LM head): a product of tens of
-        // microseconds gains less from the pool's threads than waking them costs
-        // (measured with `harness-s bench sampler --threads 2`).
-        Some(pool) if w.rows >= 64 && (x.rows >= 2 || w.rows >= 2048) => {
-            // the calling thread takes the first part, the pool's threads the others; parts
-            // are multiples of 16 rows
-            let parts = pool.current_num_threads() + 1;
-            let per = w.rows.div_ceil(parts).div_ceil(16) * 16;
-            pool.in_place_scope(|s| {
-                for t in 1..parts {
-                    let (o0, o1) = ((t * per).min(w.rows), ((t + 1) * per).min(w.rows));
-                    if o0 < o1 {
-                        s.spawn(move |_| run(o0, o1));
-                    }
-                }
-                run(0, per.min(w.rows));
-            });
-        }
-        _ => run(0, w.rows),
-    }
+    // One input row (a single stream's decode step) stays on the calling thread unless the
+    // matrix is large (the MLP's gate/up, the LM head): a product of tens of microseconds
+    // gains less from the pool's threads than waking them costs (measured with
+    // `harness-s bench sampler --threads 2`).
+    let pool = pool.filter(|_| w.rows >= 64 && (x.rows >= 2 || w.rows >= 2048));
+    split(w.rows, 16, pool, |r| run(r.start, r.end));
 }
 
-/// Runs `f` on parts of `0..n` (contiguous, in order), the first on the calling thread
-/// and the others on `pool`'s threads.
-pub fn split<F: Fn(std::ops::Range<usize>) + Sync>(n: usize, pool: Option<&rayon::ThreadPool>, f: F) {
+/// Runs `f` on parts of `0..n` (contiguous, in order, each a multiple of `align` long but
+/// the last), the first on the calling thread and the others on `pool`'s threads.
+pub fn split<F: Fn(std::ops::Range<usize>) + Sync>(n: usize, align: usize, pool: Option<&rayon::ThreadPool>, f: F) {
     match pool {
         Some(pool) if n > 1 => {
-            let parts = (pool.current_num_threads() + 1).min(n);
-            let per = n.div_ceil(parts);
+            let parts = pool.current_num_threads() + 1;
+            let per = n.div_ceil(parts).div_ceil(align) * align;
             let f = &f;
             pool.in_place_scope(|s| {
                 for t in 1..parts {

@@ -12,6 +12,7 @@ use tch::{Kind, Tensor};
 
 use crate::kernels::{self, Bits, QActs, QMatrix, Shared};
 use crate::model::{Llama, Segment};
+use crate::threads::Pool;
 use crate::NativeError;
 
 struct CpuLayer {
@@ -32,7 +33,7 @@ pub struct CpuWeights {
     /// float32 `[vocab, hidden]`, the model's own (shared, not copied)
     embed: Tensor,
     inv_freq: Vec<f32>,
-    pool: Option<rayon::ThreadPool>,
+    pool: Option<Pool>,
 }
 
 fn floats(t: &Tensor, name: &str) -> Result<Vec<f32>, NativeError> {
@@ -77,7 +78,7 @@ impl CpuWeights {
         let theta = c.rope_theta as f32;
         let inv_freq = (0..hd / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / hd as f32)).collect();
         let embed = model.embed.to_kind(Kind::Float).contiguous();
-        Ok(CpuWeights { layers, norm: floats(&model.norm, "model.norm")?, head, embed, inv_freq, pool: kernels::pool(threads) })
+        Ok(CpuWeights { layers, norm: floats(&model.norm, "model.norm")?, head, embed, inv_freq, pool: Pool::new(threads) })
     }
 
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.
@@ -85,7 +86,7 @@ impl CpuWeights {
         let (rows, hidden) = h.size2().expect("hidden states [rows, hidden]");
         let x = Vec::<f32>::try_from(&h.to_kind(Kind::Float).contiguous().view([-1])).expect("float32 hidden states");
         let mut qa = QActs::default();
-        qa.quantize(&x, rows as usize, hidden as usize);
+        qa.quantize(&x, rows as usize, hidden as usize, self.pool.as_ref());
         let mut y = vec![0f32; rows as usize * self.head.rows];
         kernels::matmul(&self.head, &qa, &mut y, self.pool.as_ref());
         Tensor::from_slice(&y).view([rows, self.head.rows as i64])
@@ -139,6 +140,19 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// `f(r, row)` for every row `r` of `out` (`[rows, width]`), rows split among `pool`'s
+/// threads.
+fn each_row(out: &mut [f32], width: usize, pool: Option<&Pool>, f: impl Fn(usize, &mut [f32]) + Sync) {
+    let rows = out.len() / width;
+    let p = Shared::new(out.as_mut_ptr());
+    kernels::split(rows, 1, pool.filter(|_| out.len() >= 4096), |range| {
+        for r in range {
+            // SAFETY: row r is written by this part only.
+            f(r, unsafe { std::slice::from_raw_parts_mut(p.ptr().add(r * width), width) });
+        }
+    });
+}
+
 /// Rotates one head `x` at `pos` (HF half rotation, or ggml's adjacent pairs).
 fn rope(x: &mut [f32], pos: usize, inv_freq: &[f32], interleaved: bool) {
     let half = inv_freq.len();
@@ -183,8 +197,8 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
     let mut qa = QActs::default();
     let scale = 1.0 / (hd as f32).sqrt();
     for (li, l) in w.layers.iter().enumerate() {
-        rms_norm(&x, &l.input_norm, eps, &mut h);
-        qa.quantize(&h, n, hidden);
+        each_row(&mut h, hidden, pool, |r, out| rms_norm(&x[r * hidden..(r + 1) * hidden], &l.input_norm, eps, out));
+        qa.quantize(&h, n, hidden, pool);
         kernels::matmul(&l.qkv, &qa, &mut qkv, pool);
         for (r, row) in rows.iter().enumerate() {
             let v = &mut qkv[r * qkv_dim..(r + 1) * qkv_dim];
@@ -203,7 +217,7 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
             }
         }
         // read-only views of every segment's cache layer, shared by the attention threads
-        let caches: Vec<(Shared, Shared, usize)> = segments
+        let caches: Vec<(Shared<f32>, Shared<f32>, usize)> = segments
             .iter_mut()
             .map(|s| {
                 let (k, v, cap) = s.cache.layer(li);
@@ -231,19 +245,19 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
                 }
             }
         });
-        qa.quantize(&att, n, heads * hd);
+        qa.quantize(&att, n, heads * hd, pool);
         kernels::matmul(&l.o, &qa, &mut tmp, pool);
         x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
-        rms_norm(&x, &l.post_norm, eps, &mut h);
-        qa.quantize(&h, n, hidden);
+        each_row(&mut h, hidden, pool, |r, out| rms_norm(&x[r * hidden..(r + 1) * hidden], &l.post_norm, eps, out));
+        qa.quantize(&h, n, hidden, pool);
         kernels::matmul(&l.gate_up, &qa, &mut gu, pool);
-        for (a, g) in act.chunks_exact_mut(inter).zip(gu.chunks_exact(2 * inter)) {
-            let (gate, up) = g.split_at(inter);
-            for ((o, g), u) in a.iter_mut().zip(gate).zip(up) {
+        each_row(&mut act, inter, pool, |r, out| {
+            let (gate, up) = gu[r * 2 * inter..(r + 1) * 2 * inter].split_at(inter);
+            for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
                 *o = g / (1.0 + (-g).exp()) * u;
             }
-        }
-        qa.quantize(&act, n, inter);
+        });
+        qa.quantize(&act, n, inter, pool);
         kernels::matmul(&l.down, &qa, &mut tmp, pool);
         x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
     }

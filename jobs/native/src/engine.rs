@@ -164,7 +164,10 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("native-engine".into())
             .spawn(move || {
-                if let Some(n) = config.threads {
+                if weights.format == WeightFormat::Int4 {
+                    // libtorch only samples here, one row at a time
+                    crate::threads::torch_on_this_thread_alone();
+                } else if let Some(n) = config.threads {
                     tch::set_num_threads(n as i32);
                 }
                 let _g = tch::no_grad_guard();

@@ -25,6 +25,8 @@
 //! independent of what else it decodes. They may differ between CPUs with and without
 //! AVX-512 VNNI (the AVX2 and portable kernels sum in other orders).
 
+use crate::threads::Pool;
+
 /// Values per quantisation block.
 pub const BLOCK: usize = 32;
 /// Values per stored block pair.
@@ -167,8 +169,9 @@ pub struct QActs {
 }
 
 impl QActs {
-    /// Quantises `x` (`[rows, cols]`, row-major) into this buffer, reusing its memory.
-    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+    /// Quantises `x` (`[rows, cols]`, row-major) into this buffer, reusing its memory; rows
+    /// are split among `pool`'s threads (each row is quantised on its own).
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize, pool: Option<&Pool>) {
         assert_eq!(x.len(), rows * cols, "activations do not match their shape");
         let pairs = cols.div_ceil(PAIR);
         let blocks = 2 * pairs;
@@ -180,25 +183,43 @@ impl QActs {
         self.dx.resize(rows * blocks, 0.0);
         self.sx8.clear();
         self.sx8.resize(rows * blocks, 0.0);
-        for r in 0..rows {
-            let row = &x[r * cols..(r + 1) * cols];
-            for b in 0..blocks {
-                let start = (b * BLOCK).min(cols);
-                let vals = &row[start..((b + 1) * BLOCK).min(cols)];
-                let amax = vals.iter().fold(0f32, |a, v| a.max(v.abs()));
-                let d = amax / 127.0;
-                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-                let out = &mut self.q[(r * pairs + b / 2) * PAIR..];
-                let mut sum = 0i32;
-                for (e, v) in vals.iter().enumerate() {
-                    let q = round((v * inv).clamp(-127.0, 127.0)) as i8;
-                    out[slot(b % 2, e)] = q;
-                    sum += q as i32;
-                }
-                self.dx[r * blocks + b] = d;
-                self.sx8[r * blocks + b] = d * sum as f32 / 8.0;
+        let (q, dx, sx8) = (Shared::new(self.q.as_mut_ptr()), Shared::new(self.dx.as_mut_ptr()), Shared::new(self.sx8.as_mut_ptr()));
+        // a few rows are not worth a hand-off
+        split(rows, 1, pool.filter(|_| rows * cols >= 4096), |range| {
+            for r in range {
+                // SAFETY: row r's slices are written by this part only.
+                let (q, dx, sx8) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(q.ptr().add(r * pairs * PAIR), pairs * PAIR),
+                        std::slice::from_raw_parts_mut(dx.ptr().add(r * blocks), blocks),
+                        std::slice::from_raw_parts_mut(sx8.ptr().add(r * blocks), blocks),
+                    )
+                };
+                quantize_row(&x[r * cols..(r + 1) * cols], q, dx, sx8);
             }
+        });
+    }
+}
+
+/// One row of activations: 8-bit values in the block-pair order, and per block its scale
+/// and scaled sum.
+fn quantize_row(row: &[f32], q: &mut [i8], dx: &mut [f32], sx8: &mut [f32]) {
+    let cols = row.len();
+    for b in 0..dx.len() {
+        let start = (b * BLOCK).min(cols);
+        let vals = &row[start..((b + 1) * BLOCK).min(cols)];
+        let amax = vals.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let out = &mut q[(b / 2) * PAIR..];
+        let mut sum = 0i32;
+        for (e, v) in vals.iter().enumerate() {
+            let v = round((v * inv).clamp(-127.0, 127.0)) as i8;
+            out[slot(b % 2, e)] = v;
+            sum += v as i32;
         }
+        dx[b] = d;
+        sx8[b] = d * sum as f32 / 8.0;
     }
 }
 
@@ -212,18 +233,23 @@ fn round(v: f32) -> f32 {
 
 /// A raw pointer that may cross threads: each thread writes its own disjoint elements, or
 /// all of them only read.
-#[derive(Clone, Copy)]
-pub(crate) struct Shared(*mut f32);
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
+pub(crate) struct Shared<T>(*mut T);
+unsafe impl<T> Send for Shared<T> {}
+unsafe impl<T> Sync for Shared<T> {}
+impl<T> Clone for Shared<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Shared<T> {}
 
-impl Shared {
-    pub(crate) fn new(p: *mut f32) -> Self {
+impl<T> Shared<T> {
+    pub(crate) fn new(p: *mut T) -> Self {
         Shared(p)
     }
 
     /// (A method, so that closures capture the wrapper and not its raw field.)
-    pub(crate) fn ptr(self) -> *mut f32 {
+    pub(crate) fn ptr(self) -> *mut T {
         self.0
     }
 }
@@ -242,7 +268,7 @@ pub fn avx2() -> bool {
 
 /// `y[a, o] = Σ_c x[a, c] · w[o, c]` for every input row `a` and output row `o`:
 /// `y` is `[x.rows, w.rows]`, row-major. Output rows are split among `pool`'s threads.
-pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&rayon::ThreadPool>) {
+pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&Pool>) {
     assert_eq!(w.pairs, x.pairs, "activations were quantised for another column count");
     assert_eq!(y.len(), x.rows * w.rows, "output does not match the product's shape");
     let out = Shared::new(y.as_mut_ptr());
@@ -260,30 +286,22 @@ pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&rayon::Thread
         }
         unsafe { portable_rows(w, x, o0, o1, out.ptr()) };
     };
-    // One input row (a single stream's decode step) stays on the calling thread unless the
-    // matrix is large (the MLP's gate/up, the LM head): a product of tens of microseconds
-    // gains less from the pool's threads than waking them costs (measured with
-    // `harness-s bench sampler --threads 2`).
-    let pool = pool.filter(|_| w.rows >= 64 && (x.rows >= 2 || w.rows >= 2048));
+    let pool = pool.filter(|_| w.rows >= 64);
     split(w.rows, 16, pool, |r| run(r.start, r.end));
 }
 
 /// Runs `f` on parts of `0..n` (contiguous, in order, each a multiple of `align` long but
 /// the last), the first on the calling thread and the others on `pool`'s threads.
-pub fn split<F: Fn(std::ops::Range<usize>) + Sync>(n: usize, align: usize, pool: Option<&rayon::ThreadPool>, f: F) {
+pub fn split<F: Fn(std::ops::Range<usize>) + Sync>(n: usize, align: usize, pool: Option<&Pool>, f: F) {
     match pool {
         Some(pool) if n > 1 => {
-            let parts = pool.current_num_threads() + 1;
+            let parts = pool.threads();
             let per = n.div_ceil(parts).div_ceil(align) * align;
-            let f = &f;
-            pool.in_place_scope(|s| {
-                for t in 1..parts {
-                    let r = (t * per).min(n)..((t + 1) * per).min(n);
-                    if !r.is_empty() {
-                        s.spawn(move |_| f(r));
-                    }
+            pool.run(&|t| {
+                let r = (t * per).min(n)..((t + 1) * per).min(n);
+                if !r.is_empty() {
+                    f(r);
                 }
-                f(0..per.min(n));
             });
         }
         _ => f(0..n),
@@ -640,12 +658,6 @@ pub fn attend(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut 
     }
 }
 
-/// The helper threads for products on `threads` threads: `threads − 1` of them beside the
-/// calling thread (`None` for one thread: no hand-offs at all).
-pub fn pool(threads: usize) -> Option<rayon::ThreadPool> {
-    (threads > 1).then(|| rayon::ThreadPoolBuilder::new().num_threads(threads - 1).thread_name(|i| format!("harness-s-kernel-{i}")).build().ok()).flatten()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -680,7 +692,7 @@ mod tests {
                 let step = if bits == Bits::Four { 2.0 / 15.0 } else { 1.0 / 127.0 };
                 assert!(dq.iter().zip(&w).all(|(a, b)| (a - b).abs() <= step * 0.5 + 1e-6), "{bits:?}");
                 let mut qa = QActs::default();
-                qa.quantize(&x, 6, cols);
+                qa.quantize(&x, 6, cols, None);
                 let mut y = vec![0f32; 6 * rows];
                 matmul(&qm, &qa, &mut y, None);
                 let err = y.iter().zip(&want).fold(0f32, |a, (g, t)| a.max((g - t).abs())) / scale;
@@ -699,16 +711,16 @@ mod tests {
         let w = QMatrix::quantize(&data(rows * cols, 3), rows, cols, Bits::Four);
         let x = data(7 * cols, 4);
         let mut all = QActs::default();
-        all.quantize(&x, 7, cols);
+        all.quantize(&x, 7, cols, None);
         let mut y_all = vec![0f32; 7 * rows];
         matmul(&w, &all, &mut y_all, None);
-        let two = pool(2);
+        let two = Pool::new(2);
         let mut y_par = vec![0f32; 7 * rows];
         matmul(&w, &all, &mut y_par, two.as_ref());
         assert_eq!(y_all, y_par);
         for a in 0..7 {
             let mut one = QActs::default();
-            one.quantize(&x[a * cols..(a + 1) * cols], 1, cols);
+            one.quantize(&x[a * cols..(a + 1) * cols], 1, cols, None);
             let mut y = vec![0f32; rows];
             matmul(&w, &one, &mut y, None);
             assert_eq!(y, y_all[a * rows..(a + 1) * rows], "row {a}");
@@ -720,7 +732,7 @@ mod tests {
         let (rows, cols) = (32, 192);
         let x = data(5 * cols, 6);
         let mut qa = QActs::default();
-        qa.quantize(&x, 5, cols);
+        qa.quantize(&x, 5, cols, None);
         for bits in [Bits::Four, Bits::Eight] {
             let w = QMatrix::quantize(&data(rows * cols, 5), rows, cols, bits);
             let mut fast = vec![0f32; 5 * rows];

@@ -36,6 +36,7 @@ pub mod model;
 pub mod packed;
 pub mod policy;
 pub mod sampler;
+pub mod threads;
 pub mod tokenizer;
 
 pub use model::{Llama, LlamaConfig};

@@ -153,15 +153,24 @@ fn each_row(out: &mut [f32], width: usize, pool: Option<&Pool>, f: impl Fn(usize
     });
 }
 
-/// Rotates one head `x` at `pos` (HF half rotation, or ggml's adjacent pairs).
-fn rope(x: &mut [f32], pos: usize, inv_freq: &[f32], interleaved: bool) {
-    let half = inv_freq.len();
+/// `(cos, sin)` of every rotation frequency at `pos`: one row of a pass's RoPE table,
+/// computed once and used by every head of every layer.
+fn rope_row(pos: usize, inv_freq: &[f32], out: &mut [f32]) {
+    let (cos, sin) = out.split_at_mut(inv_freq.len());
     for (i, f) in inv_freq.iter().enumerate() {
-        let (sin, cos) = (pos as f32 * f).sin_cos();
+        (sin[i], cos[i]) = (pos as f32 * f).sin_cos();
+    }
+}
+
+/// Rotates one head `x` by a [`rope_row`] (HF half rotation, or ggml's adjacent pairs).
+fn rope(x: &mut [f32], table: &[f32], interleaved: bool) {
+    let half = table.len() / 2;
+    let (cos, sin) = table.split_at(half);
+    for i in 0..half {
         let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
         let (x0, x1) = (x[a], x[b]);
-        x[a] = x0 * cos - x1 * sin;
-        x[b] = x1 * cos + x0 * sin;
+        x[a] = x0 * cos[i] - x1 * sin[i];
+        x[b] = x1 * cos[i] + x0 * sin[i];
     }
 }
 
@@ -188,6 +197,9 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
     for (r, row) in rows.iter().enumerate() {
         w.embed_row(ids[row.row], &mut x[r * hidden..(r + 1) * hidden]);
     }
+    let mut table = vec![0f32; n * hd];
+    let inv_freq = &w.inv_freq;
+    each_row(&mut table, hd, pool, |r, t| rope_row(rows[r].pos, inv_freq, t));
     let mut h = vec![0f32; n * hidden];
     let mut qkv = vec![0f32; n * qkv_dim];
     let mut att = vec![0f32; n * heads * hd];
@@ -200,23 +212,7 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
         each_row(&mut h, hidden, pool, |r, out| rms_norm(&x[r * hidden..(r + 1) * hidden], &l.input_norm, eps, out));
         qa.quantize(&h, n, hidden, pool);
         kernels::matmul(&l.qkv, &qa, &mut qkv, pool);
-        for (r, row) in rows.iter().enumerate() {
-            let v = &mut qkv[r * qkv_dim..(r + 1) * qkv_dim];
-            if let Some(b) = &l.qkv_bias {
-                v.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-            }
-            for head in v[..(heads + kv_heads) * hd].chunks_exact_mut(hd) {
-                rope(head, row.pos, &w.inv_freq, c.rope_interleaved);
-            }
-            let (k, v) = v[heads * hd..].split_at(kv_heads * hd);
-            let (kb, vb, cap) = segments[row.seg].cache.layer(li);
-            for g in 0..kv_heads {
-                let at = (g * cap + row.pos) * hd;
-                kb[at..at + hd].copy_from_slice(&k[g * hd..(g + 1) * hd]);
-                vb[at..at + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
-            }
-        }
-        // read-only views of every segment's cache layer, shared by the attention threads
+        // bias, rotation, and this position's keys and values into its sequence's cache
         let caches: Vec<(Shared<f32>, Shared<f32>, usize)> = segments
             .iter_mut()
             .map(|s| {
@@ -224,7 +220,30 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
                 (Shared::new(k.as_mut_ptr()), Shared::new(v.as_mut_ptr()), cap)
             })
             .collect();
-        let (qkv_ref, rows_ref, caches) = (&qkv, &rows, &caches);
+        let (rows_ref, caches_ref, table_ref) = (&rows, &caches, &table);
+        each_row(&mut qkv, qkv_dim, pool, |r, v| {
+            let row = &rows_ref[r];
+            if let Some(b) = &l.qkv_bias {
+                v.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+            }
+            let t = &table_ref[r * hd..(r + 1) * hd];
+            for head in v[..(heads + kv_heads) * hd].chunks_exact_mut(hd) {
+                rope(head, t, c.rope_interleaved);
+            }
+            let (k, v) = v[heads * hd..].split_at(kv_heads * hd);
+            let (kb, vb, cap) = caches_ref[row.seg];
+            for g in 0..kv_heads {
+                let at = (g * cap + row.pos) * hd;
+                // SAFETY: position row.pos of each kv head is this row's alone; the buffers
+                // hold cap positions per head (reserved above).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(k[g * hd..].as_ptr(), kb.ptr().add(at), hd);
+                    std::ptr::copy_nonoverlapping(v[g * hd..].as_ptr(), vb.ptr().add(at), hd);
+                }
+            }
+        });
+        // the caches are read-only from here on in this layer
+        let (qkv_ref, caches) = (&qkv, &caches);
         let att_out = Shared::new(att.as_mut_ptr());
         kernels::split(n, 1, pool, move |range| {
             let mut scores = vec![];

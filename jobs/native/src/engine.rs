@@ -333,8 +333,93 @@ impl Worker {
     /// Advances every prefilling sequence by one chunk: copied from another sequence's or an
     /// idle prefix's cache when one holds the same tokens there, computed otherwise.
     fn prefill(&mut self) {
-        let c = self.config.chunk;
         let started = Instant::now();
+        if self.weights.rows_alone() {
+            self.prefill_together();
+        } else {
+            self.prefill_each();
+        }
+        self.stats.prefill_seconds += started.elapsed().as_secs_f64();
+    }
+
+    /// [`Worker::prefill`] on kernels that compute every row alone: all the computed chunks
+    /// go into one pass (the weights are read once for all of them, and no padding rows),
+    /// with the same results as one pass each. A chunk that another sequence in the pass
+    /// computes (the K rollouts of a group share their prompt) is copied from it after the
+    /// pass instead.
+    fn prefill_together(&mut self) {
+        let c = self.config.chunk;
+        // (sequence, from, to)
+        let mut pass: Vec<(usize, usize, usize)> = vec![];
+        let mut copy_after = vec![];
+        for i in 0..self.seqs.len() {
+            if !matches!(self.seqs[i].phase, Phase::Prefill) {
+                continue;
+            }
+            let from = self.seqs[i].cache.len();
+            let prompt = &self.seqs[i].req.prompt;
+            let to = (from + c).min(prompt.len());
+            if to < prompt.len() {
+                if self.copy_chunk(i, from, to) {
+                    continue;
+                }
+                let prompt = &self.seqs[i].req.prompt[..to];
+                if pass.iter().any(|&(j, f, t)| (f, t) == (from, to) && self.seqs[j].req.prompt[..to] == *prompt) {
+                    copy_after.push((i, from, to));
+                    continue;
+                }
+            }
+            pass.push((i, from, to));
+        }
+        if pass.is_empty() {
+            return;
+        }
+        let mut ids = vec![];
+        let mut picks = vec![];
+        // pass rows of the sequences whose prompt ends in this chunk (their first token's logits)
+        let mut last = vec![];
+        for &(i, from, to) in &pass {
+            picks.push((i, ids.len(), to - from));
+            ids.extend_from_slice(&self.seqs[i].req.prompt[from..to]);
+            if to == self.seqs[i].req.prompt.len() {
+                last.push((i, ids.len() - 1));
+            }
+        }
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            let mut segs = segments(&mut self.seqs, &picks);
+            let h = self.model.forward_rows(&self.weights, &ids, &mut segs);
+            let rows: Vec<i64> = last.iter().map(|&(_, r)| r as i64).collect();
+            (!rows.is_empty()).then(|| self.weights.logits_of(&h.index_select(0, &Tensor::from_slice(&rows))))
+        }));
+        self.stats.prefill_tokens += ids.len() as u64;
+        match outcome {
+            Ok(logits) => {
+                for (i, from, to) in copy_after {
+                    self.copy_chunk(i, from, to);
+                }
+                // highest index first: a finished sequence's removal keeps the others' indices
+                let mut ending: Vec<(usize, usize)> = last.iter().enumerate().map(|(k, &(i, _))| (i, k)).collect();
+                ending.sort_by(|a, b| b.0.cmp(&a.0));
+                if let Some(logits) = logits {
+                    for (i, k) in ending {
+                        self.sample(i, &logits.get(k as i64));
+                    }
+                }
+            }
+            Err(p) => {
+                let text = panic_text(p);
+                let mut failed: Vec<usize> = pass.iter().map(|&(i, _, _)| i).collect();
+                failed.sort_by(|a, b| b.cmp(a));
+                for i in failed {
+                    self.fail(i, text.clone());
+                }
+            }
+        }
+    }
+
+    /// [`Worker::prefill`] one sequence at a time, each chunk a pass of `chunk` rows.
+    fn prefill_each(&mut self) {
+        let c = self.config.chunk;
         let mut i = 0;
         while i < self.seqs.len() {
             if !matches!(self.seqs[i].phase, Phase::Prefill) {
@@ -368,7 +453,6 @@ impl Worker {
                 Err(p) => self.fail(i, panic_text(p)),
             }
         }
-        self.stats.prefill_seconds += started.elapsed().as_secs_f64();
     }
 
     /// Copies positions `from..to` of sequence `i`'s prompt from a cache that holds them
@@ -399,9 +483,11 @@ impl Worker {
         true
     }
 
-    /// One decode pass per `decode_rows` decoding sequences.
+    /// One decode pass per `decode_rows` decoding sequences (one for all of them on kernels
+    /// that compute every row alone: no fixed shape to keep).
     fn decode(&mut self) {
-        let rows = self.config.decode_rows;
+        let decoding = self.seqs.iter().filter(|s| matches!(s.phase, Phase::Decode { .. })).count();
+        let rows = if self.weights.rows_alone() { decoding.max(1) } else { self.config.decode_rows };
         let started = Instant::now();
         let active: Vec<usize> = (0..self.seqs.len()).filter(|&i| matches!(self.seqs[i].phase, Phase::Decode { .. })).collect();
         let mut results: Vec<(usize, Result<Tensor, String>)> = vec![];
@@ -413,16 +499,8 @@ impl Worker {
                 }
             }
             let outcome = catch_unwind(AssertUnwindSafe(|| {
-                let mut segs: Vec<Segment<'_>> = vec![];
-                let mut rest: &mut [Seq] = &mut self.seqs;
-                let mut base = 0;
-                for (r, &i) in group.iter().enumerate() {
-                    let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - base);
-                    let (s, after) = tail.split_first_mut().expect("index in range");
-                    segs.push(Segment { cache: &mut s.cache, first: r, rows: 1, attend: 1 });
-                    rest = after;
-                    base = i + 1;
-                }
+                let picks: Vec<(usize, usize, usize)> = group.iter().enumerate().map(|(r, &i)| (i, r, 1)).collect();
+                let mut segs = segments(&mut self.seqs, &picks);
                 let h = self.model.forward_rows(&self.weights, &ids, &mut segs);
                 self.weights.logits_of(&h)
             }));
@@ -542,6 +620,22 @@ impl Worker {
             self.stats.evicted_prefixes += 1;
         }
     }
+}
+
+/// Pass segments over the caches of `seqs[i]` for each `(i, first row, rows)` of `picks`
+/// (`i` ascending; every row real).
+fn segments<'a>(seqs: &'a mut [Seq], picks: &[(usize, usize, usize)]) -> Vec<Segment<'a>> {
+    let mut segs = vec![];
+    let mut rest: &mut [Seq] = seqs;
+    let mut base = 0;
+    for &(i, first, rows) in picks {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - base);
+        let (s, after) = tail.split_first_mut().expect("index in range");
+        segs.push(Segment { cache: &mut s.cache, first, rows, attend: rows });
+        rest = after;
+        base = i + 1;
+    }
+    segs
 }
 
 fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {

@@ -290,18 +290,24 @@ pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&Pool>) {
     split(w.rows, 16, pool, |r| run(r.start, r.end));
 }
 
-/// Runs `f` on parts of `0..n` (contiguous, in order, each a multiple of `align` long but
-/// the last), the first on the calling thread and the others on `pool`'s threads.
+/// Runs `f` on parts of `0..n` (contiguous, each a multiple of `align` long but the last)
+/// on the calling thread and `pool`'s threads. The parts are several per thread, taken in
+/// turn by whichever thread is free, so rows of unequal cost (attention over a prefill's
+/// growing context) and threads of unequal speed still finish together; which thread
+/// computes a part does not change its result.
 pub fn split<F: Fn(std::ops::Range<usize>) + Sync>(n: usize, align: usize, pool: Option<&Pool>, f: F) {
+    const PARTS_PER_THREAD: usize = 8;
     match pool {
-        Some(pool) if n > 1 => {
-            let parts = pool.threads();
-            let per = n.div_ceil(parts).div_ceil(align) * align;
-            pool.run(&|t| {
-                let r = (t * per).min(n)..((t + 1) * per).min(n);
-                if !r.is_empty() {
-                    f(r);
+        Some(pool) if n > align => {
+            let per = n.div_ceil(pool.threads() * PARTS_PER_THREAD).div_ceil(align) * align;
+            let parts = n.div_ceil(per);
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            pool.run(&|_| loop {
+                let p = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if p >= parts {
+                    break;
                 }
+                f(p * per..((p + 1) * per).min(n));
             });
         }
         _ => f(0..n),
@@ -365,11 +371,16 @@ mod avx512 {
     unsafe fn rows_of<const FOUR: bool>(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f32) {
         let k = Kernel::<FOUR>::new(w, x, y);
         let full = x.rows / 4 * 4;
-        for o in o0..o1 {
-            let mut a = 0;
-            while a < full {
-                k.one_by_four(o, a);
-                a += 4;
+        // inputs in blocks that stay in the L1/L2 cache while every output row goes past
+        // them (a prefill pass of several sequences has hundreds of rows)
+        const INPUTS: usize = 32;
+        for a0 in (0..full).step_by(INPUTS) {
+            for o in o0..o1 {
+                let mut a = a0;
+                while a < full.min(a0 + INPUTS) {
+                    k.one_by_four(o, a);
+                    a += 4;
+                }
             }
         }
         for a in full..x.rows {

@@ -298,6 +298,12 @@ enum Kernels {
 }
 
 impl EngineWeights {
+    /// Whether a pass computes each row on its own (the CPU kernels), so that passes need no
+    /// fixed shape: the engine then puts every chunk or decode row of a step in one pass.
+    pub fn rows_alone(&self) -> bool {
+        matches!(self.kernels, Kernels::Cpu(_))
+    }
+
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.
     pub fn logits_of(&self, h: &Tensor) -> Tensor {
         match &self.kernels {

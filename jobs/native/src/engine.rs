@@ -93,6 +93,9 @@ pub struct EngineStats {
     pub prefill_tokens: u64,
     /// Prompt positions taken from a cached prefix instead of computed.
     pub reused_tokens: u64,
+    /// Prefill passes (one per computed chunk on libtorch; one per step for all the
+    /// sequences' chunks on the CPU kernels).
+    pub prefill_passes: u64,
     pub prefill_seconds: f64,
     /// Tokens sampled.
     pub decode_tokens: u64,
@@ -110,6 +113,7 @@ impl EngineStats {
             requests: self.requests - before.requests,
             prefill_tokens: self.prefill_tokens - before.prefill_tokens,
             reused_tokens: self.reused_tokens - before.reused_tokens,
+            prefill_passes: self.prefill_passes - before.prefill_passes,
             prefill_seconds: self.prefill_seconds - before.prefill_seconds,
             decode_tokens: self.decode_tokens - before.decode_tokens,
             decode_passes: self.decode_passes - before.decode_passes,
@@ -392,6 +396,7 @@ impl Worker {
             (!rows.is_empty()).then(|| self.weights.logits_of(&h.index_select(0, &Tensor::from_slice(&rows))))
         }));
         self.stats.prefill_tokens += ids.len() as u64;
+        self.stats.prefill_passes += 1;
         match outcome {
             Ok(logits) => {
                 for (i, from, to) in copy_after {
@@ -443,6 +448,7 @@ impl Worker {
                 (to == prompt_len).then(|| self.weights.logits_of(&h.narrow(0, real as i64 - 1, 1)).squeeze_dim(0))
             }));
             self.stats.prefill_tokens += (to - from) as u64;
+            self.stats.prefill_passes += 1;
             match result {
                 Ok(None) => i += 1,
                 Ok(Some(logits)) => {
@@ -805,10 +811,11 @@ mod tests {
         assert_eq!((evicted.tokens, evicted.logprobs), (cold.tokens, cold.logprobs));
     }
 
-    /// K rollouts of one prompt share its prefill: chunks are copied, not recomputed.
-    #[test]
-    fn a_group_shares_its_prompt_prefill() {
-        let engine = Engine::start(model(), small()).unwrap();
+    /// K rollouts of one prompt share its prefill: chunks are copied, not recomputed (on the
+    /// CPU kernels too, where the rollouts' chunks would otherwise share one pass).
+    fn a_group_shares_its_prompt_prefill(weights: WeightFormat) {
+        let config = EngineConfig { weights, ..small() };
+        let engine = Engine::start(model(), config.clone()).unwrap();
         let p = prompt(21, 8);
         let rxs: Vec<_> = (0..4).map(|k| engine.submit(req(p.clone(), k, 5))).collect();
         let outs: Vec<Generation> = rxs.into_iter().map(|rx| rx.blocking_recv().unwrap().unwrap()).collect();
@@ -818,7 +825,52 @@ mod tests {
         assert_eq!(st.reused_tokens, 3 * 20, "{st:?}");
         assert_eq!(st.prefill_tokens, 21 + 3, "{st:?}");
         for (k, o) in outs.iter().enumerate() {
-            assert_eq!(o.tokens, alone(req(p.clone(), k as u64, 5), &small()).tokens);
+            let want = alone(req(p.clone(), k as u64, 5), &config);
+            assert_eq!((&o.tokens, &o.logprobs), (&want.tokens, &want.logprobs));
+        }
+    }
+
+    #[test]
+    fn a_group_shares_its_prompt_prefill_f32() {
+        a_group_shares_its_prompt_prefill(WeightFormat::F32);
+    }
+
+    #[test]
+    fn a_group_shares_its_prompt_prefill_int4() {
+        a_group_shares_its_prompt_prefill(WeightFormat::Int4);
+    }
+
+    /// On the CPU kernels every prefilling sequence's chunk goes into one pass and every
+    /// decoding sequence into one decode pass, with the results each has alone.
+    #[test]
+    fn int4_puts_all_sequences_of_a_step_in_one_pass() {
+        let config = EngineConfig { weights: WeightFormat::Int4, threads: Some(2), max_batch: 6, decode_rows: 2, ..small() };
+        let engine = Engine::start(model(), config.clone()).unwrap();
+        let before = engine.stats();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        // a first request holds the engine in its stop check until the others are queued,
+        // so that all six are admitted in the same step
+        let go = Mutex::new(Some(go_rx));
+        let mut first = req(prompt(8, 40), 40, 6);
+        first.should_stop = Some(Box::new(move |_: &[u32]| {
+            if let Some(rx) = go.lock().unwrap().take() {
+                let _ = rx.recv();
+            }
+            false
+        }));
+        let a = engine.submit(first);
+        let sizes = [(12, 41), (8, 42), (16, 43), (5, 44), (12, 45)];
+        let rxs: Vec<_> = sizes.iter().map(|&(n, s)| (n, s, engine.submit(req(prompt(n, s as u32), s, 6)))).collect();
+        go_tx.send(()).unwrap();
+        let mut outs = vec![(8, 40, a.blocking_recv().unwrap().unwrap())];
+        outs.extend(rxs.into_iter().map(|(n, s, rx)| (n, s, rx.blocking_recv().unwrap().unwrap())));
+        let st = engine.stats().since(&before);
+        // prompts of up to 16 tokens in chunks of 4: the five later ones need at most four passes
+        assert!(st.prefill_passes <= 2 + 4, "{st:?}");
+        assert!(st.decode_rows > 2 * st.decode_passes, "more than decode_rows rows per pass: {st:?}");
+        for (n, s, got) in outs {
+            let want = alone(req(prompt(n, s as u32), s, 6), &config);
+            assert_eq!((got.tokens, got.logprobs), (want.tokens, want.logprobs), "prompt of {n} tokens");
         }
     }
 

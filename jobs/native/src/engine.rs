@@ -48,9 +48,11 @@ use crate::NativeError;
 pub struct EngineConfig {
     /// Sequences generating at once; further requests wait.
     pub max_batch: usize,
-    /// Rows of every decode pass (the fixed shape; more sequences take more passes).
+    /// Rows of every decode pass (the fixed shape; more sequences take more passes). The
+    /// CPU kernels (`int4`) have no fixed shape and decode every sequence in one pass.
     pub decode_rows: usize,
-    /// Rows of every prefill chunk (the fixed shape; chunks start at multiples of it).
+    /// Rows of every prefill chunk (the fixed shape; chunks start at multiples of it). On
+    /// the CPU kernels one pass carries a chunk of every prefilling sequence.
     pub chunk: usize,
     /// Positions (buffer capacity, not only the filled part) kept in idle cached prefixes;
     /// the least recently used go beyond it. SmolLM2-135M needs 46 KB per position.

@@ -373,11 +373,16 @@ mod avx512 {
         let full = x.rows / 4 * 4;
         // inputs in blocks that stay in the L1/L2 cache while every output row goes past
         // them (a prefill pass of several sequences has hundreds of rows)
-        const INPUTS: usize = 32;
+        const INPUTS: usize = 16;
         for a0 in (0..full).step_by(INPUTS) {
             for o in o0..o1 {
                 let mut a = a0;
-                while a < full.min(a0 + INPUTS) {
+                let end = full.min(a0 + INPUTS);
+                while a + 8 <= end {
+                    k.one_by_eight(o, a);
+                    a += 8;
+                }
+                while a < end {
                     k.one_by_four(o, a);
                     a += 4;
                 }
@@ -505,6 +510,21 @@ mod avx512 {
             self.store(o + 1, a, a1, m1);
             self.store(o + 2, a, a2, m2);
             self.store(o + 3, a, a3, m3);
+        }
+
+        #[inline(always)]
+        unsafe fn one_by_eight(&self, o: usize, a: usize) {
+            let z = _mm512_setzero_ps();
+            let (mut acc, mut accm) = ([z; 8], [z; 8]);
+            for p in 0..self.pairs {
+                let w = self.load(o, p);
+                for t in 0..8 {
+                    Self::step(w, self.input(a + t, p), &mut acc[t], &mut accm[t]);
+                }
+            }
+            for t in 0..8 {
+                self.store(o, a + t, acc[t], accm[t]);
+            }
         }
 
         #[inline(always)]

@@ -2,8 +2,9 @@
 //! the same GGUF and thread count, in one run: llama.cpp in process (llama-cpp-python's
 //! `Llama`), llama.cpp's OpenAI-compatible server, the native single-stream sampler, and
 //! the native batching engine at 1, 4, 8 and 16 concurrent streams in each weight format (prefill and decode
-//! tokens/s apart, aggregate tokens/s), then a multi-turn episode's prefill with and
-//! without prefix reuse. Ratios are against llama.cpp in process.
+//! tokens/s apart, aggregate tokens/s) and for a group of rollouts that share one prompt
+//! (`--group`, as GRPO samples them), then a multi-turn episode's prefill with and without
+//! prefix reuse. Ratios are against llama.cpp in process.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -40,6 +41,11 @@ pub struct SamplerArgs {
     /// Skip the llama.cpp server row.
     #[arg(long)]
     pub no_server: bool,
+    /// Rollouts of the group row: that many streams share one prompt and sample it with
+    /// their own seeds (temperature 0.7, top-p 0.95), as the K rollouts of a GRPO group do;
+    /// the engine prefills the prompt once. 0 leaves the row out.
+    #[arg(long, default_value_t = 8)]
+    pub group: usize,
     /// Weight formats of the engine rows (`f32`, `bf16`, `int4`; see `[policy]
     /// rollout_weights`).
     #[arg(long, value_delimiter = ',', default_values_t = vec!["f32".to_string(), "bf16".to_string(), "int4".to_string()])]
@@ -217,15 +223,22 @@ async fn llama_server(model: &std::path::Path, args: &SamplerArgs, prompt: &str)
     Ok(Row { backend: "llama.cpp server".into(), streams: 1, prefill_tokens: 0, prefill_seconds: 0.0, decode_tokens: 0, decode_seconds: 0.0, aggregate: n as f64 / s })
 }
 
-fn engine_row(streams: usize, weights: WeightFormat, model: &native::Llama, tok: &native::Tokenizer, args: &SamplerArgs) -> anyhow::Result<Row> {
+/// The engine at `streams` concurrent streams: each its own prompt, greedy; or with
+/// `group`, one prompt for all, sampled with a seed each.
+fn engine_row(streams: usize, group: bool, weights: WeightFormat, model: &native::Llama, tok: &native::Tokenizer, args: &SamplerArgs) -> anyhow::Result<Row> {
     let engine = Engine::start(model.clone_weights()?, EngineConfig { max_batch: streams.max(1), weights, threads: Some(args.threads as usize), ..Default::default() })?;
-    let greedy = GenerateOptions::greedy(args.max_tokens);
     // warm-up
     engine.generate(Request::new(prompt_ids(tok, 32, 999)?, GenerateOptions::greedy(4)))?;
     let before = engine.stats();
     let t = Instant::now();
     let rxs = (0..streams)
-        .map(|k| Ok(engine.submit(Request::new(prompt_ids(tok, args.prompt_tokens, k)?, greedy.clone()))))
+        .map(|k| {
+            let (prompt, opts) = match group {
+                false => (prompt_ids(tok, args.prompt_tokens, k)?, GenerateOptions::greedy(args.max_tokens)),
+                true => (prompt_ids(tok, args.prompt_tokens, 0)?, GenerateOptions { max_tokens: args.max_tokens, temperature: 0.7, top_p: 0.95, seed: k as u64 }),
+            };
+            Ok(engine.submit(Request::new(prompt, opts)))
+        })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut generated = 0;
     for rx in rxs {
@@ -234,7 +247,7 @@ fn engine_row(streams: usize, weights: WeightFormat, model: &native::Llama, tok:
     let wall = t.elapsed().as_secs_f64();
     let d = engine.stats().since(&before);
     Ok(Row {
-        backend: format!("native engine {}", weights.name()),
+        backend: format!("native engine {}{}", weights.name(), if group { ", group" } else { "" }),
         streams,
         prefill_tokens: d.prefill_tokens,
         prefill_seconds: d.prefill_seconds,
@@ -302,7 +315,11 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
         for &w in &formats {
             for &n in &a.streams {
                 eprintln!("native engine, {} weights, {n} streams ...", w.name());
-                rows.push(engine_row(n, w, &model, &tok, &a)?);
+                rows.push(engine_row(n, false, w, &model, &tok, &a)?);
+            }
+            if a.group > 0 {
+                eprintln!("native engine, {} weights, a group of {} rollouts of one prompt ...", w.name(), a.group);
+                rows.push(engine_row(a.group, true, w, &model, &tok, &a)?);
             }
         }
         eprintln!("multi-turn episode ...");
@@ -324,11 +341,11 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     let base = rows[0].decode_rate();
     let base_agg = rows[0].aggregate;
     println!("model: {}  prompt: {} tokens  generated: {} tokens per stream  threads: {}", model_path.display(), args.prompt_tokens, args.max_tokens, args.threads);
-    println!("{:<24} {:>7} {:>11} {:>11} {:>11} {:>9} {:>9}", "backend", "streams", "prefill t/s", "decode t/s", "aggreg. t/s", "decode ×", "aggreg. ×");
+    println!("{:<26} {:>7} {:>11} {:>11} {:>11} {:>9} {:>9}", "backend", "streams", "prefill t/s", "decode t/s", "aggreg. t/s", "decode ×", "aggreg. ×");
     for r in &rows {
         let (p, d) = if r.decode_tokens > 0 { (format!("{:.1}", r.prefill_rate()), format!("{:.1}", r.decode_rate())) } else { ("–".into(), "–".into()) };
         let dx = if r.decode_tokens > 0 { format!("{:.2}", r.decode_rate() / base) } else { "–".into() };
-        println!("{:<24} {:>7} {:>11} {:>11} {:>11.1} {:>9} {:>9.2}", r.backend, r.streams, p, d, r.aggregate, dx, r.aggregate / base_agg);
+        println!("{:<26} {:>7} {:>11} {:>11} {:>11.1} {:>9} {:>9.2}", r.backend, r.streams, p, d, r.aggregate, dx, r.aggregate / base_agg);
     }
     let ((with, ctx), (without, _)) = reuse;
     println!();

@@ -202,10 +202,26 @@ impl QActs {
 }
 
 /// One row of activations: 8-bit values in the block-pair order, and per block its scale
-/// and scaled sum.
+/// and scaled sum. Whole block pairs take the AVX-512 path where the CPU has it, with the
+/// same operations lane by lane, so both paths give the same bytes.
 fn quantize_row(row: &[f32], q: &mut [i8], dx: &mut [f32], sx8: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if vnni() {
+        let whole = row.len() / PAIR;
+        for p in 0..whole {
+            // SAFETY: pair p's 64 values, 64 bytes and two scales are in range.
+            unsafe { avx512::quantize_pair(row.as_ptr().add(p * PAIR), q.as_mut_ptr().add(p * PAIR), &mut dx[2 * p..2 * p + 2], &mut sx8[2 * p..2 * p + 2]) };
+        }
+        quantize_blocks(row, q, dx, sx8, 2 * whole);
+        return;
+    }
+    quantize_blocks(row, q, dx, sx8, 0);
+}
+
+/// [`quantize_row`] from block `first` on, one value at a time.
+fn quantize_blocks(row: &[f32], q: &mut [i8], dx: &mut [f32], sx8: &mut [f32], first: usize) {
     let cols = row.len();
-    for b in 0..dx.len() {
+    for b in first..dx.len() {
         let start = (b * BLOCK).min(cols);
         let vals = &row[start..((b + 1) * BLOCK).min(cols)];
         let amax = vals.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -545,6 +561,37 @@ mod avx512 {
             self.store(o, a + 3, a3, m3);
         }
     }
+    /// One whole block pair of [`super::quantize_row`]: 64 values at `x`, 64 bytes at `q`
+    /// in the stored order, and the two blocks' `dx` and `sx8`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn quantize_pair(x: *const f32, q: *mut i8, dx: &mut [f32], sx8: &mut [f32]) {
+        let magic = _mm512_set1_ps(12_582_912.0); // as in super::round
+        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        let mut bytes = [_mm_setzero_si128(); 4];
+        for b in 0..2 {
+            let v0 = _mm512_loadu_ps(x.add(b * BLOCK));
+            let v1 = _mm512_loadu_ps(x.add(b * BLOCK + 16));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            let d = amax / 127.0;
+            let inv = _mm512_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let quant = |v: __m512| {
+                let c = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(v, inv), hi), lo);
+                _mm512_cvtps_epi32(_mm512_sub_ps(_mm512_add_ps(c, magic), magic))
+            };
+            let (q0, q1) = (quant(v0), quant(v1));
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            bytes[2 * b] = _mm512_cvtepi32_epi8(q0);
+            bytes[2 * b + 1] = _mm512_cvtepi32_epi8(q1);
+            dx[b] = d;
+            sx8[b] = d * sum as f32 / 8.0;
+        }
+        // four-byte groups of the two blocks alternate (see super::slot)
+        let v = _mm512_inserti32x4(_mm512_castsi128_si512(bytes[0]), bytes[1], 1);
+        let v = _mm512_inserti32x4(_mm512_inserti32x4(v, bytes[2], 2), bytes[3], 3);
+        let order = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+        _mm512_storeu_si512(q as *mut _, _mm512_permutexvar_epi32(order, v));
+    }
+
     /// [`super::attend`] for a head of `N` × 16 values.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn attend<const N: usize>(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
@@ -755,6 +802,25 @@ mod tests {
             let mut y = vec![0f32; rows];
             matmul(&w, &one, &mut y, None);
             assert_eq!(y, y_all[a * rows..(a + 1) * rows], "row {a}");
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn vector_and_scalar_quantisation_give_the_same_bytes() {
+        if !vnni() {
+            return;
+        }
+        for cols in [64, 100, 576, 1536] {
+            let mut row = data(cols, cols as u64);
+            row[..32].iter_mut().for_each(|v| *v = 0.0); // a zero block
+            row[40] = 3.0; // a block with an outlier
+            let pairs = cols.div_ceil(PAIR);
+            let (mut qa, mut qb) = (vec![0i8; pairs * PAIR], vec![0i8; pairs * PAIR]);
+            let (mut da, mut db, mut sa, mut sb) = (vec![0f32; 2 * pairs], vec![0f32; 2 * pairs], vec![0f32; 2 * pairs], vec![0f32; 2 * pairs]);
+            quantize_row(&row, &mut qa, &mut da, &mut sa);
+            quantize_blocks(&row, &mut qb, &mut db, &mut sb, 0);
+            assert_eq!((qa, da, sa), (qb, db, sb), "{cols} columns");
         }
     }
 

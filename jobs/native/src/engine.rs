@@ -170,8 +170,8 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("native-engine".into())
             .spawn(move || {
-                if weights.format == WeightFormat::Int4 {
-                    // libtorch only samples here, one row at a time
+                if weights.rows_alone() {
+                    // the CPU kernels: libtorch only samples here, one row at a time
                     crate::threads::torch_on_this_thread_alone();
                 } else if let Some(n) = config.threads {
                     tch::set_num_threads(n as i32);
@@ -404,20 +404,17 @@ impl Worker {
                 for (i, from, to) in copy_after {
                     self.copy_chunk(i, from, to);
                 }
-                // highest index first: a finished sequence's removal keeps the others' indices
-                let mut ending: Vec<(usize, usize)> = last.iter().enumerate().map(|(k, &(i, _))| (i, k)).collect();
-                ending.sort_by(|a, b| b.0.cmp(&a.0));
+                // `pass` and `last` are in index order; highest first, so that a finished
+                // sequence's removal keeps the others' indices
                 if let Some(logits) = logits {
-                    for (i, k) in ending {
+                    for (k, &(i, _)) in last.iter().enumerate().rev() {
                         self.sample(i, &logits.get(k as i64));
                     }
                 }
             }
             Err(p) => {
                 let text = panic_text(p);
-                let mut failed: Vec<usize> = pass.iter().map(|&(i, _, _)| i).collect();
-                failed.sort_by(|a, b| b.cmp(a));
-                for i in failed {
+                for &(i, _, _) in pass.iter().rev() {
                     self.fail(i, text.clone());
                 }
             }
@@ -494,10 +491,9 @@ impl Worker {
     /// One decode pass per `decode_rows` decoding sequences (one for all of them on kernels
     /// that compute every row alone: no fixed shape to keep).
     fn decode(&mut self) {
-        let decoding = self.seqs.iter().filter(|s| matches!(s.phase, Phase::Decode { .. })).count();
-        let rows = if self.weights.rows_alone() { decoding.max(1) } else { self.config.decode_rows };
         let started = Instant::now();
         let active: Vec<usize> = (0..self.seqs.len()).filter(|&i| matches!(self.seqs[i].phase, Phase::Decode { .. })).collect();
+        let rows = if self.weights.rows_alone() { active.len().max(1) } else { self.config.decode_rows };
         let mut results: Vec<(usize, Result<Tensor, String>)> = vec![];
         for group in active.chunks(rows) {
             let mut ids = vec![0u32; rows];

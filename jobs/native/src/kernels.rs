@@ -395,11 +395,11 @@ mod avx512 {
                 let mut a = a0;
                 let end = full.min(a0 + INPUTS);
                 while a + 8 <= end {
-                    k.one_by_eight(o, a);
+                    k.one_by::<8>(o, a);
                     a += 8;
                 }
                 while a < end {
-                    k.one_by_four(o, a);
+                    k.one_by::<4>(o, a);
                     a += 4;
                 }
             }
@@ -528,37 +528,20 @@ mod avx512 {
             self.store(o + 3, a, a3, m3);
         }
 
+        /// Output `o` of inputs `a..a + N`: one weight load per block pair for `N` inputs.
         #[inline(always)]
-        unsafe fn one_by_eight(&self, o: usize, a: usize) {
+        unsafe fn one_by<const N: usize>(&self, o: usize, a: usize) {
             let z = _mm512_setzero_ps();
-            let (mut acc, mut accm) = ([z; 8], [z; 8]);
+            let (mut acc, mut accm) = ([z; N], [z; N]);
             for p in 0..self.pairs {
                 let w = self.load(o, p);
-                for t in 0..8 {
+                for t in 0..N {
                     Self::step(w, self.input(a + t, p), &mut acc[t], &mut accm[t]);
                 }
             }
-            for t in 0..8 {
+            for t in 0..N {
                 self.store(o, a + t, acc[t], accm[t]);
             }
-        }
-
-        #[inline(always)]
-        unsafe fn one_by_four(&self, o: usize, a: usize) {
-            let z = _mm512_setzero_ps();
-            let (mut a0, mut a1, mut a2, mut a3) = (z, z, z, z);
-            let (mut m0, mut m1, mut m2, mut m3) = (z, z, z, z);
-            for p in 0..self.pairs {
-                let w = self.load(o, p);
-                Self::step(w, self.input(a, p), &mut a0, &mut m0);
-                Self::step(w, self.input(a + 1, p), &mut a1, &mut m1);
-                Self::step(w, self.input(a + 2, p), &mut a2, &mut m2);
-                Self::step(w, self.input(a + 3, p), &mut a3, &mut m3);
-            }
-            self.store(o, a, a0, m0);
-            self.store(o, a + 1, a1, m1);
-            self.store(o, a + 2, a2, m2);
-            self.store(o, a + 3, a3, m3);
         }
     }
     /// One whole block pair of [`super::quantize_row`]: 64 values at `x`, 64 bytes at `q`

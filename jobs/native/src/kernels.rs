@@ -584,47 +584,6 @@ mod avx512 {
         let order = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
         _mm512_storeu_si512(q as *mut _, _mm512_permutexvar_epi32(order, v));
     }
-
-    /// [`super::attend`] for a head of `N` × 16 values.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn attend<const N: usize>(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
-        let hd = N * 16;
-        let len = scores.len();
-        debug_assert!(q.len() == hd && keys.len() >= len * hd && values.len() >= len * hd && out.len() == hd);
-        let mut qv = [_mm512_setzero_ps(); N];
-        for c in 0..N {
-            qv[c] = _mm512_loadu_ps(q.as_ptr().add(16 * c));
-        }
-        let kp = keys.as_ptr();
-        let mut max = f32::NEG_INFINITY;
-        for t in 0..len {
-            let k = kp.add(t * hd);
-            let mut acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-            for c in 1..N {
-                acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k.add(16 * c)), acc);
-            }
-            let s = _mm512_reduce_add_ps(acc) * scale;
-            scores[t] = s;
-            max = max.max(s);
-        }
-        let mut total = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            total += *s;
-        }
-        let mut acc = [_mm512_setzero_ps(); N];
-        let vp = values.as_ptr();
-        for t in 0..len {
-            let p = _mm512_set1_ps(scores[t] / total);
-            let v = vp.add(t * hd);
-            for c in 0..N {
-                acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v.add(16 * c)), acc[c]);
-            }
-        }
-        for c in 0..N {
-            _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), acc[c]);
-        }
-    }
 }
 
 /// The kernel for CPUs with AVX2 but without AVX-512 VNNI: a block pair is two 256-bit
@@ -680,7 +639,7 @@ mod avx2 {
     }
 
     #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -850,47 +809,117 @@ mod avx2 {
         _mm256_storeu_si256(q as *mut __m256i, _mm256_permute2x128_si256(l, h, 0x20));
         _mm256_storeu_si256(q.add(32) as *mut __m256i, _mm256_permute2x128_si256(l, h, 0x31));
     }
+}
 
-    /// [`super::attend`] for a head of `N` × 8 values.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend<const N: usize>(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
-        let hd = N * 8;
-        let len = scores.len();
-        debug_assert!(q.len() == hd && keys.len() >= len * hd && values.len() >= len * hd && out.len() == hd);
-        let mut qv = [_mm256_setzero_ps(); N];
+/// The float vector operations [`attend_with`] needs, for one register width.
+#[cfg(target_arch = "x86_64")]
+trait Lanes {
+    type V: Copy;
+    const WIDTH: usize;
+    unsafe fn zero() -> Self::V;
+    unsafe fn splat(v: f32) -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    unsafe fn store(p: *mut f32, v: Self::V);
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    unsafe fn sum(v: Self::V) -> f32;
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx512 {
+    type V = std::arch::x86_64::__m512;
+    const WIDTH: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> Self::V { std::arch::x86_64::_mm512_setzero_ps() }
+    #[inline(always)]
+    unsafe fn splat(v: f32) -> Self::V { std::arch::x86_64::_mm512_set1_ps(v) }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::V { std::arch::x86_64::_mm512_loadu_ps(p) }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::V) { std::arch::x86_64::_mm512_storeu_ps(p, v) }
+    #[inline(always)]
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V { std::arch::x86_64::_mm512_mul_ps(a, b) }
+    #[inline(always)]
+    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V { std::arch::x86_64::_mm512_fmadd_ps(a, b, c) }
+    #[inline(always)]
+    unsafe fn sum(v: Self::V) -> f32 { std::arch::x86_64::_mm512_reduce_add_ps(v) }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Avx2 {
+    type V = std::arch::x86_64::__m256;
+    const WIDTH: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> Self::V { std::arch::x86_64::_mm256_setzero_ps() }
+    #[inline(always)]
+    unsafe fn splat(v: f32) -> Self::V { std::arch::x86_64::_mm256_set1_ps(v) }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::V { std::arch::x86_64::_mm256_loadu_ps(p) }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::V) { std::arch::x86_64::_mm256_storeu_ps(p, v) }
+    #[inline(always)]
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V { std::arch::x86_64::_mm256_mul_ps(a, b) }
+    #[inline(always)]
+    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V { std::arch::x86_64::_mm256_fmadd_ps(a, b, c) }
+    #[inline(always)]
+    unsafe fn sum(v: Self::V) -> f32 { avx2::hsum(v) }
+}
+
+/// [`attend`] for a head of `N` vectors of `L::WIDTH` values; inlined into the
+/// `target_feature` functions below, which give it the instructions.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn attend_with<L: Lanes, const N: usize>(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    let (w, hd, len) = (L::WIDTH, N * L::WIDTH, scores.len());
+    debug_assert!(q.len() == hd && keys.len() >= len * hd && values.len() >= len * hd && out.len() == hd);
+    let mut qv = [L::zero(); N];
+    for c in 0..N {
+        qv[c] = L::load(q.as_ptr().add(w * c));
+    }
+    let mut max = f32::NEG_INFINITY;
+    for t in 0..len {
+        let k = keys.as_ptr().add(t * hd);
+        let mut acc = L::mul(qv[0], L::load(k));
+        for c in 1..N {
+            acc = L::fmadd(qv[c], L::load(k.add(w * c)), acc);
+        }
+        let s = L::sum(acc) * scale;
+        scores[t] = s;
+        max = max.max(s);
+    }
+    let mut total = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        total += *s;
+    }
+    let mut acc = [L::zero(); N];
+    for t in 0..len {
+        let p = L::splat(scores[t] / total);
+        let v = values.as_ptr().add(t * hd);
         for c in 0..N {
-            qv[c] = _mm256_loadu_ps(q.as_ptr().add(8 * c));
-        }
-        let kp = keys.as_ptr();
-        let mut max = f32::NEG_INFINITY;
-        for t in 0..len {
-            let k = kp.add(t * hd);
-            let mut acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-            for c in 1..N {
-                acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k.add(8 * c)), acc);
-            }
-            let s = hsum(acc) * scale;
-            scores[t] = s;
-            max = max.max(s);
-        }
-        let mut total = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            total += *s;
-        }
-        let mut acc = [_mm256_setzero_ps(); N];
-        let vp = values.as_ptr();
-        for t in 0..len {
-            let p = _mm256_set1_ps(scores[t] / total);
-            let v = vp.add(t * hd);
-            for c in 0..N {
-                acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v.add(8 * c)), acc[c]);
-            }
-        }
-        for c in 0..N {
-            _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), acc[c]);
+            acc[c] = L::fmadd(p, L::load(v.add(w * c)), acc[c]);
         }
     }
+    for c in 0..N {
+        L::store(out.as_mut_ptr().add(w * c), acc[c]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn attend_avx512<const N: usize>(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    attend_with::<Avx512, N>(q, keys, values, scale, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2<const N: usize>(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    attend_with::<Avx2, N>(q, keys, values, scale, scores, out)
 }
 
 /// One attention head of one query row: `out = softmax(scale · q·Kᵀ) · V` over the `len`
@@ -903,8 +932,8 @@ pub fn attend(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut 
     if vnni() {
         match hd {
             // SAFETY: the AVX-512 check above; lengths as asserted by the slices' shapes
-            64 => return unsafe { avx512::attend::<4>(q, keys, values, scale, scores, out) },
-            128 => return unsafe { avx512::attend::<8>(q, keys, values, scale, scores, out) },
+            64 => return unsafe { attend_avx512::<4>(q, keys, values, scale, scores, out) },
+            128 => return unsafe { attend_avx512::<8>(q, keys, values, scale, scores, out) },
             _ => {}
         }
     }
@@ -912,8 +941,8 @@ pub fn attend(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut 
     if avx2() {
         match hd {
             // SAFETY: the AVX2 check above; lengths as asserted by the slices' shapes
-            64 => return unsafe { avx2::attend::<8>(q, keys, values, scale, scores, out) },
-            128 => return unsafe { avx2::attend::<16>(q, keys, values, scale, scores, out) },
+            64 => return unsafe { attend_avx2::<8>(q, keys, values, scale, scores, out) },
+            128 => return unsafe { attend_avx2::<16>(q, keys, values, scale, scores, out) },
             _ => {}
         }
     }

@@ -92,6 +92,10 @@ impl ObjectStore for LocalStore {
         format!("file://{}", self.root.join(key).display())
     }
 
+    fn folder_url(&self, prefix: &str) -> String {
+        format!("file://{}", self.root.join(prefix.trim_matches('/')).display())
+    }
+
     async fn put(&self, key: &str, bytes: Bytes) -> Result<()> {
         let path = self.path(key)?;
         blocking(move || {

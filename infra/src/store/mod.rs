@@ -87,6 +87,12 @@ pub trait ObjectStore: Send + Sync + fmt::Debug {
         }
     }
 
+    /// A URL that [`open_store`] opens as a store rooted at `prefix` of this one: the same
+    /// backend and options (S3 endpoint, region, path style), never credentials. How another
+    /// process is told where a folder of this store is (a checkpoint for an inference
+    /// server's weight update).
+    fn folder_url(&self, prefix: &str) -> String;
+
     /// Writes an object atomically, replacing any previous one.
     async fn put(&self, key: &str, bytes: Bytes) -> Result<()>;
 

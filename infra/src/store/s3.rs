@@ -86,6 +86,35 @@ impl S3Options {
         }
         Ok(opts)
     }
+
+    /// The URL [`S3Options::parse`] reads back as these options rooted at `prefix` below
+    /// this prefix (endpoint, region and path style kept; an endpoint's credentials dropped).
+    pub fn url_at(&self, prefix: &str) -> String {
+        let path: Vec<&str> = [self.prefix.as_str(), prefix.trim_matches('/')].into_iter().filter(|p| !p.is_empty()).collect();
+        let mut url = format!("s3://{}", self.bucket);
+        if !path.is_empty() {
+            url.push('/');
+            url.push_str(&path.join("/"));
+        }
+        let mut query = url::form_urlencoded::Serializer::new(String::new());
+        if let Some(e) = &self.endpoint {
+            // As given, unless it carries credentials (which never leave in a URL).
+            let e = if e.contains('@') { crate::redact_url(e) } else { e.clone() };
+            query.append_pair("endpoint", &e);
+        }
+        if let Some(r) = &self.region {
+            query.append_pair("region", r);
+        }
+        if let Some(p) = self.path_style {
+            query.append_pair("path_style", if p { "true" } else { "false" });
+        }
+        let query = query.finish();
+        if !query.is_empty() {
+            url.push('?');
+            url.push_str(&query);
+        }
+        url
+    }
 }
 
 /// An object store in an S3 bucket (optionally under a prefix).
@@ -244,6 +273,10 @@ fn innermost_cause(err: &(dyn std::error::Error + 'static)) -> String {
 impl ObjectStore for S3Store {
     fn url(&self) -> String {
         display_url(&self.opts)
+    }
+
+    fn folder_url(&self, prefix: &str) -> String {
+        self.opts.url_at(prefix)
     }
 
     async fn put(&self, key: &str, bytes: Bytes) -> Result<()> {
@@ -523,6 +556,19 @@ impl MultipartUpload for S3Upload {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_folder_url_opens_the_same_bucket_and_options_below_the_prefix() {
+        let o = S3Options::parse("s3://runs/team/a?endpoint=http://127.0.0.1:8333&region=eu-west-1&path_style=true").unwrap();
+        let url = o.url_at("runs/r/checkpoints/step=1/");
+        let back = S3Options::parse(&url).unwrap();
+        assert_eq!(back.bucket, "runs");
+        assert_eq!(back.prefix, "team/a/runs/r/checkpoints/step=1");
+        assert_eq!((back.endpoint.as_deref(), back.region.as_deref(), back.path_style), (Some("http://127.0.0.1:8333"), Some("eu-west-1"), Some(true)));
+        let bare = S3Options::parse("s3://b").unwrap();
+        assert_eq!(bare.url_at("x/y"), "s3://b/x/y");
+        assert_eq!(bare.url_at(""), "s3://b");
+    }
 
     #[test]
     fn parses_bucket_prefix_and_options() {

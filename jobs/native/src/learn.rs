@@ -37,6 +37,10 @@ pub struct LearnInput {
     /// `cpu` or `cuda` (`cuda:N` for a given GPU).
     #[serde(default = "default_device")]
     pub device: String,
+    /// Learn steps a trained row's weights may lag behind the learner's starting weights
+    /// (0: on-policy only); older rows are refused ([`data::check_staleness`]).
+    #[serde(default)]
+    pub max_off_policy_steps: u32,
 }
 
 fn default_device() -> String {
@@ -114,6 +118,9 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
 
     let groups: Vec<Group> = read_prefix(store, &format!("runs/{}/groups/step={}/", input.run_id, input.step)).await?;
     let trajectories: Vec<Trajectory> = read_prefix(store, &format!("runs/{}/trajectories/step={}/", input.run_id, input.step)).await?;
+    let retained: std::collections::BTreeSet<&str> = groups.iter().filter(|g| g.retained).flat_map(|g| g.trajectory_ids.iter().map(String::as_str)).collect();
+    let start = latest.as_ref().and_then(|m| m.weights_step);
+    data::check_staleness(&input.run_id, start, input.max_off_policy_steps, trajectories.iter().filter(|t| retained.contains(t.trajectory_id.as_str())))?;
     let batch = data::batch_from_groups(&groups, &trajectories, &tokenizer)?;
     tracing::info!(run = %input.run_id, step = input.step, tasks = batch.tasks.len(), samples = batch.samples.len(), "learn job: training on retained groups");
     let metrics = learner.update(&batch)?;
@@ -266,6 +273,7 @@ mod tests {
             learner: LearnerConfig { optimizer: crate::learner::AdamWConfig { lr: 1e-2, ..Default::default() }, ..Default::default() },
             data_cursor: 4,
             device: "cpu".into(),
+            max_off_policy_steps: 0,
         };
         let out = run(&store, &input).await.unwrap();
         assert_eq!(out.manifest_key, "runs/r/checkpoints/step=1/manifest.json");
@@ -316,7 +324,7 @@ mod tests {
             write_records(&store, &format!("runs/r/trajectories/step={step}/kind=base/part-x.parquet"), &t).await.unwrap();
             write_records(&store, &format!("runs/r/groups/step={step}/part-x.parquet"), &[g]).await.unwrap();
         }
-        let input = |step| LearnInput { run_id: "r".into(), step, base_model: base.clone(), learner: LearnerConfig::default(), data_cursor: 0, device: "cpu".into() };
+        let input = |step| LearnInput { run_id: "r".into(), step, base_model: base.clone(), learner: LearnerConfig::default(), data_cursor: 0, device: "cpu".into(), max_off_policy_steps: 0 };
         let first = run(&store, &input(1)).await.unwrap();
         assert!(!first.trained && first.weights_step.is_none() && first.metrics.policy_tokens == 0, "{first:?}");
         let listed: Vec<String> = store.list("runs/r/checkpoints/").await.unwrap().into_iter().map(|m| m.key).collect();

@@ -10,6 +10,7 @@ use schemas::{ErrorClass, Role};
 
 pub mod openai;
 pub mod text_protocol;
+pub mod weight_sync;
 
 /// One chat message as sent to a policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -20,6 +20,15 @@
 //!   `POST /tokenize {"content"}` (llama.cpp), probed once. The sampled pieces are
 //!   re-tokenized as one text, and piece by piece when that does not give one id per piece;
 //!   if neither aligns, `token_ids` stays empty (logged) rather than being wrong.
+//! - **Training behind the endpoint** ([`OpenAiConfig::return_token_ids`]): the request
+//!   asks for `return_token_ids` (vLLM's field; `harness-s serve` answers it); the
+//!   response's `prompt_token_ids` become the turn's prompt fingerprint
+//!   ([`schemas::prompt_hash`]) and `choices[0].token_ids` its sampled ids, so the learner can
+//!   check that it scores the very context the server sampled from. The weights that
+//!   answered are read from the `x-harness-s-checkpoint` response header and reported by
+//!   [`Policy::checkpoint`]; a server that does not name them is taken to serve
+//!   [`OpenAiConfig::checkpoint`] (the checkpoint the scheduler synced it to), else the model
+//!   name.
 //! - **Failures**: every failure is a typed [`PolicyError`]. Timeouts, unreachable
 //!   servers, HTTP 429/5xx and bodies that are not a chat completion are retried with
 //!   exponential backoff and jitter (`backon`) while attempts and the wall-clock retry
@@ -120,6 +129,14 @@ pub struct OpenAiConfig {
     pub min_backoff_ms: u64,
     #[serde(default = "default_max_backoff")]
     pub max_backoff_ms: u64,
+    /// Ask for the prompt's and the reply's token ids (`return_token_ids: true`) and record
+    /// the prompt fingerprint from them; training on the endpoint's rollouts needs it.
+    #[serde(default)]
+    pub return_token_ids: bool,
+    /// The checkpoint the endpoint is expected to serve (set by the scheduler after a weight
+    /// sync); recorded on rows when the server does not name its weights itself.
+    #[serde(default)]
+    pub checkpoint: Option<String>,
 }
 
 fn default_true() -> bool {
@@ -161,6 +178,8 @@ impl OpenAiConfig {
             retry_budget_s: default_retry_budget(),
             min_backoff_ms: default_min_backoff(),
             max_backoff_ms: default_max_backoff(),
+            return_token_ids: false,
+            checkpoint: None,
         }
     }
 }
@@ -195,6 +214,8 @@ pub struct OpenAiPolicy {
     /// Server root (base URL without the `/v1` API prefix), where tokenizer routes live.
     root_url: String,
     tokenizer: OnceCell<Tokenizer>,
+    /// The weights the server last said it answered with (`x-harness-s-checkpoint`).
+    served: std::sync::Mutex<Option<String>>,
 }
 
 impl OpenAiPolicy {
@@ -238,7 +259,15 @@ impl OpenAiPolicy {
             .build()
             .map_err(|e| PolicyError::Config(format!("cannot build the HTTP client: {e}")))?;
         let root_url = base.strip_suffix("/v1").unwrap_or(&base).to_string();
-        Ok(OpenAiPolicy { chat_url: format!("{base}/chat/completions"), root_url, http, api_key, tokenizer: OnceCell::new(), config })
+        Ok(OpenAiPolicy {
+            chat_url: format!("{base}/chat/completions"),
+            root_url,
+            http,
+            api_key,
+            tokenizer: OnceCell::new(),
+            served: std::sync::Mutex::new(None),
+            config,
+        })
     }
 
     pub fn config(&self) -> &OpenAiConfig {
@@ -284,6 +313,9 @@ impl OpenAiPolicy {
             obj.insert("logprobs".into(), json!(true));
             obj.insert("top_logprobs".into(), json!(0));
         }
+        if self.config.return_token_ids {
+            obj.insert("return_token_ids".into(), json!(true));
+        }
         if self.config.tool_protocol == ToolProtocol::Native && !tools.is_empty() {
             let wire_tools: Vec<Value> = tools
                 .iter()
@@ -303,11 +335,14 @@ impl OpenAiPolicy {
         }
         let response = request.send().await.map_err(|e| self.transport_error(e))?;
         let status = response.status();
+        let served = response.headers().get(CHECKPOINT_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
         let text = response.text().await.map_err(|e| self.transport_error(e))?;
         if !status.is_success() {
             return Err(http_error(status.as_u16(), &text, self.api_key.is_some()));
         }
-        parse_completion(&text)
+        let mut completion = parse_completion(&text)?;
+        completion.checkpoint = served;
+        Ok(completion)
     }
 
     fn transport_error(&self, e: reqwest::Error) -> PolicyError {
@@ -406,8 +441,10 @@ impl OpenAiPolicy {
 
 #[async_trait]
 impl Policy for OpenAiPolicy {
+    /// The weights the server last named, else the synced checkpoint, else the model name.
     fn checkpoint(&self) -> String {
-        self.config.model.clone()
+        let served = self.served.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        served.or_else(|| self.config.checkpoint.clone()).unwrap_or_else(|| self.config.model.clone())
     }
 
     async fn chat(&self, messages: &[Message], tools: &[ToolSpec], sampling: &SamplingParams) -> Result<PolicyOutput, PolicyError> {
@@ -440,7 +477,7 @@ impl Policy for OpenAiPolicy {
             )
         })
         .await;
-        let completion = match completion {
+        let mut completion = match completion {
             Ok(c) => c,
             Err(e) if e.is_retryable() => {
                 return Err(PolicyError::RetriesExhausted {
@@ -458,8 +495,21 @@ impl Policy for OpenAiPolicy {
             let shorthands = self.config.tool_protocol == ToolProtocol::Text;
             tool_calls = text_protocol::parse(&completion.text, &offered, shorthands);
         }
+        if let Some(served) = &completion.checkpoint {
+            *self.served.lock().unwrap_or_else(|e| e.into_inner()) = Some(served.clone());
+        }
         let logprobs: Vec<f32> = completion.logprobs.iter().map(|p| p.logprob as f32).collect();
-        let token_ids = self.token_ids(&completion.logprobs).await;
+        let token_ids = match completion.token_ids.take() {
+            // Ids the server sampled, when they align with the log-probabilities.
+            Some(ids) if logprobs.is_empty() || ids.len() == logprobs.len() => ids,
+            _ => self.token_ids(&completion.logprobs).await,
+        };
+        // The prompt the server sampled from, when it says: the learner checks its rebuilt
+        // context against this fingerprint.
+        let (prompt_hash, prompt_tokens) = match &completion.prompt_ids {
+            Some(ids) => (Some(schemas::prompt_hash(ids)), ids.len() as u32),
+            None => (None, completion.prompt_tokens),
+        };
         let finish_reason = match completion.finish_reason {
             FinishReason::Stop if !tool_calls.is_empty() => FinishReason::ToolCalls,
             other => other,
@@ -475,12 +525,12 @@ impl Policy for OpenAiPolicy {
             "policy call done"
         );
         Ok(PolicyOutput {
-            prompt_hash: None,
+            prompt_hash,
             text: completion.text,
             tool_calls,
             token_ids,
             logprobs,
-            prompt_tokens: completion.prompt_tokens,
+            prompt_tokens,
             completion_tokens,
             finish_reason,
         })
@@ -574,7 +624,16 @@ struct Completion {
     prompt_tokens: u32,
     completion_tokens: Option<u32>,
     finish_reason: FinishReason,
+    /// `prompt_token_ids` (vLLM's name, at the top level or on the choice).
+    prompt_ids: Option<Vec<u32>>,
+    /// `choices[0].token_ids`.
+    token_ids: Option<Vec<u32>>,
+    /// The weights the server named in [`CHECKPOINT_HEADER`].
+    checkpoint: Option<String>,
 }
+
+/// The response header in which `harness-s serve` names the weights that answered.
+pub const CHECKPOINT_HEADER: &str = "x-harness-s-checkpoint";
 
 #[derive(Debug, Deserialize)]
 struct LogprobEntry {
@@ -598,6 +657,8 @@ fn parse_completion(body: &str) -> Result<Completion, PolicyError> {
         choices: Vec<Choice>,
         #[serde(default)]
         usage: Option<Usage>,
+        #[serde(default)]
+        prompt_token_ids: Option<Vec<u32>>,
     }
     #[derive(Deserialize)]
     struct Choice {
@@ -606,6 +667,10 @@ fn parse_completion(body: &str) -> Result<Completion, PolicyError> {
         finish_reason: Option<String>,
         #[serde(default)]
         logprobs: Option<ChoiceLogprobs>,
+        #[serde(default)]
+        token_ids: Option<Vec<u32>>,
+        #[serde(default)]
+        prompt_token_ids: Option<Vec<u32>>,
     }
     #[derive(Deserialize)]
     struct ResponseMessage {
@@ -670,6 +735,9 @@ fn parse_completion(body: &str) -> Result<Completion, PolicyError> {
         prompt_tokens: response.usage.as_ref().map(|u| u.prompt_tokens).unwrap_or(0),
         completion_tokens: response.usage.and_then(|u| u.completion_tokens),
         finish_reason,
+        prompt_ids: response.prompt_token_ids.or(choice.prompt_token_ids),
+        token_ids: choice.token_ids,
+        checkpoint: None,
     })
 }
 

@@ -116,12 +116,18 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
             }
         }
         "openai" => {
-            if step.is_some() {
+            if step.is_some() && !spec.policy.syncs_weights() {
                 return Err(JobFailure::Fatal(
-                    "backend `openai` cannot serve trained checkpoints; train with backend = \"native\"".into(),
+                    "this rollout asks for a trained checkpoint, but the endpoint policy has no weight sync; set [policy] weight_sync = \"sglang\"".into(),
                 ));
             }
-            let p = jobs::policy::openai::OpenAiPolicy::new(spec.policy.openai_config()).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+            let mut config = spec.policy.openai_config();
+            // The scheduler brought the endpoint to these weights before the stage; rows name
+            // them unless the server names its own.
+            if spec.policy.syncs_weights() {
+                config.checkpoint = inputs.stored.served_weights(store, step);
+            }
+            let p = jobs::policy::openai::OpenAiPolicy::new(config).map_err(|e| JobFailure::Fatal(e.to_string()))?;
             Ok(Arc::new(p))
         }
         other => Err(JobFailure::Fatal(format!("unknown policy backend `{other}`"))),

@@ -23,7 +23,8 @@ pub struct StoredRun {
     pub schema_version: u32,
     pub run_id: String,
     pub spec: RunSpec,
-    /// Absolute path of the native model (workers must be able to read it).
+    /// Absolute path of the native model, or of the starting weights of an endpoint policy
+    /// that is trained (the learner's start); workers must be able to read it.
     pub base_model: Option<PathBuf>,
     /// Harness ids of the pool, in file-name order (H0 excluded).
     pub pool: Vec<String>,
@@ -32,6 +33,19 @@ pub struct StoredRun {
 impl schemas::Document for StoredRun {
     const NAME: &'static str = "stored run spec";
     const VERSION: u32 = 1;
+}
+
+impl StoredRun {
+    /// The weights an endpoint policy must serve for rollouts of checkpoint `step` (`None`:
+    /// the starting weights), as sent in its weight update: the checkpoint folder of the
+    /// run's store ([`jobs::policy::weight_sync::model_path_of`]) or the starting weights'
+    /// path. `None` when the run has no starting weights to name.
+    pub fn served_weights(&self, store: &dyn ObjectStore, step: Option<u32>) -> Option<String> {
+        match step {
+            Some(s) => Some(jobs::policy::weight_sync::model_path_of(&store.folder_url(&keys::checkpoint_dir(&self.run_id, s)))),
+            None => self.base_model.as_ref().map(|p| p.display().to_string()),
+        }
+    }
 }
 
 pub fn run_json_key(run_id: &str) -> String {
@@ -145,8 +159,10 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
             }
         }
     }
-    let base_model = match spec.policy.backend.as_str() {
-        "native" => Some(native::loader::resolve_model(&spec.policy.model, &loaded.base_dir)?),
+    let base_model = match (spec.policy.backend.as_str(), &spec.policy.weights) {
+        ("native", _) => Some(native::loader::resolve_model(&spec.policy.model, &loaded.base_dir)?),
+        // An endpoint policy that is trained: the weights it starts from, for the learner.
+        (_, Some(weights)) => Some(native::loader::resolve_model(weights, &loaded.base_dir)?),
         _ => None,
     };
     let stored = StoredRun {

@@ -34,6 +34,9 @@ use super::handlers::{LearnJob, ReanchorJob, RolloutJob};
 use super::inputs::RunInputs;
 use super::state::{self, RunState, RunStatus};
 
+/// Seconds an endpoint may take to load a checkpoint (and to come back when restarting).
+const WEIGHT_LOAD_TIMEOUT_S: u64 = 600;
+
 /// How a run ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
@@ -154,6 +157,15 @@ impl Scheduler {
 
     async fn run_stage(&self, stage: &str, st: &mut RunState) -> anyhow::Result<()> {
         let parts: Vec<&str> = stage.split(':').collect();
+        // A stage that samples the policy first brings its endpoint to the weights it samples.
+        let samples_with = match parts.as_slice() {
+            ["evolve"] | ["baseline"] => Some(None),
+            ["calibration", ..] | ["update", _, "base" | "rescue"] | ["evaluation"] => Some(st.latest_checkpoint),
+            _ => None,
+        };
+        if let Some(step) = samples_with {
+            self.sync_endpoint(step).await?;
+        }
         match parts.as_slice() {
             ["evolve"] => self.evolve().await,
             ["baseline"] => self.evaluate("baseline", 0, None, st).await,
@@ -170,6 +182,32 @@ impl Scheduler {
             }
             _ => bail!("unknown stage `{stage}`"),
         }
+    }
+
+    /// With `[policy] weight_sync`: brings the policy endpoint to the weights of checkpoint
+    /// `step` (the starting weights for `None`) before a stage samples it. Nothing is
+    /// loaded when the endpoint serves them already; a restarted endpoint or a resumed run
+    /// gets them again. The stage does not start until the endpoint reports them.
+    async fn sync_endpoint(&self, step: Option<u32>) -> anyhow::Result<()> {
+        let p = &self.spec().policy;
+        if !p.syncs_weights() {
+            return Ok(());
+        }
+        let Some(want) = self.inputs.stored.served_weights(self.store.as_ref(), step) else {
+            return Ok(());
+        };
+        let key = p.api_key_env.as_ref().and_then(|v| std::env::var(v).ok()).filter(|k| !k.is_empty());
+        let base_url = p.base_url.as_deref().unwrap_or_default();
+        let endpoint = jobs::policy::weight_sync::Endpoint::new(base_url, key, std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))?;
+        let started = std::time::Instant::now();
+        let loaded = endpoint
+            .ensure(&want, std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))
+            .await
+            .with_context(|| format!("bringing the policy endpoint to {}", infra::redact_url(&want)))?;
+        if loaded {
+            tracing::info!(endpoint = %endpoint.root(), weights = %infra::redact_url(&want), seconds = started.elapsed().as_secs_f64(), "policy endpoint loaded the run's weights");
+        }
+        Ok(())
     }
 
     /// Directional Harness Evolution (§3.2) with the starting policy frozen: one evolve
@@ -718,8 +756,8 @@ impl Scheduler {
     /// Algorithm 1, line 12: a GRPO update on the retained groups (Appendix B).
     async fn learn(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
-        if spec.policy.backend != "native" {
-            bail!("policy.backend = \"{}\" cannot be trained; use backend = \"native\"", spec.policy.backend);
+        if spec.policy.backend != "native" && !spec.policy.syncs_weights() {
+            bail!("policy.backend = \"{}\" cannot be trained without [policy] weight_sync; use backend = \"native\"", spec.policy.backend);
         }
         let mut learner = native::learner::LearnerConfig::default();
         learner.optimizer.lr = spec.algorithm.learning_rate;
@@ -727,10 +765,11 @@ impl Scheduler {
         let input = LearnJob {
             run_id: self.run_id().to_string(),
             step: u,
-            base_model: self.inputs.stored.base_model.clone().context("native policy without a model path")?,
+            base_model: self.inputs.stored.base_model.clone().context("the run names no starting weights for the learner (policy.model, or policy.weights behind an endpoint)")?,
             learner,
             data_cursor: st.data_cursor,
             device: spec.policy.device.clone(),
+            max_off_policy_steps: spec.algorithm.max_off_policy_steps,
         };
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
         let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);

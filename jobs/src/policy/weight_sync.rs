@@ -1,0 +1,186 @@
+//! Weight sync with an inference endpoint, for training a policy that is served behind one.
+//!
+//! Why: at scale the learner runs apart from the inference servers that sample rollouts; after
+//! each learn step the servers must load the new checkpoint before the next update samples,
+//! or the learner trains on rollouts of weights it has already left behind.
+//!
+//! The protocol is SGLang's, which `harness-s serve` speaks too:
+//! - `POST {root}/update_weights_from_disk {"model_path"}` → `{"success", "message"}`;
+//! - `GET {root}/get_model_info` → `{"model_path", ...}`: the weights served now.
+//!
+//! [`Endpoint::ensure`] reads what the server serves and loads the wanted weights only when
+//! they differ, so it is cheap to call before every stage that samples (a restarted server,
+//! a resumed run and the step after a learn job are the same case). Failures are typed:
+//! an unreachable server is retried with backoff within a budget; a server that refuses the
+//! weights, or answers with other weights after loading, is an error at once.
+
+use std::time::{Duration, Instant};
+
+use backon::{ExponentialBuilder, Retryable};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// How a trained policy's new weights reach its endpoint (`[policy] weight_sync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightSync {
+    /// The endpoint's weights never change (rollout-only runs).
+    #[default]
+    None,
+    /// SGLang's `/update_weights_from_disk` and `/get_model_info` (also `harness-s serve`).
+    Sglang,
+}
+
+/// Why an endpoint could not be brought to the wanted weights.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("cannot reach the policy endpoint {endpoint}: {detail}")]
+    Unreachable { endpoint: String, detail: String },
+    #[error("the policy endpoint {endpoint} refused to load {model_path}: {message}")]
+    Refused { endpoint: String, model_path: String, message: String },
+    #[error("the policy endpoint {endpoint} serves {serving} after loading {model_path}; it did not take the new weights")]
+    NotLoaded { endpoint: String, model_path: String, serving: String },
+    #[error("the policy endpoint {endpoint} does not speak the weight-update protocol ({detail}); weight_sync = \"sglang\" needs /update_weights_from_disk and /get_model_info (SGLang, harness-s serve)")]
+    Protocol { endpoint: String, detail: String },
+}
+
+impl SyncError {
+    /// Whether trying again later may succeed (the server is restarting or overloaded).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, SyncError::Unreachable { .. })
+    }
+}
+
+/// One inference server's weight-update routes.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    root: String,
+    http: reqwest::Client,
+    api_key: Option<String>,
+}
+
+impl Endpoint {
+    /// `base_url` is the policy's (`http://host:port/v1`); the routes live at its root.
+    /// Loading weights can take minutes on a large model: each request may take `timeout`.
+    pub fn new(base_url: &str, api_key: Option<String>, timeout: Duration) -> Result<Endpoint, SyncError> {
+        let base = base_url.trim_end_matches('/');
+        let root = base.strip_suffix("/v1").unwrap_or(base).to_string();
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .map_err(|e| SyncError::Protocol { endpoint: root.clone(), detail: format!("cannot build an HTTP client: {e}") })?;
+        Ok(Endpoint { root, http, api_key })
+    }
+
+    pub fn root(&self) -> &str {
+        &self.root
+    }
+
+    async fn send(&self, request: reqwest::RequestBuilder) -> Result<(u16, Value), SyncError> {
+        let request = match &self.api_key {
+            Some(k) => request.bearer_auth(k),
+            None => request,
+        };
+        let unreachable = |e: reqwest::Error| SyncError::Unreachable { endpoint: self.root.clone(), detail: e.to_string() };
+        let response = request.send().await.map_err(unreachable)?;
+        let status = response.status().as_u16();
+        let text = response.text().await.map_err(unreachable)?;
+        if status >= 500 || status == 429 {
+            return Err(SyncError::Unreachable { endpoint: self.root.clone(), detail: format!("HTTP {status}: {}", text.chars().take(300).collect::<String>()) });
+        }
+        let body = serde_json::from_str(&text)
+            .map_err(|_| SyncError::Protocol { endpoint: self.root.clone(), detail: format!("HTTP {status}, not JSON: {}", text.chars().take(200).collect::<String>()) })?;
+        Ok((status, body))
+    }
+
+    /// The weights the server serves now (`model_path` of `/get_model_info`).
+    pub async fn serving(&self) -> Result<String, SyncError> {
+        let (status, body) = self.send(self.http.get(format!("{}/get_model_info", self.root))).await?;
+        match body.get("model_path").and_then(Value::as_str) {
+            Some(p) if status == 200 => Ok(p.to_string()),
+            _ => Err(SyncError::Protocol { endpoint: self.root.clone(), detail: format!("GET /get_model_info answered HTTP {status} without a model_path") }),
+        }
+    }
+
+    /// Asks the server to load `model_path` (in-flight requests finish on the old weights).
+    pub async fn load(&self, model_path: &str) -> Result<(), SyncError> {
+        let url = format!("{}/update_weights_from_disk", self.root);
+        let (status, body) = self.send(self.http.post(url).json(&json!({"model_path": model_path}))).await?;
+        let message = body.get("message").and_then(Value::as_str).unwrap_or("").to_string();
+        match body.get("success").and_then(Value::as_bool) {
+            Some(true) => Ok(()),
+            Some(false) => Err(SyncError::Refused { endpoint: self.root.clone(), model_path: model_path.into(), message }),
+            None if status == 404 => Err(SyncError::Protocol { endpoint: self.root.clone(), detail: "POST /update_weights_from_disk answered 404".into() }),
+            None => Err(SyncError::Protocol { endpoint: self.root.clone(), detail: format!("POST /update_weights_from_disk answered HTTP {status} without `success`") }),
+        }
+    }
+
+    /// Brings the server to `model_path`: nothing when it serves it already, else a load
+    /// and a check that it now serves it. Unreachable servers are retried with backoff
+    /// while `budget` lasts. Returns whether weights were loaded.
+    pub async fn ensure(&self, model_path: &str, budget: Duration) -> Result<bool, SyncError> {
+        let started = Instant::now();
+        let backoff = ExponentialBuilder::default().with_min_delay(Duration::from_millis(500)).with_max_delay(Duration::from_secs(10)).with_max_times(usize::MAX).with_jitter();
+        (|| async {
+            if same_weights(&self.serving().await?, model_path) {
+                return Ok(false);
+            }
+            self.load(model_path).await?;
+            let serving = self.serving().await?;
+            if !same_weights(&serving, model_path) {
+                return Err(SyncError::NotLoaded { endpoint: self.root.clone(), model_path: model_path.into(), serving });
+            }
+            Ok(true)
+        })
+        .retry(backoff)
+        .sleep(tokio::time::sleep)
+        .when(SyncError::is_retryable)
+        .adjust(|_, delay| delay.filter(|d| started.elapsed() + *d < budget))
+        .notify(|e, delay| tracing::warn!(endpoint = %self.root, error = %e, retry_in_ms = delay.as_millis() as u64, "weight sync: endpoint not ready; retrying"))
+        .await
+    }
+}
+
+/// Whether two weight references name the same weights: equal as written, or as URLs once
+/// normalised (a server may print a URL it was sent in its canonical form, without a
+/// password).
+fn same_weights(a: &str, b: &str) -> bool {
+    let normal = |s: &str| url::Url::parse(s).map(|u| infra::redact_url(u.as_str())).unwrap_or_else(|_| s.to_string());
+    a == b || normal(a) == normal(b)
+}
+
+/// What to send as `model_path` for a checkpoint folder at `folder_url` of a store: a local
+/// store's folder as a plain path (SGLang and `harness-s serve` read it in place, on a
+/// filesystem the servers share), any other store's URL as it is (`harness-s serve` fetches
+/// `s3://` folders itself).
+pub fn model_path_of(folder_url: &str) -> String {
+    match folder_url.strip_prefix("file://") {
+        Some(path) => path.to_string(),
+        None => folder_url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_folders_are_sent_as_paths_and_others_as_urls() {
+        assert_eq!(model_path_of("file:///data/runs/r/checkpoints/step=1"), "/data/runs/r/checkpoints/step=1");
+        assert_eq!(model_path_of("s3://b/p/runs/r/checkpoints/step=1?endpoint=http://127.0.0.1:8333"), "s3://b/p/runs/r/checkpoints/step=1?endpoint=http://127.0.0.1:8333");
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_endpoint_is_retried_within_the_budget_then_typed() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        let e = Endpoint::new(&format!("http://127.0.0.1:{port}/v1"), None, Duration::from_secs(2)).unwrap();
+        assert_eq!(e.root(), format!("http://127.0.0.1:{port}"));
+        let started = Instant::now();
+        let err = e.ensure("/x", Duration::from_millis(1500)).await.unwrap_err();
+        assert!(matches!(err, SyncError::Unreachable { .. }), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+}

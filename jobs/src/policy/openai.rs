@@ -537,6 +537,23 @@ impl Policy for OpenAiPolicy {
     }
 }
 
+/// For a tool result that answers no recorded call: when the message before it is an
+/// assistant message whose text shows a call in the text protocol (a worked example a
+/// harness placed as chat turns), that call becomes the message's `tool_calls` and the
+/// result answers it, so the server sees a tool result where the policy saw one. Returns
+/// the call's id.
+fn call_shown_in_text(out: &mut [Value], i: usize, tools: &[ToolSpec]) -> Option<String> {
+    let last = out.last_mut()?;
+    if last["role"] != "assistant" || last.get("tool_calls").is_some() {
+        return None;
+    }
+    let offered: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    let call = text_protocol::parse(last["content"].as_str()?, &offered, true).into_iter().next()?;
+    let id = format!("call_{i}_shown");
+    last["tool_calls"] = json!([{"id": id, "type": "function", "function": {"name": call.name, "arguments": call.args.to_string()}}]);
+    Some(id)
+}
+
 /// Messages in the wire format of the chosen protocol (pure).
 ///
 /// Native: assistant calls get ids `call_<message>_<k>`, and each later tool message answers
@@ -565,7 +582,7 @@ pub fn wire_messages(messages: &[Message], tools: &[ToolSpec], protocol: ToolPro
                             .collect();
                         out.push(json!({"role": "assistant", "content": m.content, "tool_calls": calls}));
                     }
-                    Role::Tool => match open_calls.pop_front() {
+                    Role::Tool => match open_calls.pop_front().or_else(|| call_shown_in_text(&mut out, i, tools)) {
                         Some(id) => out.push(json!({"role": "tool", "tool_call_id": id, "content": m.content})),
                         None => out.push(json!({"role": "user", "content": m.content})),
                     },

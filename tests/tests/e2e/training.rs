@@ -758,6 +758,10 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     // Both updates trained, each from the one before.
     assert_trained(store.as_ref(), &run_id, 1).await;
     assert_trained(store.as_ref(), &run_id, 2).await;
+    for step in [1, 2] {
+        let m: schemas::CheckpointManifest = serde_json::from_slice(&store.get(&format!("runs/{run_id}/checkpoints/step={step}/manifest.json")).await.unwrap()).unwrap();
+        eprintln!("update {step} through the endpoint: {:?}", m.metrics);
+    }
     assert_ne!(checkpoint_files(store.as_ref(), &run_id, 1).await, checkpoint_files(store.as_ref(), &run_id, 2).await, "step 2 moved the weights again");
 
     // Update 1 sampled the starting weights; update 2 the step-1 checkpoint, as the server named it.

@@ -393,6 +393,28 @@ fn native_wire_messages_pair_tool_results_with_calls() {
     assert_eq!(wire[6]["role"], "system");
 }
 
+/// A worked example placed as chat turns: the assistant's call is only in its text, then a
+/// tool result. The call is sent as the message's `tool_calls` and the result answers it,
+/// so the server renders a tool result where the policy saw one (a `user` message would be
+/// another prompt than the one the learner rebuilds).
+#[test]
+fn native_wire_messages_give_an_example_call_shown_in_text_its_result() {
+    let messages = vec![
+        Message::new(Role::System, "s"),
+        Message::new(Role::User, "how many?"),
+        Message::new(Role::Assistant, "```sql\nSELECT COUNT(*) FROM t;\n```"),
+        Message::new(Role::Tool, "[(2,)]"),
+        Message::new(Role::Assistant, "no call here"),
+        Message::new(Role::Tool, "orphan"),
+    ];
+    let wire = wire_messages(&messages, &sql_tools(), ToolProtocol::Native);
+    assert_eq!(wire[2]["content"], "```sql\nSELECT COUNT(*) FROM t;\n```", "the text stays as the policy saw it");
+    assert_eq!(wire[2]["tool_calls"][0]["function"]["name"], "execute_sql");
+    assert_eq!((wire[3]["role"].as_str(), wire[3]["tool_call_id"].as_str()), (Some("tool"), Some("call_3_shown")));
+    assert!(wire[4].get("tool_calls").is_none());
+    assert_eq!(wire[5]["role"], "user", "a result after a reply that shows no call stays a user message");
+}
+
 #[tokio::test]
 async fn token_ids_carried_by_the_response_are_used() {
     let mut body = completion("ab", json!(null));

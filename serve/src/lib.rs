@@ -243,6 +243,12 @@ async fn update_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
         Err(e) => return error(e),
     };
     let _one = state.updating.lock().await;
+    // Clients that find the server on other weights may all ask for the same ones at once
+    // (after a restart): the first loads them, the others are answered without a reload.
+    let current = state.checkpoint();
+    if current == infra::redact_url(&req.model_path) {
+        return with_checkpoint(json!({"success": true, "message": format!("already serving {current}"), "num_paused_requests": 0}), &current);
+    }
     let started = std::time::Instant::now();
     match load_weights(&state, &req.model_path).await {
         Ok(loaded) => {

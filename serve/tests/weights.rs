@@ -71,4 +71,8 @@ async fn a_checkpoint_in_a_store_replaces_the_served_weights() {
     assert_ne!(after, before, "other weights, other log-probabilities");
     let models: Value = reqwest::get(format!("http://{addr}/v1/models")).await.unwrap().json().await.unwrap();
     assert_eq!(models["data"][0]["checkpoint"], url.as_str());
+    // Asking again for the weights it serves answers at once, without a reload.
+    let (status, body, _) = post(&addr, "/update_weights_from_disk", json!({"model_path": url})).await;
+    assert_eq!((status, body["success"].as_bool(), body["message"].as_str()), (200, Some(true), Some(format!("already serving {url}").as_str())));
+    assert_eq!(greedy_logprobs(&addr).await.0, after);
 }

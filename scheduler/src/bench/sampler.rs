@@ -110,20 +110,42 @@ pub async fn start_llama_server(model: &std::path::Path, threads: i32, url: Opti
         Some(u) => u.trim_end_matches('/').to_string(),
         None => {
             let port = free_port()?;
-            let child = Command::new("python3")
+            let log = tempfile::NamedTempFile::new().context("a temporary file for the server's log")?;
+            let mut child = Command::new("python3")
                 .args(["-m", "llama_cpp.server", "--model"])
                 .arg(model)
                 .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--n_threads", &threads.to_string(), "--n_ctx", "2048"])
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
+                .stderr(log.reopen()?)
                 .spawn()
                 .context("cannot start `python3 -m llama_cpp.server` (pip install 'llama-cpp-python[server]'), or pass --server-url")?;
+            let base = format!("http://127.0.0.1:{port}");
+            // A server that exits while starting (a missing package, a bad model) says why.
+            tokio::select! {
+                ready = wait_for_models(&base) => ready?,
+                exited = exit_of(&mut child) => {
+                    let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+                    let tail: Vec<&str> = text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect();
+                    bail!("`python3 -m llama_cpp.server` exited ({exited}) before answering (pip install 'llama-cpp-python[server]', or pass --server-url):\n{}", tail.join("\n"));
+                }
+            }
             server = Some(Server(child));
-            format!("http://127.0.0.1:{port}")
+            return Ok((server, base));
         }
     };
     wait_for_models(&base).await?;
     Ok((server, base))
+}
+
+/// Resolves when `child` exits.
+async fn exit_of(child: &mut Child) -> String {
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return status.to_string(),
+            Err(e) => return e.to_string(),
+            Ok(None) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
 }
 
 /// Waits up to 120 s for `{base}/v1/models` to answer.

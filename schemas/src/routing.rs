@@ -12,7 +12,8 @@ pub enum RoutePurpose {
     Inference,
 }
 
-/// One voter's ranking of 4 distinct candidates (Appendix C).
+/// One voter's ranking of 4 distinct candidates (Appendix C); the rule router's ballot ranks
+/// every candidate (its Rule Router has no ballot size).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Ballot {
     /// `rule` or `llm:<endpoint model>`.

@@ -301,11 +301,27 @@ impl Router {
         let (ballots, ranked) = if cfg.variant == Variant::Random {
             // The seeded shuffle is the random draw; no tie rules, or it would not be random.
             (vec![], order.iter().map(|h| (h.clone(), 0.0)).collect::<Vec<_>>())
+        } else if cfg.variant == Variant::Rule {
+            // Appendix C's Rule Router ranks every candidate by success on similar validation
+            // tasks: no 4-slot ballot, so with K = 8 ranks 5–8 are ranked by the rule too.
+            let rule = RuleVoter { use_profiles: false };
+            let similar = req.evidence.similar_tasks(req.task, cfg.similar_tasks);
+            let vr = VoteRequest {
+                task: req.task,
+                candidates: &order,
+                evidence: req.evidence,
+                use_profiles: false,
+                ballot_len: order.len(),
+                similar: &similar,
+                seed,
+            };
+            let ranking = rule.vote(&vr).await.ranking.unwrap_or_default();
+            let ranked: Vec<(String, f64)> = ranking.iter().map(|h| (h.clone(), rule.score(h, &vr))).collect();
+            let ballot = schemas::Ballot { voter: rule.name(), ranking, valid: true, invalid_reason: None, raw: None };
+            (vec![ballot], ranked)
         } else {
-            let rule_only = RuleVoter { use_profiles: false };
             let fallback = RuleVoter { use_profiles: true };
             let voters: Vec<&dyn Voter> = match cfg.variant {
-                Variant::Rule => vec![&rule_only],
                 _ if self.voters.is_empty() => vec![&fallback],
                 _ => self.voters.iter().map(|v| v.as_ref()).collect(),
             };
@@ -433,12 +449,37 @@ mod tests {
         assert_eq!(d.variant, "rule");
         assert!(!d.candidate_order.contains(&"h0".to_string()));
         assert_eq!(d.score_harnesses.len(), 4);
-        assert_eq!(d.scores[0], 1.0);
+        assert!(d.scores[0] > d.scores[1], "scores are the rule's similar-task success: {:?}", d.scores);
         // Without profiles h4 (no validation evidence) ranks last.
         assert_eq!(d.score_harnesses.last().unwrap(), "h4");
         let x2 = task("x2", "INSERT", 4, "Insert a player into the roster");
         let routed = router.route(&RouteRequest::rescue("r", 1, &x2, &pool(5), &ev)).await.unwrap();
         assert_eq!(routed.decision.selected[0], "h1");
+    }
+
+    /// Appendix C's Rule Router ranks every candidate by similar-task success: with K = 8 of
+    /// 9 siblings, ranks 5–8 follow it too, not overall validation success (which a 4-slot
+    /// ballot would fall back to, picking the similar-task worst h9 here).
+    #[tokio::test]
+    async fn rule_router_ranks_every_candidate_for_large_k() {
+        let tasks = vec![task("v1", "counting", 50, "How many players scored more than ten goals")];
+        let mut stats = BTreeMap::new();
+        for i in 1..=9u32 {
+            let mut s = HarnessStats { harness_id: format!("h{i}"), ..Default::default() };
+            s.by_task.insert("v1".into(), Outcome { successes: 10 - i, episodes: 10 });
+            // Overall success rises with i: the opposite order.
+            (s.successes, s.episodes) = (10 * i, 100);
+            stats.insert(format!("h{i}"), s);
+        }
+        let ev = Evidence::new(None, tasks, stats, vec![], BTreeMap::new());
+        let router = Router::new(RouterConfig::new(Variant::Rule, 8, 3), vec![]).unwrap();
+        let x = task("x", "counting", 55, "How many players scored fewer than three goals");
+        let d = router.route(&RouteRequest::rescue("r", 1, &x, &pool(10), &ev)).await.unwrap().decision;
+        let expected: Vec<String> = (1..=8).map(|i| format!("h{i}")).collect();
+        assert_eq!(d.selected, expected, "{d:?}");
+        assert_eq!(d.score_harnesses.len(), 9);
+        assert_eq!(d.ballots[0].ranking.len(), 9, "the rule ranks every candidate");
+        assert!(d.scores.windows(2).all(|w| w[0] >= w[1]), "{:?}", d.scores);
     }
 
     #[tokio::test]

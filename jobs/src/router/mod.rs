@@ -212,11 +212,21 @@ pub struct RouterConfig {
     pub similar_tasks: usize,
     /// The base harness id.
     pub base_id: String,
+    /// The profile variants (`llm_4x2`, `topk_*`) vote with the built-in rule voter over
+    /// profiles instead of LLM voters (recorded as `rule+profiles` on every ballot). Off by
+    /// default: those variants then need voters.
+    pub rule_voter: bool,
 }
 
 impl RouterConfig {
     pub fn new(variant: Variant, rollouts: u32, seed: u64) -> Self {
-        RouterConfig { variant, rollouts, seed, similar_tasks: 3, base_id: H0_ID.to_string() }
+        RouterConfig { variant, rollouts, seed, similar_tasks: 3, base_id: H0_ID.to_string(), rule_voter: false }
+    }
+
+    /// The same with [`RouterConfig::rule_voter`] on.
+    pub fn with_rule_voter(mut self) -> Self {
+        self.rule_voter = true;
+        self
     }
 }
 
@@ -259,10 +269,22 @@ pub struct Router {
 }
 
 impl Router {
-    /// `voters` are the LLM voters of the profile variants (`llm_4x2`, `topk_*`); when none
-    /// are given those variants use the built-in rule voter with profiles. `random` and
-    /// `rule` ignore them.
+    /// `voters` are the LLM voters of the profile variants (`llm_4x2`, `topk_*`): those
+    /// variants need at least one, or [`RouterConfig::rule_voter`], never a silent
+    /// stand-in. `random` and `rule` take none.
     pub fn new(config: RouterConfig, voters: Vec<Box<dyn Voter>>) -> Result<Self, RouterError> {
+        match (config.variant.uses_profiles(), voters.is_empty(), config.rule_voter) {
+            (true, true, false) => {
+                return Err(RouterError::Config {
+                    field: "voters",
+                    reason: format!("variant `{}` votes with LLM voters: give at least one, or choose the rule voter over profiles (rule_voter)", config.variant),
+                })
+            }
+            (true, false, true) => return Err(RouterError::Config { field: "rule_voter", reason: "give LLM voters or choose the rule voter, not both".into() }),
+            (false, false, _) => return Err(RouterError::Config { field: "voters", reason: format!("variant `{}` takes no voters", config.variant) }),
+            (false, true, true) => return Err(RouterError::Config { field: "rule_voter", reason: format!("variant `{}` has no LLM voters to replace", config.variant) }),
+            _ => {}
+        }
         if config.rollouts == 0 {
             return Err(RouterError::Config { field: "rollouts", reason: "must be at least 1 (K of a rescue group)".into() });
         }
@@ -320,11 +342,9 @@ impl Router {
             let ballot = schemas::Ballot { voter: rule.name(), ranking, valid: true, invalid_reason: None, raw: None };
             (vec![ballot], ranked)
         } else {
-            let fallback = RuleVoter { use_profiles: true };
-            let voters: Vec<&dyn Voter> = match cfg.variant {
-                _ if self.voters.is_empty() => vec![&fallback],
-                _ => self.voters.iter().map(|v| v.as_ref()).collect(),
-            };
+            // `Router::new` allows no voters only when the rule voter was chosen.
+            let rule_voter = RuleVoter { use_profiles: true };
+            let voters: Vec<&dyn Voter> = if self.voters.is_empty() { vec![&rule_voter] } else { self.voters.iter().map(|v| v.as_ref()).collect() };
             let similar = req.evidence.similar_tasks(req.task, cfg.similar_tasks);
             let ballot_len = vote::required_len(order.len());
             let raws = join_all(voters.iter().enumerate().map(|(i, v)| {
@@ -486,7 +506,7 @@ mod tests {
     async fn profile_variants_use_profiles_and_allocate_per_variant() {
         let ev = evidence();
         let x = task("x", "counting", 55, "How many players scored fewer than three goals");
-        let topk = Router::new(RouterConfig::new(Variant::TopkAdaptive, 4, 1), vec![]).unwrap();
+        let topk = Router::new(RouterConfig::new(Variant::TopkAdaptive, 4, 1).with_rule_voter(), vec![]).unwrap();
         let routed = topk.route(&RouteRequest::rescue("r", 1, &x, &pool(5), &ev)).await.unwrap();
         assert_eq!(routed.decision.ballots[0].voter, "rule+profiles");
         // h4 has no validation evidence; its matching prefer entry (+0.25) lifts it above h1 (0).
@@ -495,7 +515,7 @@ mod tests {
         assert_eq!(routed.allocation.iter().map(|(_, n)| n).sum::<u32>(), 4);
         assert!(routed.allocation.iter().all(|(_, n)| *n == 1));
 
-        let four_by_two = Router::new(RouterConfig::new(Variant::Llm4x2, 4, 1), vec![]).unwrap();
+        let four_by_two = Router::new(RouterConfig::new(Variant::Llm4x2, 4, 1).with_rule_voter(), vec![]).unwrap();
         let routed = four_by_two.route(&RouteRequest::rescue("r", 1, &x, &pool(5), &ev)).await.unwrap();
         assert_eq!(routed.allocation.len(), 2);
         assert!(routed.allocation.iter().all(|(_, n)| *n == 2));
@@ -542,11 +562,18 @@ mod tests {
     #[tokio::test]
     async fn bad_requests_and_configs_are_errors_not_panics() {
         let ev = Evidence::default();
-        let router = Router::new(RouterConfig::new(Variant::TopkFixed, 8, 1), vec![]).unwrap();
+        let router = Router::new(RouterConfig::new(Variant::TopkFixed, 8, 1).with_rule_voter(), vec![]).unwrap();
         let x = task("x", "counting", 1, "q");
         let err = router.route(&RouteRequest::rescue("r", 0, &x, &pool(1), &ev)).await.unwrap_err();
         assert!(err.to_string().contains("no candidate harness"), "{err}");
         assert!(Router::new(RouterConfig::new(Variant::Rule, 0, 1), vec![]).is_err());
+        // A variant that votes with LLMs has voters, or the rule voter by choice; never a
+        // silent stand-in.
+        let err = Router::new(RouterConfig::new(Variant::TopkAdaptive, 4, 1), vec![]).err().unwrap().to_string();
+        assert!(err.contains("votes with LLM voters") && err.contains("rule_voter"), "{err}");
+        assert!(Router::new(RouterConfig::new(Variant::Rule, 2, 1).with_rule_voter(), vec![]).is_err());
+        let voters: Vec<Box<dyn Voter>> = vec![Box::new(RuleVoter { use_profiles: true })];
+        assert!(Router::new(RouterConfig::new(Variant::TopkFixed, 2, 1).with_rule_voter(), voters).is_err());
         let err = "top8".parse::<Variant>().unwrap_err();
         assert!(err.to_string().contains("llm_4x2"), "{err}");
         for v in Variant::ALL {

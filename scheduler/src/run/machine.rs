@@ -475,6 +475,7 @@ impl Scheduler {
         if let Some(m) = spec.router.similar_tasks {
             config.similar_tasks = m;
         }
+        config.rule_voter = spec.router.rule_voter;
         let mut voters: Vec<Box<dyn jobs::router::Voter>> = Vec::new();
         for (i, v) in spec.router.voters.iter().enumerate() {
             let voter = jobs::router::LlmVoter::openai_with(v.openai_config()).with_context(|| format!("router.voters[{i}]"))?;

@@ -37,7 +37,8 @@
 //!
 //! [router]
 //! variant = "topk_adaptive"      # random | rule | llm_4x2 | topk_fixed | topk_adaptive
-//! # voters = [{ base_url = "http://127.0.0.1:8000/v1", model = "qwen" }]  # LLM voters
+//! voters = [{ base_url = "http://127.0.0.1:8000/v1", model = "qwen" }]    # LLM voters, or
+//! # rule_voter = true            # the built-in rule voter over profiles, by choice
 //! # profiler = { base_url = "http://127.0.0.1:8000/v1", model = "qwen" } # LLM profiles
 //!
 //! # [evolution]                  # evolve the pool first instead (§3.2); see EvolutionSection
@@ -324,6 +325,11 @@ pub struct RouterSection {
     /// (recorded as `rule+profiles` on every ballot).
     #[serde(default)]
     pub voters: Vec<EndpointSection>,
+    /// `llm_4x2` / `topk_*` vote with the built-in rule voter over profiles instead of
+    /// LLM voters (recorded as `rule+profiles` on every ballot): an explicit choice for
+    /// machines without a voter endpoint. Those variants otherwise need `voters`.
+    #[serde(default)]
+    pub rule_voter: bool,
     /// LLM profiler used at every calibration besides the statistical one.
     pub profiler: Option<EndpointSection>,
     /// Similar validation tasks each voter sees (default 3).
@@ -332,7 +338,7 @@ pub struct RouterSection {
 
 impl Default for RouterSection {
     fn default() -> Self {
-        RouterSection { variant: default_variant(), voters: vec![], profiler: None, similar_tasks: None }
+        RouterSection { variant: default_variant(), voters: vec![], rule_voter: false, profiler: None, similar_tasks: None }
     }
 }
 
@@ -780,6 +786,16 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
             "router.voters",
             format!("variant `{v}` does not use LLM voters; use llm_4x2, topk_fixed or topk_adaptive, or remove the voters"),
         ),
+        Ok(v) if !v.uses_profiles() && spec.router.rule_voter => {
+            bad("router.rule_voter", format!("variant `{v}` has no LLM voters to replace; remove rule_voter"))
+        }
+        Ok(v) if spec.router.voters.is_empty() && !spec.router.rule_voter => bad(
+            "router.voters",
+            format!("variant `{v}` votes with LLM voters: give voters = [{{ base_url, model }}] (any OpenAI-compatible server; `harness-s serve` can be one), or set rule_voter = true to vote with the built-in rule voter over profiles"),
+        ),
+        Ok(v) if !spec.router.voters.is_empty() && spec.router.rule_voter => {
+            bad("router.rule_voter", format!("variant `{v}` has voters; give LLM voters or set rule_voter, not both"))
+        }
         Ok(_) => {}
     }
     let evolution_llm = spec.evolution.as_ref().and_then(|e| e.llm.as_ref());

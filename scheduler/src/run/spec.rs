@@ -914,6 +914,9 @@ rescue = "h0"
             (format!("{GOOD}[budgets]\nepisode_context_tokens = 0\n"), "budgets.episode_context_tokens"),
             (format!("{GOOD}[budgets]\nmax_rollouts = 0\n"), "budgets.max_rollouts"),
             (format!("{GOOD}[evaluation]\nranks = 1000\n"), "evaluation.ranks"),
+            (format!("{GOOD}[router]\nvariant = \"topk_fixed\"\n"), "router.voters"),
+            (format!("{GOOD}[router]\nvariant = \"rule\"\nrule_voter = true\n"), "router.rule_voter"),
+            (format!("{GOOD}[router]\nvariant = \"topk_adaptive\"\nrule_voter = true\nvoters = [{{ base_url = \"http://127.0.0.1:1/v1\", model = \"m\" }}]\n"), "router.rule_voter"),
             (GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = []"), "algorithm.mixture"),
             (GOOD.replace("base_url = ", "max_tokens = 4000000000\nbase_url = "), "policy.max_tokens"),
             (GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\ndb_url = \"mysql://root@127.0.0.1:3306\""), "environment.db_url"),
@@ -934,6 +937,10 @@ rescue = "h0"
                 Ok(_) => panic!("accepted a bad `{key}`"),
                 Err(e) => assert!(e.to_string().contains(key), "`{key}` not named: {e}"),
             }
+        }
+        // the rule voter chosen explicitly is accepted
+        if let Err(e) = parse(&format!("{GOOD}[router]\nvariant = \"topk_adaptive\"\nrule_voter = true\n"), "ok.toml", dir.path(), "ok") {
+            assert!(!e.to_string().contains("router."), "{e}");
         }
         // the pool's real id is accepted in a mixture
         let ok = GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = [\"h0\", \"s1-real\"]") + &format!("[pool]\ndir = \"{}\"\n", pool.display());

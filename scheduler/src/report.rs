@@ -22,7 +22,7 @@ impl Series {
         let mut m: BTreeMap<String, Vec<(u32, f64)>> = BTreeMap::new();
         for r in rows {
             let name = match r.stage.as_str() {
-                "baseline" | "evaluation" => format!("{}/{}", r.stage, r.name),
+                "baseline" | "evaluation" | "evaluation:h_best" => format!("{}/{}", r.stage, r.name),
                 _ => r.name,
             };
             m.entry(name).or_default().push((r.step, r.value));
@@ -40,6 +40,13 @@ impl Series {
 
     pub fn last(&self, name: &str) -> Option<f64> {
         self.get(name).last().map(|p| p.1)
+    }
+
+    /// H_best of the final evaluation (Table 7): its id, validation success, Pass@k, Avg@k.
+    pub fn h_best(&self) -> Option<(String, f64, f64, f64)> {
+        let (key, v) = self.0.iter().find(|(k, _)| k.starts_with("evaluation:h_best/"))?;
+        let id = key.trim_start_matches("evaluation:h_best/").to_string();
+        Some((id, v.last()?.1, self.last("evaluation/h_best_pass_at_k")?, self.last("evaluation/h_best_avg_at_k")?))
     }
 }
 
@@ -248,13 +255,16 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
         let bytes = std::fs::read(&path)?;
         store.put(&format!("runs/{run_id}/reports/{file}"), Bytes::from(bytes)).await?;
     }
-    let mut md = format!("# Run `{run_id}`\n\n## Evaluation under H0 (test split)\n\n| | Pass@k | Avg@k |\n|---|---:|---:|\n");
+    let mut md = format!("# Run `{run_id}`\n\n## Evaluation (test split)\n\n| | Pass@k | Avg@k |\n|---|---:|---:|\n");
     for stage in ["baseline", "evaluation"] {
         let pass = s.last(&format!("{stage}/pass_at_k"));
         let avg = s.last(&format!("{stage}/avg_at_k"));
         if let (Some(p), Some(a)) = (pass, avg) {
-            let _ = writeln!(md, "| {} | {p:.3} | {a:.3} |", if stage == "baseline" { "before training" } else { "after training" });
+            let _ = writeln!(md, "| {}, under H0 | {p:.3} | {a:.3} |", if stage == "baseline" { "before training" } else { "after training" });
         }
+    }
+    if let Some((id, validation, p, a)) = s.h_best() {
+        let _ = writeln!(md, "| after training, under H_best = `{id}` (the best harness on validation: {validation:.3}) | {p:.3} | {a:.3} |");
     }
     md.push_str("\n## Training updates\n\n");
     md.push_str(&update_table(&s));

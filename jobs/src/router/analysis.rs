@@ -27,6 +27,20 @@ pub fn outcomes(rows: &[Trajectory]) -> Outcomes {
 
 /// Pass@k (tasks with at least one success) and Avg@k (mean success over attempts, per
 /// task, then over tasks), as fractions; tasks with no attempts are ignored.
+/// H_best (Table 7): the single harness of `pool` with the best validation success, ties to
+/// the earlier one in `pool` (H0 first); `None` for an empty pool or no statistics.
+pub fn best_harness(success: &BTreeMap<String, f64>, pool: &[String]) -> Option<(String, f64)> {
+    let mut best: Option<(String, f64)> = None;
+    for h in pool {
+        if let Some(&rate) = success.get(h) {
+            if best.as_ref().is_none_or(|(_, b)| rate > *b) {
+                best = Some((h.clone(), rate));
+            }
+        }
+    }
+    best
+}
+
 pub fn pass_avg(per_task: &[&[bool]]) -> (f64, f64) {
     let tasks: Vec<&&[bool]> = per_task.iter().filter(|a| !a.is_empty()).collect();
     if tasks.is_empty() {
@@ -133,6 +147,16 @@ pub fn metric_rows(rows: &[RankRow], run_id: &str, step: u32, stage: &str, check
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn h_best_is_the_best_validation_success_ties_to_the_pool_order() {
+        let pool: Vec<String> = ["h0", "s1", "s2", "s3"].iter().map(|s| s.to_string()).collect();
+        let success: BTreeMap<String, f64> = [("h0", 0.2), ("s1", 0.5), ("s2", 0.5), ("s3", 0.1)].iter().map(|(h, v)| (h.to_string(), *v)).collect();
+        assert_eq!(best_harness(&success, &pool), Some(("s1".to_string(), 0.5)));
+        let flat: BTreeMap<String, f64> = pool.iter().map(|h| (h.clone(), 0.0)).collect();
+        assert_eq!(best_harness(&flat, &pool), Some(("h0".to_string(), 0.0)), "no harness beats H0: H0");
+        assert_eq!(best_harness(&BTreeMap::new(), &pool), None);
+    }
 
     fn decision(task: &str, ranked: &[&str]) -> RoutingDecision {
         RoutingDecision {

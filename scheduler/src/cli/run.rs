@@ -111,6 +111,9 @@ async fn print_summary(store: &dyn infra::store::ObjectStore, run_id: &str) -> a
             println!("{stage:>10}: Pass@k {p:.3}  Avg@k {a:.3} (H0, test split)");
         }
     }
+    if let Some((id, validation, p, a)) = series.h_best() {
+        println!("{:>10}: Pass@k {p:.3}  Avg@k {a:.3} (H_best = {id}, the best harness on validation: {validation:.3})", "evaluation");
+    }
     let report = format!("runs/{run_id}/reports/report.md");
     if store.head(&report).await?.is_some() {
         println!("report: {}", store.object_url(&report));

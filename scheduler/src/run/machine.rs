@@ -421,32 +421,59 @@ impl Scheduler {
             .collect();
         let ranks = if stage == "evaluation" { spec.eval_ranks() as usize } else { 0 };
         let mut decisions = Vec::new();
-        if ranks > 0 && !self.inputs.pool.is_empty() {
-            // Inference routing uses the latest calibration (the final policy's profiles).
-            let evidence = self.load_evidence(st.calibration_id.as_deref()).await?;
+        // (task, harness) units already evaluated: H0 on every task; a harness that is both a
+        // task's Rank-r and H_best runs once. Every unit uses H0's seeds: comparisons are paired.
+        let mut units: std::collections::BTreeSet<(String, String)> = tasks.iter().map(|t| (t.clone(), H0_ID.to_string())).collect();
+        // With a pool, the final evaluation uses the latest calibration (the final policy's).
+        let evidence = if stage == "evaluation" && !self.inputs.pool.is_empty() {
+            Some(self.load_evidence(st.calibration_id.as_deref()).await?)
+        } else {
+            None
+        };
+        let pool = self.pool_ids();
+        if let (true, Some(evidence)) = (ranks > 0, &evidence) {
             let router = self.router(k)?;
-            let pool = self.pool_ids();
             for info in self.inputs.task_infos(Split::Test, &tasks) {
-                let routed = router.route(&RouteRequest::inference(self.run_id(), step, &info, &pool, &evidence)).await?;
-                let mut seen = std::collections::BTreeSet::new();
+                let routed = router.route(&RouteRequest::inference(self.run_id(), step, &info, &pool, evidence)).await?;
                 for h in routed.decision.score_harnesses.iter().take(ranks) {
-                    if h == H0_ID || !seen.insert(h.clone()) {
+                    if !units.insert((info.task_id.clone(), h.clone())) {
                         continue;
                     }
                     let harness = self.inputs.harness(h).with_context(|| format!("router ranked unknown harness `{h}`"))?;
-                    // Same seeds as H0: the comparison is paired.
                     jobs.push(self.rollout_job(JobKind::Eval, stage, step, RolloutKind::Eval, Split::Test, vec![info.task_id.clone()], harness, k, seed, checkpoint));
                 }
                 decisions.push(routed.decision);
             }
         }
+        // H_best (Table 7): the one harness with the best validation success, on every task.
+        let h_best = evidence.as_ref().and_then(|e| jobs::router::analysis::best_harness(&e.validation_success(), &pool));
+        if let Some((h, _)) = &h_best {
+            for t in &tasks {
+                if units.insert((t.clone(), h.clone())) {
+                    let harness = self.inputs.harness(h).with_context(|| format!("H_best is an unknown harness `{h}`"))?;
+                    jobs.push(self.rollout_job(JobKind::Eval, stage, step, RolloutKind::Eval, Split::Test, vec![t.clone()], harness, k, seed, checkpoint));
+                }
+            }
+        }
         let rows = self.rollouts(stage, jobs, st).await?;
         let outcomes = jobs::router::analysis::outcomes(&rows);
-        let h0: Vec<&[bool]> =
-            tasks.iter().filter_map(|t| outcomes.get(&(t.clone(), H0_ID.to_string())).map(|v| v.as_slice())).collect();
-        let (pass, avg) = jobs::router::analysis::pass_avg(&h0);
+        let under = |h: &str| -> (f64, f64) {
+            let per_task: Vec<&[bool]> = tasks.iter().filter_map(|t| outcomes.get(&(t.clone(), h.to_string())).map(|v| v.as_slice())).collect();
+            jobs::router::analysis::pass_avg(&per_task)
+        };
+        let (pass, avg) = under(H0_ID);
         tracing::info!(stage, pass_at_k = pass, avg_at_k = avg, k, "evaluation under H0");
-        self.write_metrics(step, stage, &[("pass_at_k", pass), ("avg_at_k", avg)], st).await?;
+        let mut values = vec![("pass_at_k", pass), ("avg_at_k", avg)];
+        if let Some((h, validation)) = &h_best {
+            let (p, a) = under(h);
+            tracing::info!(stage, harness = %h, validation_success = validation, pass_at_k = p, avg_at_k = a, k, "evaluation under H_best (the best harness on validation, Table 7)");
+            values.extend([("h_best_pass_at_k", p), ("h_best_avg_at_k", a), ("h_best_validation_success", *validation)]);
+        }
+        self.write_metrics(step, stage, &values, st).await?;
+        if let Some((h, validation)) = &h_best {
+            // Which harness H_best is: its id as the metric's name.
+            self.write_metrics(step, "evaluation:h_best", &[(h.as_str(), *validation)], st).await?;
+        }
         if !decisions.is_empty() {
             let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "evaluation:routing", step, ..Default::default() });
             jobs::router::write_decisions(self.store.as_ref(), self.run_id(), step, &id, &decisions).await?;

@@ -114,6 +114,23 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     assert_trained(store.as_ref(), "e2e-embedded", 1).await;
     assert!(store.head("runs/e2e-embedded/reports/signals.png").await.unwrap().is_some());
 
+    // H_best (Table 7): the pool member with the best validation success at the final
+    // calibration, evaluated on every test task with H0's seeds, named in the report.
+    let h_best = metrics.iter().find(|m| m.stage == "evaluation:h_best").expect("H_best recorded");
+    let final_stats = serde_json::from_slice::<serde_json::Value>(&store.get("runs/e2e-embedded/profiles/calib=step-0001/calibration.json").await.unwrap()).unwrap();
+    assert!(final_stats["stats"].get(&h_best.name).is_some(), "H_best `{}` is a calibrated harness", h_best.name);
+    for name in ["h_best_pass_at_k", "h_best_avg_at_k"] {
+        assert!(metrics.iter().any(|m| m.stage == "evaluation" && m.name == name), "metric {name} missing");
+    }
+    if h_best.name != "h0" {
+        let eval: Vec<Trajectory> = read_prefix(store.as_ref(), "runs/e2e-embedded/trajectories/step=1/kind=eval/").await.unwrap();
+        let seeds = |h: &str| eval.iter().filter(|r| r.harness_id == h).map(|r| (r.task_id.clone(), r.seed)).collect::<std::collections::BTreeSet<_>>();
+        assert_eq!(seeds(&h_best.name), seeds("h0"), "H_best runs every test task with H0's seeds");
+    }
+    let report = String::from_utf8(store.get("runs/e2e-embedded/reports/report.md").await.unwrap().to_vec()).unwrap();
+    assert!(report.contains(&format!("under H_best = `{}`", h_best.name)), "{report}");
+    assert!(out.contains("H_best = "), "{out}");
+
     // Re-anchoring: one calibration per checkpoint, each naming the checkpoint it froze;
     // rescue routing names the calibration it used (the rule router keeps the first).
     let manifest = |id: &str| {
@@ -644,12 +661,15 @@ async fn a_worker_killed_during_rescue_rollouts_loses_nothing() {
     let fired = groups.iter().filter(|g| g.rescue_fired).count();
     assert!(fired > 0, "rescue fired on some all-fail group: {groups:?}");
     let (counts, repeated) = row_counts(store.as_ref(), &run_id).await;
+    // The evaluation runs H0 and, when another harness was best on validation, H_best too.
+    let metrics: Vec<MetricRow> = read_prefix(store.as_ref(), &format!("runs/{run_id}/metrics/")).await.unwrap();
+    let h_best = metrics.iter().find(|m| m.stage == "evaluation:h_best").map(|m| m.name.clone()).expect("H_best recorded");
     let expected: std::collections::BTreeMap<(u32, String), usize> = [
         ((0, "calibration".to_string()), 3),
         ((1, "base".to_string()), 4),
         ((1, "rescue".to_string()), 2 * fired),
         ((1, "calibration".to_string()), 3),
-        ((1, "eval".to_string()), 1),
+        ((1, "eval".to_string()), if h_best == "h0" { 1 } else { 2 }),
     ]
     .into_iter()
     .collect();

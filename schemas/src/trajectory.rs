@@ -61,6 +61,19 @@ pub enum Termination {
     Error,
 }
 
+impl Termination {
+    /// The stored value (as serialised).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Committed => "committed",
+            Self::RoundLimit => "round_limit",
+            Self::BudgetExhausted => "budget_exhausted",
+            Self::ContextLimit => "context_limit",
+            Self::Error => "error",
+        }
+    }
+}
+
 /// Typed failure classes; each has a policy and a budget in the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -189,4 +202,16 @@ impl Record for Trajectory {
     const NAME: &'static str = "trajectory";
     /// 2: turns carry their prompt fingerprint; rows carry temperature and tool view.
     const VERSION: u32 = 2;
+}
+
+#[cfg(test)]
+mod termination_tests {
+    use super::Termination;
+
+    #[test]
+    fn as_str_is_the_stored_value() {
+        for t in [Termination::Committed, Termination::RoundLimit, Termination::BudgetExhausted, Termination::ContextLimit, Termination::Error] {
+            assert_eq!(serde_json::to_value(t).unwrap(), t.as_str());
+        }
+    }
 }

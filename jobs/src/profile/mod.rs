@@ -134,7 +134,10 @@ impl std::str::FromStr for When {
 }
 
 /// Action patterns read from a trajectory's turns (Appendix D: behaviors relative to H0).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// The first four are always tried; [`Behavior::observed`] adds the ones the paired
+/// trajectories themselves show (the tools used, the hooks that fired, how episodes ended),
+/// so profiles tell apart harnesses that differ in ways no fixed list foresaw.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Behavior {
     /// The first query looks at the schema or sample rows (`PRAGMA`, `DESCRIBE`, `SHOW`,
     /// `sqlite_master`, `information_schema`, `SELECT * ... LIMIT`).
@@ -145,23 +148,76 @@ pub enum Behavior {
     RepeatsIdenticalAction,
     /// An answer was committed without any query.
     CommitsWithoutQuery,
+    /// Calls this (non-commit) tool at least once.
+    UsesTool(String),
+    /// A harness hook with this id fired.
+    HookFires(String),
+    /// A tool result reported an error.
+    HitsToolError,
+    /// The episode ended this way (a termination other than a commit).
+    EndsBy(String),
+    /// At most this many model calls (the paired episodes' median).
+    ModelCallsAtMost(u32),
 }
 
 impl Behavior {
     pub const ALL: [Behavior; 4] =
         [Self::InspectsSchemaFirst, Self::CommitsWithinBudget, Self::RepeatsIdenticalAction, Self::CommitsWithoutQuery];
 
-    pub fn text(self) -> &'static str {
+    pub fn text(&self) -> String {
         match self {
-            Self::InspectsSchemaFirst => "inspects the schema before the first query",
-            Self::CommitsWithinBudget => "commits a final answer within the budget",
-            Self::RepeatsIdenticalAction => "repeats an identical action",
-            Self::CommitsWithoutQuery => "commits an answer without running a query",
+            Self::InspectsSchemaFirst => "inspects the schema before the first query".into(),
+            Self::CommitsWithinBudget => "commits a final answer within the budget".into(),
+            Self::RepeatsIdenticalAction => "repeats an identical action".into(),
+            Self::CommitsWithoutQuery => "commits an answer without running a query".into(),
+            Self::UsesTool(t) => format!("calls `{t}`"),
+            Self::HookFires(h) => format!("hook `{h}` fires"),
+            Self::HitsToolError => "gets a tool error".into(),
+            Self::EndsBy(t) => format!("ends by `{t}`"),
+            Self::ModelCallsAtMost(n) => format!("uses at most {n} model calls"),
         }
     }
 
+    /// Whether this behavior comes from the data rather than the fixed list.
+    pub fn is_observed(&self) -> bool {
+        !Self::ALL.contains(self)
+    }
+
+    /// The behaviors tried on `pairs`: the fixed four, then those the sibling's paired
+    /// trajectories show — each tool called (commits are the fixed list's), each hook
+    /// fired, tool errors, each non-commit ending, and at most the median model calls.
+    pub fn observed(pairs: &[Pair<'_>]) -> Vec<Behavior> {
+        let mut found = std::collections::BTreeSet::new();
+        let mut calls: Vec<u32> = vec![];
+        for p in pairs {
+            let t = p.harness;
+            for (tool, _) in actions(t) {
+                if !is_commit(&tool) {
+                    found.insert(Behavior::UsesTool(tool));
+                }
+            }
+            for turn in &t.turns {
+                if let Some(h) = &turn.hook_id {
+                    found.insert(Behavior::HookFires(h.clone()));
+                }
+            }
+            if Behavior::HitsToolError.shown_by(t) {
+                found.insert(Behavior::HitsToolError);
+            }
+            if t.termination != schemas::Termination::Committed {
+                found.insert(Behavior::EndsBy(t.termination.as_str().to_string()));
+            }
+            calls.push(t.model_calls);
+        }
+        calls.sort_unstable();
+        if let Some(&m) = calls.get(calls.len().saturating_sub(1) / 2) {
+            found.insert(Behavior::ModelCallsAtMost(m));
+        }
+        Self::ALL.into_iter().chain(found).collect()
+    }
+
     /// Whether `traj` shows this behavior.
-    pub fn shown_by(self, traj: &Trajectory) -> bool {
+    pub fn shown_by(&self, traj: &Trajectory) -> bool {
         let actions = actions(traj);
         let is_query = |(tool, _): &(String, String)| !is_commit(tool);
         match self {
@@ -174,6 +230,11 @@ impl Behavior {
             Self::CommitsWithoutQuery => {
                 actions.iter().any(|(t, _)| is_commit(t)) && !actions.iter().any(|a| is_query(a))
             }
+            Self::UsesTool(name) => actions.iter().any(|(t, _)| t == name),
+            Self::HookFires(id) => traj.turns.iter().any(|t| t.hook_id.as_deref() == Some(id.as_str())),
+            Self::HitsToolError => traj.turns.iter().any(|t| t.role == Role::Tool && t.text.to_ascii_lowercase().contains("error")),
+            Self::EndsBy(how) => traj.termination.as_str() == how,
+            Self::ModelCallsAtMost(n) => traj.model_calls <= *n,
         }
     }
 }

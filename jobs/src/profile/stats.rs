@@ -6,8 +6,12 @@
 //! tasks. Behaviors are the [`Behavior`] patterns shown by H_i's trajectory, plus the bare
 //! outcome. For each (condition, behavior) the supporting pairs are those whose task meets
 //! the condition and whose H_i run shows the behavior; the entry's `paired_delta` is the
-//! mean of `success(H_i) − success(H0)` over them. An entry is kept when it has at least
-//! `min_support` pairs and a nonzero delta beyond `min_abs_delta`: positive → prefer,
+//! mean of `success(H_i) − success(H0)` over them. Behaviors are the fixed four plus those
+//! the sibling's trajectories show ([`Behavior::observed`]: tools, hooks, tool errors,
+//! endings, model calls); an observed behavior that H0 shows on every supporting pair too
+//! is no difference and is skipped. An entry is kept when it has at least `min_support`
+//! pairs (default 1: Appendix D keeps single-task observations) and a nonzero delta beyond
+//! `min_abs_delta`: positive → prefer,
 //! negative → avoid. An entry adds nothing when an entry already kept (conditions are tried
 //! broadest first) has the same polarity and behavior, a superset of its supporting pairs
 //! and the same delta; it is dropped.
@@ -28,7 +32,9 @@ pub struct StatsConfig {
 
 impl Default for StatsConfig {
     fn default() -> Self {
-        StatsConfig { min_support: 2, min_abs_delta: 0.0, max_per_list: 6 }
+        // Appendix D keeps useful observations from individual tasks: one pair is enough
+        // (entries are ranked by |delta| · support, so broader evidence comes first).
+        StatsConfig { min_support: 1, min_abs_delta: 0.0, max_per_list: 6 }
     }
 }
 
@@ -93,14 +99,20 @@ pub fn statistical_profile(meta: &ProfileMeta, pairs: &[Pair<'_>], config: &Stat
         delta: f64,
     }
     let mut candidates: Vec<Candidate> = Vec::new();
+    let observed = Behavior::observed(pairs);
     for when in conditions(pairs) {
         let in_condition: Vec<usize> = (0..pairs.len()).filter(|&i| when.matches(pairs[i].task)).collect();
         let mut behaviors: Vec<Option<Behavior>> = vec![None];
-        behaviors.extend(Behavior::ALL.into_iter().map(Some));
+        behaviors.extend(observed.iter().cloned().map(Some));
         for behavior in behaviors {
             let support: Vec<usize> =
-                in_condition.iter().copied().filter(|&i| behavior.is_none_or(|b| b.shown_by(pairs[i].harness))).collect();
+                in_condition.iter().copied().filter(|&i| behavior.as_ref().is_none_or(|b| b.shown_by(pairs[i].harness))).collect();
             if (support.len() as u32) < config.min_support.max(1) {
+                continue;
+            }
+            // A behavior read from the data says something about the sibling only where H0
+            // does not show it on every supporting pair too.
+            if behavior.as_ref().is_some_and(|b| b.is_observed() && support.iter().all(|&i| b.shown_by(pairs[i].base))) {
                 continue;
             }
             let n = support.len();
@@ -110,7 +122,7 @@ pub fn statistical_profile(meta: &ProfileMeta, pairs: &[Pair<'_>], config: &Stat
             }
             let wins = support.iter().filter(|&&i| pairs[i].harness.success).count();
             let base_wins = support.iter().filter(|&&i| pairs[i].base.success).count();
-            let text = match behavior {
+            let text = match &behavior {
                 None => format!("succeeds on {wins}/{n} paired tasks vs H0 {base_wins}/{n}"),
                 Some(b) => {
                     let base_shows = support.iter().filter(|&&i| b.shown_by(pairs[i].base)).count();
@@ -208,6 +220,23 @@ mod tests {
         assert!(entries.iter().all(|e| e.source == "statistical" && e.calibration_id == "c1" && e.harness_id == "h1"));
         // Every `when` is machine-checkable.
         assert!(entries.iter().all(|e| e.when.parse::<When>().is_ok()));
+    }
+
+    /// Behaviors read from the trajectories: a hook that fires in the sibling's episodes
+    /// gets an entry, even from one task (Appendix D keeps single-task observations); a tool
+    /// that H0 calls as well is no difference.
+    #[test]
+    fn observed_behaviors_tell_siblings_apart_down_to_one_task() {
+        let (tasks, mut h, b) = fixture();
+        h[0].turns[0].hook_id = Some("commit-hint".into());
+        let pairs = pair_up(&tasks, &h, &b);
+        let entries = statistical_profile(&meta(), &pairs, &StatsConfig { max_per_list: 50, ..Default::default() });
+        let hook = entries.iter().find(|e| e.behavior.starts_with("hook `commit-hint` fires")).unwrap_or_else(|| panic!("{entries:?}"));
+        assert_eq!((hook.polarity, hook.support, hook.paired_delta), (Polarity::Prefer, 1, Some(1.0)));
+        assert!(!entries.iter().any(|e| e.behavior.starts_with("calls `execute_sql`")), "both call it: {entries:?}");
+        let observed = Behavior::observed(&pairs);
+        assert!(observed.contains(&Behavior::UsesTool("execute_sql".into())) && observed.contains(&Behavior::HookFires("commit-hint".into())), "{observed:?}");
+        assert_eq!(&observed[..4], &Behavior::ALL, "the fixed four come first");
     }
 
     #[test]

@@ -117,6 +117,14 @@ pub struct SignalMetrics {
     /// Fraction of rescue groups with at least one success.
     pub rescue_success: f64,
     pub mean_reward: f64,
+    /// The counts behind the rates, so that stages of several updates pool them (Table 2):
+    /// effective groups, rescue groups, rescue groups with a success, and the policy tokens
+    /// of all and of the effective groups.
+    pub effective_groups: u32,
+    pub rescued_groups: u32,
+    pub rescued_with_success: u32,
+    pub policy_tokens: u64,
+    pub effective_policy_tokens: u64,
 }
 
 /// Computes [`SignalMetrics`] from (retained kind, retained group) pairs.
@@ -131,16 +139,18 @@ pub fn signal_metrics(groups: &[(RetainedKind, &[Outcome])]) -> SignalMetrics {
     let eff_tokens: u64 = groups.iter().filter(|(_, g)| is_effective(g)).map(|(_, g)| tokens(g)).sum();
     let rescued: Vec<&[Outcome]> = groups.iter().filter(|(k, _)| *k == RetainedKind::Rescue).map(|(_, g)| *g).collect();
     let rollouts: Vec<&Outcome> = groups.iter().flat_map(|(_, g)| g.iter()).collect();
+    let rescued_with_success = rescued.iter().filter(|g| g.iter().any(|o| o.success)).count();
     SignalMetrics {
+        effective_groups: effective as u32,
+        rescued_groups: rescued.len() as u32,
+        rescued_with_success: rescued_with_success as u32,
+        policy_tokens: all_tokens,
+        effective_policy_tokens: eff_tokens,
         groups: groups.len() as u32,
         effective_group_rate: effective / n,
         effective_token_share: if all_tokens == 0 { 0.0 } else { eff_tokens as f64 / all_tokens as f64 },
         rescue_rate: rescued.len() as f64 / n,
-        rescue_success: if rescued.is_empty() {
-            0.0
-        } else {
-            rescued.iter().filter(|g| g.iter().any(|o| o.success)).count() as f64 / rescued.len() as f64
-        },
+        rescue_success: if rescued.is_empty() { 0.0 } else { rescued_with_success as f64 / rescued.len() as f64 },
         mean_reward: if rollouts.is_empty() { 0.0 } else { rollouts.iter().map(|o| o.reward).sum::<f64>() / rollouts.len() as f64 },
     }
 }
@@ -233,6 +243,8 @@ mod tests {
         assert!((m.effective_token_share - 80.0 / 150.0).abs() < 1e-12);
         assert!((m.rescue_rate - 0.5).abs() < 1e-12);
         assert!((m.rescue_success - 0.5).abs() < 1e-12);
+        assert_eq!((m.groups, m.effective_groups, m.rescued_groups, m.rescued_with_success), (2, 1, 1, 1));
+        assert_eq!((m.policy_tokens, m.effective_policy_tokens), (150, 80));
         assert!((m.mean_reward - 2.0 / 8.0).abs() < 1e-12);
     }
 

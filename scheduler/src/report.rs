@@ -111,10 +111,20 @@ pub fn training_stage(u: u32, n: u32) -> &'static str {
     }
 }
 
-/// Mean of a per-update metric over the updates of each training stage (Table 2 layout).
-/// Rescue success averages only the updates where rescue fired.
+/// Rates of each training stage (Table 2 layout), pooled over the stage's groups: effective
+/// groups / groups, effective policy tokens / policy tokens, rescue groups / groups, rescue
+/// groups with a success / rescue groups. Runs stored before the counts were recorded get
+/// the mean of the per-update rates instead (rescue success over updates where it fired).
 pub fn stage_table(s: &Series, updates: u32) -> String {
     let cols = ["effective_group_rate", "effective_token_share", "rescue_rate", "rescue_success"];
+    // (rate, numerator count, denominator count)
+    let pooled = [
+        ("effective_group_rate", "effective_groups", "groups"),
+        ("effective_token_share", "effective_policy_tokens", "retained_policy_tokens"),
+        ("rescue_rate", "rescued_groups", "groups"),
+        ("rescue_success", "rescued_with_success", "rescued_groups"),
+    ];
+    let at = |name: &str, u: u32| s.get(name).iter().find(|p| p.0 == u).map(|p| p.1);
     let mut out = String::from("| stage | updates | ");
     out.push_str(&cols.join(" | "));
     out.push_str(" |\n|---|---|");
@@ -126,14 +136,24 @@ pub fn stage_table(s: &Series, updates: u32) -> String {
             continue;
         }
         let _ = write!(out, "| {stage} | {}–{} |", steps[0], steps[steps.len() - 1]);
-        for c in cols {
-            let fired = |u: &u32| c != "rescue_success" || s.get("rollouts_rescue").iter().any(|p| p.0 == *u && p.1 > 0.0);
-            let xs: Vec<f64> =
-                steps.iter().filter(|u| fired(u)).filter_map(|u| s.get(c).iter().find(|p| p.0 == *u).map(|p| p.1)).collect();
-            if xs.is_empty() {
-                out.push_str(" – |");
-            } else {
-                let _ = write!(out, " {:.3} |", xs.iter().sum::<f64>() / xs.len() as f64);
+        for (c, num, den) in pooled {
+            let counts: Option<Vec<(f64, f64)>> = steps.iter().map(|u| Some((at(num, *u)?, at(den, *u)?))).collect();
+            let value = match counts {
+                Some(counts) => {
+                    let (n, d) = counts.iter().fold((0.0, 0.0), |a, p| (a.0 + p.0, a.1 + p.1));
+                    (d > 0.0).then(|| n / d)
+                }
+                None => {
+                    let fired = |u: &u32| c != "rescue_success" || s.get("rollouts_rescue").iter().any(|p| p.0 == *u && p.1 > 0.0);
+                    let xs: Vec<f64> = steps.iter().filter(|u| fired(u)).filter_map(|u| at(c, *u)).collect();
+                    (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
+                }
+            };
+            match value {
+                Some(v) => {
+                    let _ = write!(out, " {v:.3} |");
+                }
+                None => out.push_str(" – |"),
             }
         }
         out.push('\n');
@@ -316,6 +336,28 @@ mod tests {
         assert!(t.contains("| early | 1–1 | 0.250 | – | – | 0.500 |"), "{t}");
         assert!(t.contains("| mid | 2–2 | 0.750 | – | – | – |"), "{t}");
         assert!(t.contains("| late | 3–3 | 1.000 | – | – | 1.000 |"), "{t}");
+    }
+
+    /// With the counts recorded, a stage's rates pool its groups: updates of 4 and 12 groups
+    /// with 1 and 9 effective make 10 of 16 = 0.625, not the mean of 0.25 and 0.75.
+    #[test]
+    fn stage_table_pools_counts_over_the_stage() {
+        let mut m = BTreeMap::new();
+        for (name, a, b) in [
+            ("groups", 4.0, 12.0),
+            ("effective_groups", 1.0, 9.0),
+            ("effective_group_rate", 0.25, 0.75),
+            ("rescued_groups", 4.0, 0.0),
+            ("rescued_with_success", 1.0, 0.0),
+            ("retained_policy_tokens", 100.0, 300.0),
+            ("effective_policy_tokens", 0.0, 100.0),
+        ] {
+            m.insert(name.to_string(), vec![(1, a), (2, b)]);
+        }
+        // Six updates: early is updates 1–2.
+        let t = stage_table(&Series(m), 6);
+        assert!(t.contains("| early | 1–2 | 0.625 | 0.250 | 0.250 | 0.250 |"), "{t}");
+        assert!(t.contains("| mid | 3–4 | – | – | – | – |"), "{t}");
     }
 
     #[test]

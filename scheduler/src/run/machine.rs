@@ -767,6 +767,13 @@ impl Scheduler {
                 ("rollouts_cumulative", used as f64),
                 ("rollouts_relative_to_grpo", if plain == 0 { 0.0 } else { used as f64 / plain as f64 }),
                 ("retained_groups", groups.iter().filter(|g| g.retained).count() as f64),
+                // Counts behind the rates: stages pool them (Table 2).
+                ("groups", m.groups as f64),
+                ("effective_groups", m.effective_groups as f64),
+                ("rescued_groups", m.rescued_groups as f64),
+                ("rescued_with_success", m.rescued_with_success as f64),
+                ("retained_policy_tokens", m.policy_tokens as f64),
+                ("effective_policy_tokens", m.effective_policy_tokens as f64),
             ],
             st,
         )

@@ -280,11 +280,17 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
         let pass = s.last(&format!("{stage}/pass_at_k"));
         let avg = s.last(&format!("{stage}/avg_at_k"));
         if let (Some(p), Some(a)) = (pass, avg) {
-            let _ = writeln!(md, "| {}, under H0 | {p:.3} | {a:.3} |", if stage == "baseline" { "before training" } else { "after training" });
+            let label = match stage {
+                "baseline" => "before training",
+                _ if s.get("rollouts_base").is_empty() => "starting policy (no updates)",
+                _ => "after training",
+            };
+            let _ = writeln!(md, "| {label}, under H0 | {p:.3} | {a:.3} |");
         }
     }
     if let Some((id, validation, p, a)) = s.h_best() {
-        let _ = writeln!(md, "| after training, under H_best = `{id}` (the best harness on validation: {validation:.3}) | {p:.3} | {a:.3} |");
+        let when = if s.get("rollouts_base").is_empty() { "starting policy (no updates)" } else { "after training" };
+        let _ = writeln!(md, "| {when}, under H_best = `{id}` (the best harness on validation: {validation:.3}) | {p:.3} | {a:.3} |");
     }
     md.push_str("\n## Training updates\n\n");
     md.push_str(&update_table(&s));

@@ -99,7 +99,9 @@ impl Scheduler {
         if spec.evolution.is_some() {
             s.push("evolve".to_string());
         }
-        if spec.evaluation.baseline {
+        // `updates = 0` (HE-only): the starting policy under H0, H_best and the router's
+        // ranks, with no training; the final evaluation is then the baseline itself.
+        if spec.evaluation.baseline && spec.algorithm.updates > 0 {
             s.push("baseline".to_string());
         }
         s.push("calibration:0".into());
@@ -115,7 +117,9 @@ impl Scheduler {
                 s.push(format!("calibration:{u}"));
             }
         }
-        s.push(format!("calibration:final:{}", spec.algorithm.updates));
+        if spec.algorithm.updates > 0 {
+            s.push(format!("calibration:final:{}", spec.algorithm.updates));
+        }
         s.push("evaluation".into());
         s.push("report".into());
         s

@@ -836,9 +836,6 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if spec.evaluation.ranks.is_some_and(|r| r > 0) && !spec.has_pool() {
         bad("evaluation.ranks", "routing test tasks needs a pool; set ranks = 0 or give [pool] dir".into());
     }
-    if a.updates == 0 {
-        bad("algorithm.updates", "must be at least 1".into());
-    }
     if spec.evaluation.k == 0 {
         bad("evaluation.k", "must be at least 1".into());
     }

@@ -160,6 +160,34 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     assert!(err.contains("already finished"), "{err}");
 }
 
+/// HE-only (`updates = 0`): the pool evaluated with the starting policy — H0, H_best and
+/// the router's Rank-1 on the test tasks after one calibration — with no update rollouts,
+/// no learn step and no checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn updates_zero_evaluates_the_pool_with_the_starting_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec_with(dir.path(), "e2e-he-only", "router", 2);
+    let text = std::fs::read_to_string(&spec).unwrap();
+    assert!(text.contains("updates = 1\n"));
+    std::fs::write(&spec, text.replace("updates = 1\n", "updates = 0\n")).unwrap();
+    let store_url = format!("file://{}", dir.path().join("store").display());
+    let (code, out, err) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
+    assert!(code == 0 || code == 3, "exit {code}\n{out}\n{err}");
+    let store = open_store(&store_url).await.unwrap();
+    let state: serde_json::Value = serde_json::from_slice(&store.get("runs/e2e-he-only/state.json").await.unwrap()).unwrap();
+    let completed: Vec<&str> = state["completed"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(completed, ["calibration:0", "evaluation", "report"], "{state}");
+    let (counts, _) = row_counts(store.as_ref(), "e2e-he-only").await;
+    assert!(counts.keys().all(|(_, kind)| kind == "calibration" || kind == "eval"), "no update rollouts: {counts:?}");
+    assert!(store.list("runs/e2e-he-only/checkpoints/").await.unwrap().is_empty(), "no checkpoint");
+    let metrics: Vec<MetricRow> = read_prefix(store.as_ref(), "runs/e2e-he-only/metrics/").await.unwrap();
+    for name in ["pass_at_k", "h_best_pass_at_k", "pass_at_k/rank-1"] {
+        assert!(metrics.iter().any(|m| m.name == name && m.step == 0), "metric {name} missing: {metrics:?}");
+    }
+    let report = String::from_utf8(store.get("runs/e2e-he-only/reports/report.md").await.unwrap().to_vec()).unwrap();
+    assert!(report.contains("starting policy (no updates), under H0") && report.contains("under H_best = `"), "{report}");
+}
+
 /// The tiny spec as a rescue-only run of an endpoint policy (text tool protocol), on a
 /// MySQL server at `db_url` when given.
 fn endpoint_spec(dir: &Path, id: &str, base_url: &str, db_url: Option<&str>) -> PathBuf {

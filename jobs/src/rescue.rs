@@ -243,7 +243,7 @@ mod tests {
         assert!((m.effective_token_share - 80.0 / 150.0).abs() < 1e-12);
         assert!((m.rescue_rate - 0.5).abs() < 1e-12);
         assert!((m.rescue_success - 0.5).abs() < 1e-12);
-        assert_eq!((m.groups, m.effective_groups, m.rescued_groups, m.rescued_with_success), (2, 1, 1, 1));
+        assert_eq!((m.groups, m.effective_groups, m.rescued_groups, m.rescued_with_success), (4, 2, 2, 1));
         assert_eq!((m.policy_tokens, m.effective_policy_tokens), (150, 80));
         assert!((m.mean_reward - 2.0 / 8.0).abs() < 1e-12);
     }

@@ -789,7 +789,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         Ok(v) if !v.uses_profiles() && spec.router.rule_voter => {
             bad("router.rule_voter", format!("variant `{v}` has no LLM voters to replace; remove rule_voter"))
         }
-        Ok(v) if spec.router.voters.is_empty() && !spec.router.rule_voter => bad(
+        Ok(v) if v.uses_profiles() && spec.router.voters.is_empty() && !spec.router.rule_voter => bad(
             "router.voters",
             format!("variant `{v}` votes with LLM voters: give voters = [{{ base_url, model }}] (any OpenAI-compatible server; `harness-s serve` can be one), or set rule_voter = true to vote with the built-in rule voter over profiles"),
         ),

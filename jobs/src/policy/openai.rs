@@ -258,7 +258,7 @@ impl OpenAiPolicy {
             .connect_timeout(Duration::from_secs_f64(config.connect_timeout_s))
             .build()
             .map_err(|e| PolicyError::Config(format!("cannot build the HTTP client: {e}")))?;
-        let root_url = base.strip_suffix("/v1").unwrap_or(&base).to_string();
+        let root_url = super::weight_sync::server_root(&base);
         Ok(OpenAiPolicy {
             chat_url: format!("{base}/chat/completions"),
             root_url,

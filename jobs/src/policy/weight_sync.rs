@@ -63,14 +63,19 @@ impl Endpoint {
     /// `base_url` is the policy's (`http://host:port/v1`); the routes live at its root.
     /// Loading weights can take minutes on a large model: each request may take `timeout`.
     pub fn new(base_url: &str, api_key: Option<String>, timeout: Duration) -> Result<Endpoint, SyncError> {
-        let base = base_url.trim_end_matches('/');
-        let root = base.strip_suffix("/v1").unwrap_or(base).to_string();
+        let root = server_root(base_url);
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(Duration::from_secs(10))
             .build()
             .map_err(|e| SyncError::Protocol { endpoint: root.clone(), detail: format!("cannot build an HTTP client: {e}") })?;
         Ok(Endpoint { root, http, api_key })
+    }
+
+    /// The endpoint of a policy's client settings, with the key its `api_key_env` names.
+    pub fn of_policy(config: &super::openai::OpenAiConfig, timeout: Duration) -> Result<Endpoint, SyncError> {
+        let key = config.api_key_env.as_ref().and_then(|v| std::env::var(v).ok()).filter(|k| !k.is_empty());
+        Endpoint::new(&config.base_url, key, timeout)
     }
 
     pub fn root(&self) -> &str {
@@ -140,6 +145,13 @@ impl Endpoint {
         .notify(|e, delay| tracing::warn!(endpoint = %self.root, error = %e, retry_in_ms = delay.as_millis() as u64, "weight sync: endpoint not ready; retrying"))
         .await
     }
+}
+
+/// A server's root URL from an OpenAI base URL (`http://host:port/v1` → `http://host:port`),
+/// where its tokenizer and weight-update routes live.
+pub fn server_root(base_url: &str) -> String {
+    let base = base_url.trim_end_matches('/');
+    base.strip_suffix("/v1").unwrap_or(base).to_string()
 }
 
 /// Whether two weight references name the same weights: equal as written, or as URLs once

@@ -337,8 +337,8 @@ impl Router {
                 similar: &similar,
                 seed,
             };
-            let ranking = rule.vote(&vr).await.ranking.unwrap_or_default();
-            let ranked: Vec<(String, f64)> = ranking.iter().map(|h| (h.clone(), rule.score(h, &vr))).collect();
+            let ranked = rule.ranked(&vr);
+            let ranking = ranked.iter().map(|(h, _)| h.clone()).collect();
             let ballot = schemas::Ballot { voter: rule.name(), ranking, valid: true, invalid_reason: None, raw: None };
             (vec![ballot], ranked)
         } else {

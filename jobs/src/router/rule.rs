@@ -55,13 +55,9 @@ impl RuleVoter {
     }
 }
 
-#[async_trait]
-impl Voter for RuleVoter {
-    fn name(&self) -> String {
-        if self.use_profiles { "rule+profiles".into() } else { "rule".into() }
-    }
-
-    async fn vote(&self, req: &VoteRequest<'_>) -> RawBallot {
+impl RuleVoter {
+    /// Every candidate with its score, best first (ties as in the module docs).
+    pub fn ranked(&self, req: &VoteRequest<'_>) -> Vec<(String, f64)> {
         let success = req.evidence.validation_success();
         let mut scored: Vec<(usize, &String, f64, f64)> = req
             .candidates
@@ -75,7 +71,18 @@ impl Voter for RuleVoter {
                 .then_with(|| b.3.partial_cmp(&a.3).unwrap_or(std::cmp::Ordering::Equal))
                 .then_with(|| a.0.cmp(&b.0))
         });
-        let ranking: Vec<String> = scored.into_iter().take(req.ballot_len).map(|(_, c, _, _)| c.clone()).collect();
+        scored.into_iter().map(|(_, c, score, _)| (c.clone(), score)).collect()
+    }
+}
+
+#[async_trait]
+impl Voter for RuleVoter {
+    fn name(&self) -> String {
+        if self.use_profiles { "rule+profiles".into() } else { "rule".into() }
+    }
+
+    async fn vote(&self, req: &VoteRequest<'_>) -> RawBallot {
+        let ranking: Vec<String> = self.ranked(req).into_iter().take(req.ballot_len).map(|(c, _)| c).collect();
         RawBallot { voter: self.name(), ranking: Ok(ranking), raw: None }
     }
 }

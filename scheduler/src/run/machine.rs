@@ -200,9 +200,7 @@ impl Scheduler {
         let Some(want) = self.inputs.stored.served_weights(self.store.as_ref(), step) else {
             return Ok(());
         };
-        let key = p.api_key_env.as_ref().and_then(|v| std::env::var(v).ok()).filter(|k| !k.is_empty());
-        let base_url = p.base_url.as_deref().unwrap_or_default();
-        let endpoint = jobs::policy::weight_sync::Endpoint::new(base_url, key, std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))?;
+        let endpoint = jobs::policy::weight_sync::Endpoint::of_policy(&p.openai_config(), std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))?;
         let started = std::time::Instant::now();
         let loaded = endpoint
             .ensure(&want, std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))

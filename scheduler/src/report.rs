@@ -23,6 +23,7 @@ impl Series {
         for r in rows {
             let name = match r.stage.as_str() {
                 "baseline" | "evaluation" | "evaluation:h_best" => format!("{}/{}", r.stage, r.name),
+                s if s.starts_with(crate::run::cost::STAGE_PREFIX) => format!("{}/{}", r.stage, r.name),
                 _ => r.name,
             };
             m.entry(name).or_default().push((r.step, r.value));
@@ -101,6 +102,22 @@ pub fn number(v: f64) -> String {
     }
 }
 
+/// The training stages of a run of `updates` updates, as (label, first, last): stages of
+/// `stage_updates` updates each (`[evaluation] stage_updates`), or by default the run in
+/// thirds (early, mid, late; Table 2, Figure 3). Empty stages are left out.
+pub fn training_stages(updates: u32, stage_updates: Option<u32>) -> Vec<(String, u32, u32)> {
+    match stage_updates.filter(|n| *n > 0) {
+        Some(n) => (0..updates.div_ceil(n)).map(|i| (format!("{}", i + 1), i * n + 1, ((i + 1) * n).min(updates))).collect(),
+        None => ["early", "mid", "late"]
+            .into_iter()
+            .filter_map(|stage| {
+                let steps: Vec<u32> = (1..=updates).filter(|u| training_stage(*u, updates) == stage).collect();
+                Some((stage.to_string(), *steps.first()?, *steps.last()?))
+            })
+            .collect(),
+    }
+}
+
 /// Training stage of update `u` of `n` (Table 2, Figure 3): the updates split in thirds.
 pub fn training_stage(u: u32, n: u32) -> &'static str {
     let n = n.max(1);
@@ -115,7 +132,7 @@ pub fn training_stage(u: u32, n: u32) -> &'static str {
 /// groups / groups, effective policy tokens / policy tokens, rescue groups / groups, rescue
 /// groups with a success / rescue groups. Runs stored before the counts were recorded get
 /// the mean of the per-update rates instead (rescue success over updates where it fired).
-pub fn stage_table(s: &Series, updates: u32) -> String {
+pub fn stage_table(s: &Series, updates: u32, stage_updates: Option<u32>) -> String {
     let cols = ["effective_group_rate", "effective_token_share", "rescue_rate", "rescue_success"];
     // (rate, numerator count, denominator count)
     let pooled = [
@@ -130,15 +147,13 @@ pub fn stage_table(s: &Series, updates: u32) -> String {
     out.push_str(" |\n|---|---|");
     out.push_str(&"---:|".repeat(cols.len()));
     out.push('\n');
-    for stage in ["early", "mid", "late"] {
-        let steps: Vec<u32> = (1..=updates).filter(|u| training_stage(*u, updates) == stage).collect();
-        if steps.is_empty() {
-            continue;
-        }
-        let _ = write!(out, "| {stage} | {}–{} |", steps[0], steps[steps.len() - 1]);
+    for (stage, first, last) in training_stages(updates, stage_updates) {
+        let steps: Vec<u32> = (first..=last).collect();
+        let _ = write!(out, "| {stage} | {first}–{last} |");
         for (c, num, den) in pooled {
-            let counts: Option<Vec<(f64, f64)>> = steps.iter().map(|u| Some((at(num, *u)?, at(den, *u)?))).collect();
-            let value = match counts {
+            // Updates that ran record their counts; a stage pools those it has.
+            let counts: Vec<(f64, f64)> = steps.iter().filter_map(|u| Some((at(num, *u)?, at(den, *u)?))).collect();
+            let value = match (!counts.is_empty()).then_some(counts) {
                 Some(counts) => {
                     let (n, d) = counts.iter().fold((0.0, 0.0), |a, p| (a.0 + p.0, a.1 + p.1));
                     (d > 0.0).then(|| n / d)
@@ -159,6 +174,41 @@ pub fn stage_table(s: &Series, updates: u32) -> String {
         out.push('\n');
     }
     out
+}
+
+/// Table 9: what the run cost, per stage kind (wall time, rollouts, the policy's calls and
+/// tokens) and per LLM component (voters, profiler, diagnoser, editor; the learner's
+/// forward tokens), summed over the run. `None` when the run recorded no costs.
+pub fn cost_table(s: &Series) -> Option<String> {
+    use crate::run::cost::{COMPONENTS, KINDS, STAGE_PREFIX};
+    let sum = |kind: &str, name: &str| -> Option<f64> {
+        let v = s.get(&format!("{STAGE_PREFIX}{kind}/{name}"));
+        (!v.is_empty()).then(|| v.iter().map(|p| p.1).sum())
+    };
+    let cell = |v: Option<f64>| v.map(|v| format!("{v:.0}")).unwrap_or_else(|| "–".into());
+    let kinds: Vec<&str> = KINDS.iter().copied().filter(|k| sum(k, "wall_seconds").is_some()).collect();
+    if kinds.is_empty() {
+        return None;
+    }
+    let mut out = String::from("| stage | wall time (s) | rollouts | policy calls | policy prompt tokens | policy completion tokens |\n|---|---:|---:|---:|---:|---:|\n");
+    let mut total = [0.0; 5];
+    for k in &kinds {
+        let cols = ["wall_seconds", "rollouts", "policy_calls", "policy_prompt_tokens", "policy_completion_tokens"].map(|n| sum(k, n));
+        for (t, c) in total.iter_mut().zip(&cols) {
+            *t += c.unwrap_or(0.0);
+        }
+        let wall = cols[0].map(|v| format!("{v:.1}")).unwrap_or_default();
+        let _ = writeln!(out, "| {k} | {wall} | {} | {} | {} | {} |", cell(cols[1]), cell(cols[2]), cell(cols[3]), cell(cols[4]));
+    }
+    let _ = writeln!(out, "| all | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} |", total[0], total[1], total[2], total[3], total[4]);
+    out.push_str("\n| component | calls | prompt tokens | completion tokens |\n|---|---:|---:|---:|\n");
+    for c in COMPONENTS {
+        let n = |q: &str| KINDS.iter().filter_map(|k| sum(k, &format!("{c}_{q}"))).reduce(|a, b| a + b);
+        let _ = writeln!(out, "| {c} | {} | {} | {} |", cell(n("calls")), cell(n("prompt_tokens")), cell(n("completion_tokens")));
+    }
+    let learner = sum("learn", "learner_forward_tokens");
+    let _ = writeln!(out, "| learner (tokens run forward and backward) | – | {} | – |", cell(learner));
+    Some(out)
 }
 
 /// Table 5: Pass@k / Avg@k under H0 and under the router's Rank-r harness, and how often
@@ -220,8 +270,8 @@ pub fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(
 /// The evolved pool's figures (Figure 1a, Figure 5) and table, when this run evolved or
 /// seeded a pool with validation coverage; writes `repairs.png` and `overlap.png`.
 async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Path) -> anyhow::Result<Option<String>> {
-    use jobs::evolve::report::{plot_overlap, plot_repairs, pool_repair_counts, repair_table};
-    let m = match jobs::evolve::pool::load_manifest(store, run_id).await {
+    use jobs::evolve::report::{mechanism_table, plot_overlap, plot_repairs, pool_repair_counts, repair_table};
+    let (m, specs) = match jobs::evolve::pool::load_pool(store, run_id).await {
         Ok(m) => m,
         Err(jobs::evolve::PoolError::Missing { .. }) => return Ok(None),
         Err(e) => return Err(e.into()),
@@ -236,9 +286,10 @@ async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Pa
         store.put(&format!("runs/{run_id}/reports/{file}"), Bytes::from(std::fs::read(dir.join(file))?)).await?;
     }
     Ok(Some(format!(
-        "\n## Sibling pool: repairs relative to H0 on {} validation tasks (Figure 1a, Figure 5)\n\n{}\n![repairs](repairs.png)\n![overlap](overlap.png)\n",
+        "\n## Sibling pool: repairs relative to H0 on {} validation tasks (Figure 1a, Figure 5)\n\n{}\n![repairs](repairs.png)\n![overlap](overlap.png)\n\n### Mechanisms\n\nPolicy-side siblings change what the policy itself writes, which training keeps; harness-side ones act in its place (`[environment] harness_actions`), and those tokens are never trained on.\n\n{}",
         m.validation_tasks.len(),
-        repair_table(&counts)
+        repair_table(&counts),
+        mechanism_table(&specs)
     )))
 }
 
@@ -305,11 +356,16 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     md.push_str("\n![validation](validation.png)\n\n## Rescue by update\n\n![rescue](rescue.png)\n");
     let updates = s.get("rollouts_base").iter().map(|p| p.0).max().unwrap_or(0);
     if updates > 0 {
+        let stage_updates = crate::run::inputs::load_stored(store, run_id).await.ok().and_then(|r| r.spec.evaluation.stage_updates);
         md.push_str("\n## By training stage (Table 2 layout)\n\n");
-        md.push_str(&stage_table(&s, updates));
+        md.push_str(&stage_table(&s, updates, stage_updates));
     }
     if let Some(t) = rank_table(&s) {
         md.push_str("\n## Evaluation under the router's ranks (Table 5 layout)\n\n");
+        md.push_str(&t);
+    }
+    if let Some(t) = cost_table(&s) {
+        md.push_str("\n## Cost (Table 9 layout)\n\nPer stage kind, summed over the run; wall time is that of the drive that finished each stage. Policy tokens are the rollouts' own (evolution's included); the components below are the other LLM calls, counted from the endpoints' usage figures.\n\n");
         md.push_str(&t);
     }
     if let Some(section) = pool_section(store, run_id, dir.path()).await? {
@@ -323,6 +379,10 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn series(pairs: &[(&str, &[(u32, f64)])]) -> Series {
+        Series(pairs.iter().map(|(n, v)| (n.to_string(), v.to_vec())).collect())
+    }
 
     #[test]
     fn updates_split_into_thirds() {
@@ -338,7 +398,7 @@ mod tests {
         m.insert("rescue_success".to_string(), vec![(1, 0.5), (2, 0.0), (3, 1.0)]);
         m.insert("rollouts_rescue".to_string(), vec![(1, 4.0), (2, 0.0), (3, 2.0)]);
         m.insert("effective_group_rate".to_string(), vec![(1, 0.25), (2, 0.75), (3, 1.0)]);
-        let t = stage_table(&Series(m), 3);
+        let t = stage_table(&Series(m), 3, None);
         assert!(t.contains("| early | 1–1 | 0.250 | – | – | 0.500 |"), "{t}");
         assert!(t.contains("| mid | 2–2 | 0.750 | – | – | – |"), "{t}");
         assert!(t.contains("| late | 3–3 | 1.000 | – | – | 1.000 |"), "{t}");
@@ -361,9 +421,37 @@ mod tests {
             m.insert(name.to_string(), vec![(1, a), (2, b)]);
         }
         // Six updates: early is updates 1–2.
-        let t = stage_table(&Series(m), 6);
+        let t = stage_table(&Series(m.clone()), 6, None);
         assert!(t.contains("| early | 1–2 | 0.625 | 0.250 | 0.250 | 0.250 |"), "{t}");
         assert!(t.contains("| mid | 3–4 | – | – | – | – |"), "{t}");
+        assert!(t.contains("| late | 5–6 |"), "{t}");
+        // `[evaluation] stage_updates = 4`: stages 1–4 and 5–6, rates pooled the same way.
+        let t = stage_table(&Series(m), 6, Some(4));
+        assert!(t.contains("| 1 | 1–4 | 0.625 | 0.250 | 0.250 | 0.250 |"), "{t}");
+        assert!(t.contains("| 2 | 5–6 | – | – | – | – |"), "{t}");
+    }
+
+    #[test]
+    fn cost_table_sums_stage_kinds_and_components_over_the_run() {
+        let s = series(&[
+            ("cost:base/wall_seconds", &[(1, 10.0), (2, 12.5)]),
+            ("cost:base/rollouts", &[(1, 8.0), (2, 8.0)]),
+            ("cost:base/policy_completion_tokens", &[(1, 400.0), (2, 380.0)]),
+            ("cost:rescue/wall_seconds", &[(1, 3.0)]),
+            ("cost:rescue/voter_calls", &[(1, 4.0)]),
+            ("cost:rescue/voter_prompt_tokens", &[(1, 1200.0)]),
+            ("cost:evaluation/voter_calls", &[(3, 2.0)]),
+            ("cost:learn/wall_seconds", &[(1, 20.0)]),
+            ("cost:learn/learner_forward_tokens", &[(1, 5000.0)]),
+        ]);
+        let t = cost_table(&s).unwrap();
+        assert!(t.contains("| base | 22.5 | 16 | – | – | 780 |"), "{t}");
+        assert!(t.contains("| all | 45.5 | 16 | 0 | 0 | 780 |"), "{t}");
+        assert!(t.contains("| voter | 6 | 1200 | – |"), "{t}");
+        assert!(t.contains("| profiler | – | – | – |"), "{t}");
+        assert!(t.contains("| 5000 |"), "{t}");
+        assert!(!t.contains("| evolve |"), "stages that did not run have no row: {t}");
+        assert!(cost_table(&series(&[("loss", &[(1, 0.1)])])).is_none());
     }
 
     #[test]

@@ -41,7 +41,7 @@ pub use error::SchemaError;
 pub use group::{Group, RetainedKind};
 pub use harness::*;
 pub use job::{job_id, DoneMarker, JobEnvelope, JobIdParts, JobKind, OutputEntry};
-pub use metrics::MetricRow;
+pub use metrics::{LlmUsage, MetricRow};
 pub use profile::{Polarity, ProfileEntry};
 pub use record::{decode_document, encode_document, Document, Record, RECORD_KEY, VERSION_KEY};
 pub use routing::{Ballot, RoutePurpose, RoutingDecision};

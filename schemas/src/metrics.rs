@@ -20,3 +20,39 @@ impl Record for MetricRow {
     const NAME: &'static str = "metric";
     const VERSION: u32 = 1;
 }
+
+/// Tokens an LLM component (voter, profiler, diagnoser, editor) spent: the cost columns of
+/// the paper's Table 9. Counts come from the endpoint's own usage figures.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LlmUsage {
+    pub calls: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+impl LlmUsage {
+    /// One call's usage.
+    pub fn call(prompt_tokens: u64, completion_tokens: u64) -> Self {
+        LlmUsage { calls: 1, prompt_tokens, completion_tokens }
+    }
+
+    pub fn add(&mut self, other: LlmUsage) {
+        self.calls += other.calls;
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+    }
+
+    pub fn total_tokens(&self) -> u64 {
+        self.prompt_tokens + self.completion_tokens
+    }
+}
+
+impl std::iter::Sum for LlmUsage {
+    fn sum<I: Iterator<Item = LlmUsage>>(iter: I) -> Self {
+        let mut total = LlmUsage::default();
+        for u in iter {
+            total.add(u);
+        }
+        total
+    }
+}

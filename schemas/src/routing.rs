@@ -24,6 +24,9 @@ pub struct Ballot {
     pub invalid_reason: Option<String>,
     /// Raw voter output, kept for audit.
     pub raw: Option<String>,
+    /// Tokens the voter's call spent (zero for the rule voter), Table 9.
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
 }
 
 /// A routing decision with its ballots, summed scores (Eq. 9–10) and selection.
@@ -49,5 +52,6 @@ pub struct RoutingDecision {
 
 impl Record for RoutingDecision {
     const NAME: &'static str = "routing_decision";
-    const VERSION: u32 = 1;
+    /// 2: ballots carry the tokens their call spent.
+    const VERSION: u32 = 2;
 }

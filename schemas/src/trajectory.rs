@@ -174,11 +174,6 @@ pub struct Trajectory {
     pub termination: Termination,
     pub error_class: Option<ErrorClass>,
     pub error_message: Option<String>,
-    /// GRPO advantage (Appendix B), filled when the group is formed.
-    pub advantage: Option<f64>,
-    /// Whether the row is in a group the learner trains on.
-    pub retained: bool,
-    pub retained_reason: Option<String>,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     /// Tokens injected by the harness (never trained on).
@@ -201,7 +196,10 @@ pub struct Trajectory {
 impl Record for Trajectory {
     const NAME: &'static str = "trajectory";
     /// 2: turns carry their prompt fingerprint; rows carry temperature and tool view.
-    const VERSION: u32 = 2;
+    /// 3: no `advantage` / `retained` / `retained_reason`: a rollout row is written before
+    /// its group is formed, so those live on the group rows (`trajectory_ids` and
+    /// `advantages` aligned), joined by `group_id` or trajectory id when read.
+    const VERSION: u32 = 3;
 }
 
 #[cfg(test)]

@@ -93,3 +93,16 @@ pub async fn broker_exclusive() -> tokio::sync::RwLockWriteGuard<'static, ()> {
 }
 
 static BROKER: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Runs a DuckDB query (Python's `duckdb`, as users run it) and returns the rows as JSON
+/// objects keyed by column name.
+pub fn duckdb(sql: &str) -> Vec<serde_json::Value> {
+    let script = "import duckdb, json, sys\n\
+                  con = duckdb.connect()\n\
+                  cur = con.execute(sys.argv[1])\n\
+                  cols = [d[0] for d in cur.description]\n\
+                  print(json.dumps([dict(zip(cols, r)) for r in cur.fetchall()], default=str))";
+    let out = std::process::Command::new("python3").args(["-c", script, sql]).output().expect("python3 runs");
+    assert!(out.status.success(), "DuckDB query failed (pip install duckdb):\n{sql}\n{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("DuckDB printed JSON")
+}

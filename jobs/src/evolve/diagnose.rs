@@ -443,7 +443,7 @@ mod tests {
             trajectory_id: "t".into(), run_id: "r".into(), job_id: "j".into(), step: 0, kind: RolloutKind::Eval, split: Split::Train,
             task_id: "task".into(), task_type: task_type.into(), group_id: "g".into(), attempt: 0, harness_id: "h0".into(),
             harness_version: "v".into(), policy_checkpoint: "p".into(), seed: 1, reward: 0.0, success: false, termination,
-            error_class: None, error_message: None, advantage: None, retained: false, retained_reason: None, prompt_tokens: 0,
+            error_class: None, error_message: None, prompt_tokens: 0,
             completion_tokens: 0, harness_tokens: 0, model_calls: 3, env_actions: 2, started_at_ms: 0, duration_ms: 0,
             policy_ms: 0, env_ms: 0, temperature: 1.0, tool_view: String::new(), turns,
         }

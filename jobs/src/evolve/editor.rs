@@ -71,6 +71,37 @@ pub struct Repair {
     pub diff: Value,
 }
 
+impl Repair {
+    /// Whether the repair acts in the policy's place (a `force_action` / `rewrite_action`
+    /// hook) rather than changing what the policy itself writes.
+    pub fn harness_side(&self) -> bool {
+        self.diff.get("hooks").and_then(Value::as_array).is_some_and(|hooks| {
+            hooks.iter().any(|h| matches!(h.get("action").and_then(Value::as_str), Some("force_action" | "rewrite_action")))
+        })
+    }
+}
+
+/// A worked conversation placed before the task as chat turns: the policy sees, in its own
+/// turns, the protocol it is missing.
+fn example(name: &str, turns: &[(&str, &str)]) -> Value {
+    let turns: Vec<Value> = turns.iter().map(|(role, text)| json!({"role": role, "text": text})).collect();
+    json!({"examples": [{"name": name, "turns": turns}]})
+}
+
+const EXAMPLE_TASK_COMPARE: &str = "The name of this table is fruits, and the headers of this table are name,price.\nQuestion: Which fruit has a higher price: Apple or Pear?";
+const EXAMPLE_TASK_COUNT: &str = "The name of this table is fruits, and the headers of this table are name,price.\nQuestion: How many fruits have price greater than 4?";
+
+fn example_final_answer() -> Value {
+    example("final-answer", &[("user", EXAMPLE_TASK_COMPARE), ("assistant", "Final Answer: [\"Pear\"]")])
+}
+
+fn example_query_answer() -> Value {
+    example(
+        "query-then-answer",
+        &[("user", EXAMPLE_TASK_COUNT), ("assistant", "```sql\nSELECT COUNT(*) FROM fruits WHERE price > 4;\n```"), ("tool", "[(2,)]"), ("assistant", "Final Answer: [\"2\"]")],
+    )
+}
+
 fn hook(id: &str, event: &str, condition: Value, action: &str, message: &str, parameters: Value) -> Value {
     let mut h = json!({"id": id, "event": event, "condition": condition, "action": action, "message": message});
     if parameters.as_object().is_some_and(|m| !m.is_empty()) {
@@ -94,43 +125,48 @@ fn commit_stated(id: &str, pattern: &str) -> Value {
                "tool": "commit_final_answer", "args": {"answers": ["{{extract.answer}}"]}}))]})
 }
 
-/// The repair library: for a cause, its mechanisms, the most direct repair first (for the
-/// finishing causes: commit what the reply already stated), then reminders, prompts and
-/// skills. `threshold` parameterises budget hooks.
+/// The repair library: for a cause, its mechanisms, those that change the policy's own
+/// output first (worked examples, reminders, prompt rules, skills, blocking), then those
+/// that act in its place (commit what a reply stated, run the SQL it wrote), which only
+/// environments with `harness_actions` accept. `threshold` parameterises budget hooks.
 pub fn repairs_for(cause: &str, threshold: u32) -> Vec<Repair> {
     let r = |mechanism, diff| Repair { mechanism, diff };
     match cause {
         codes::NEVER_COMMITTED | codes::BUDGET_EXHAUSTED | codes::ROUND_LIMIT => vec![
-            r("hook:commit-stated-number", commit_stated("commit-stated-number", STATED_NUMBER_PATTERN)),
+            r("example:query-answer", example_query_answer()),
             r("hook:low-budget", json!({"hooks": [hook("commit-when-low", "after_tool", json!("remaining_steps_lte"), "warn", COMMIT_NOW, json!({"threshold": threshold}))]})),
             r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
                 json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
             r("prompt:answer-format", json!({"prompt_rules": [{"slot": "answer_format", "text":
                 "First run one SELECT in a ```sql block. As soon as the result contains the answer, commit it with the line Final Answer: [\"<value>\"]. Never end an episode without committing an answer."}]})),
+            r("hook:commit-stated-number", commit_stated("commit-stated-number", STATED_NUMBER_PATTERN)),
         ],
         codes::PROSE_ANSWER => vec![
-            r("hook:commit-stated-name", commit_stated("commit-stated-name", STATED_NAME_PATTERN)),
-            r("hook:commit-stated-answer", commit_stated("commit-stated-answer", STATED_ANSWER_PATTERN)),
+            r("example:final-answer", example_final_answer()),
             r("hook:no-prose", json!({"hooks": [hook("no-prose", "before_decision", json!("text_only_reply"), "warn", NO_PROSE, json!({}))]})),
             r("skill:commit", json!({"skills": [{"name": "commit-answer", "text":
                 "1. Run one SELECT that computes the value.\n2. Read the value from the result, e.g. [(2,)] means 2.\n3. Call commit_final_answer with answers: [\"2\"]."}]})),
             r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
                 json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
+            r("hook:commit-stated-name", commit_stated("commit-stated-name", STATED_NAME_PATTERN)),
+            r("hook:commit-stated-answer", commit_stated("commit-stated-answer", STATED_ANSWER_PATTERN)),
         ],
         codes::UNPARSED_ACTION => vec![
+            r("prompt:sql-fence", json!({"prompt_rules": [{"slot": "answer_format", "text":
+                "Write every query inside a ```sql block; SQL anywhere else is not run."}]})),
+            r("example:query-answer", example_query_answer()),
             r("hook:run-stated-sql", json!({"hooks": [hook("run-stated-sql", "before_decision", json!("text_only_reply"), "force_action", "",
                 json!({"max_fires": 2, "extract": extract("sql", "state.last_reply", STATED_SQL_PATTERN),
                        "tool": "execute_sql", "args": {"query": "{{extract.sql}}"}}))]})),
-            r("prompt:sql-fence", json!({"prompt_rules": [{"slot": "answer_format", "text":
-                "Write every query inside a ```sql block; SQL anywhere else is not run."}]})),
         ],
         codes::RESULT_NOT_COMMITTED => vec![
+            r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
+                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
+            r("example:query-answer", example_query_answer()),
             r("hook:commit-single-value", json!({"hooks": [hook("commit-single-value", "after_tool",
                 json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "force_action", "",
                 json!({"max_fires": 1, "extract": extract("value", "observation.text", SINGLE_VALUE_PATTERN),
                        "tool": "commit_final_answer", "args": {"answers": ["{{extract.value}}"]}}))]})),
-            r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
-                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
         ],
         codes::IDENTIFIER_ERROR => vec![
             r("hook:block-unquoted", json!({"hooks": [hook("quote-identifiers", "before_action",
@@ -174,23 +210,110 @@ pub fn repairs_for(cause: &str, threshold: u32) -> Vec<Repair> {
                 "Blocked: this repeats your previous action. Use its result, or commit the answer.", json!({"times": 2}))]})),
             r("prompt:progress", json!({"prompt_rules": [{"slot": "action_guidance", "text": "Never repeat a query that already ran; use its result."}]})),
         ],
-        codes::NO_QUERY => vec![r("prompt:query-first", json!({"prompt_rules": [{"slot": "action_guidance", "text":
-            "Always run at least one SQL query before committing an answer."}]}))],
+        codes::NO_QUERY => vec![
+            r("prompt:query-first", json!({"prompt_rules": [{"slot": "action_guidance", "text":
+                "Always run at least one SQL query before committing an answer."}]})),
+            r("example:query-answer", example_query_answer()),
+        ],
         _ => vec![],
     }
 }
 
-/// Applies a JSON diff (components to add; `tool_view` replaces) to a parent and returns
-/// the child as JSON, ready for validation. Hook ids that already exist get a suffix.
+/// The field that names an entry of each component list (what `replace` and `remove` match
+/// on); `tool_view` entries are named by `name` under `tool_view.tools`.
+fn entry_key(component: &str) -> Option<&'static str> {
+    match component {
+        "prompt_rules" => Some("slot"),
+        "skills" | "context" | "examples" => Some("name"),
+        "memory" => Some("key"),
+        "hooks" => Some("id"),
+        "tool_view" => Some("name"),
+        _ => None,
+    }
+}
+
+/// The list a component's entries live in: `obj[component]`, or `obj.tool_view.tools`.
+fn entries_mut<'v>(obj: &'v mut Map<String, Value>, component: &str) -> Option<&'v mut Vec<Value>> {
+    let list = match component {
+        "tool_view" => obj.get_mut("tool_view")?.get_mut("tools")?,
+        c => obj.get_mut(c)?,
+    };
+    list.as_array_mut()
+}
+
+/// Applies `remove` (`{"<component>": ["<key>", ...]}`) or `replace` (`{"<component>":
+/// [<entry>, ...]}`) of an edit: entries are matched by [`entry_key`] (a prompt rule by its
+/// slot: every rule of that slot). A key the parent does not have is an error naming the
+/// keys it has, so that a revision can correct it.
+fn change_entries(obj: &mut Map<String, Value>, op: &str, changes: &Value) -> Result<(), String> {
+    let Value::Object(changes) = changes else {
+        return Err(format!("`{op}` must be an object of component lists, e.g. {{\"hooks\": [...]}}"));
+    };
+    for (component, items) in changes {
+        let key = entry_key(component).ok_or_else(|| {
+            format!("`{op}.{component}`: unknown component; one of prompt_rules, skills, context, memory, examples, hooks, tool_view")
+        })?;
+        let Value::Array(items) = items else {
+            return Err(format!("`{op}.{component}` must be a list"));
+        };
+        let list = entries_mut(obj, component).map(std::mem::take).unwrap_or_default();
+        let have: Vec<String> = list.iter().filter_map(|e| e.get(key).and_then(Value::as_str)).map(str::to_string).collect();
+        let mut list = list;
+        for (i, item) in items.iter().enumerate() {
+            let name = match op {
+                "remove" => item.as_str(),
+                _ => item.get(key).and_then(Value::as_str),
+            }
+            .ok_or_else(|| match op {
+                "remove" => format!("`remove.{component}[{i}]` must be the {key} of an entry"),
+                _ => format!("`replace.{component}[{i}]` needs its `{key}` (the entry it replaces)"),
+            })?;
+            if !have.iter().any(|h| h == name) {
+                let names = if have.is_empty() { "none".to_string() } else { have.join(", ") };
+                return Err(format!("`{op}.{component}[{i}]`: the parent has no entry with {key} `{name}`; its {component}: {names}"));
+            }
+            let at = list.iter().position(|e| e.get(key).and_then(Value::as_str) == Some(name));
+            list.retain(|e| e.get(key).and_then(Value::as_str) != Some(name));
+            if op == "replace" {
+                list.insert(at.unwrap_or(list.len()).min(list.len()), item.clone());
+            }
+        }
+        match component.as_str() {
+            "tool_view" => {
+                if list.is_empty() {
+                    obj.remove("tool_view");
+                } else {
+                    obj.insert("tool_view".into(), json!({"tools": list}));
+                }
+            }
+            c => {
+                obj.insert(c.to_string(), Value::Array(list));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Applies a JSON diff to a parent and returns the child as JSON, ready for validation:
+/// `remove` and `replace` change the parent's entries (Eq. 2's Edit modifies the parent),
+/// every other component key lists entries to add (`tool_view` replaces the view). Hook ids
+/// that already exist get a suffix.
 pub fn apply_diff(parent: &HarnessSpec, diff: &Value, child_id: &str, generation: u32, direction: &str) -> Result<Value, String> {
     let Value::Object(diff) = diff else {
-        return Err("the edit must be a JSON object of components to add".into());
+        return Err("the edit must be a JSON object of components to add, `replace` or `remove`".into());
     };
     let mut child = serde_json::to_value(parent).map_err(|e| e.to_string())?;
     let obj = child.as_object_mut().expect("specs are objects");
+    // Removals and replacements first, so that an added entry may reuse a removed id.
+    for op in ["remove", "replace"] {
+        if let Some(changes) = diff.get(op) {
+            change_entries(obj, op, changes)?;
+        }
+    }
     for (key, value) in diff {
         match key.as_str() {
-            "prompt_rules" | "skills" | "context" | "memory" | "hooks" => {
+            "remove" | "replace" => {}
+            "prompt_rules" | "skills" | "context" | "memory" | "examples" | "hooks" => {
                 let Value::Array(items) = value else {
                     return Err(format!("`{key}` must be a list"));
                 };
@@ -251,11 +374,15 @@ impl TemplateEditor {
     /// another child of this round, or by the version being revised) or already chosen for
     /// another cause of this direction is passed over for the next one of its cause; when
     /// all are taken the cause adds nothing.
-    pub fn diff(&self, direction: &Direction, variant: usize, taken: &[&'static str]) -> Option<(Value, Vec<&'static str>)> {
+    /// Repairs that act in the policy's place are offered only with `harness_actions`.
+    pub fn diff(&self, direction: &Direction, variant: usize, taken: &[&'static str], harness_actions: bool) -> Option<(Value, Vec<&'static str>)> {
         let mut merged = Map::new();
         let mut mechanisms = Vec::new();
         for cause in &direction.causes {
-            let repairs = repairs_for(cause, self.low_budget_threshold);
+            let repairs: Vec<Repair> = repairs_for(cause, self.low_budget_threshold).into_iter().filter(|r| harness_actions || !r.harness_side()).collect();
+            if repairs.is_empty() {
+                continue;
+            }
             let n = repairs.len();
             let free = (0..n)
                 .map(|j| &repairs[(variant + j) % n])
@@ -318,7 +445,7 @@ impl Editor for TemplateEditor {
         for child in &req.earlier {
             taken.extend(self.mechanisms_in(child));
         }
-        let Some((diff, mechanisms)) = self.diff(req.direction, req.variant, &taken) else {
+        let Some((diff, mechanisms)) = self.diff(req.direction, req.variant, &taken, req.validate.harness_actions) else {
             return Err(EditError::NoRepair { child: req.child_id.clone(), causes: req.direction.causes.join(", ") });
         };
         let text = format!("{} via {}", req.direction.summary, mechanisms.join(", "));
@@ -340,10 +467,13 @@ last_action_failed, repeated_action, no_answer_committed, text_only_reply, pagin
 expression such as {\"eq\": [\"action.tool\", \"execute_sql\"]}. rewrite_action and force_action take \
 parameters.tool and parameters.args, whose strings may hold {{path}} placeholders; parameters.extract \
 {\"<name>\": {\"from\": \"state.last_reply\", \"pattern\": \"<regex>\"}} captures text for {{extract.<name>}} \
-(the hook fires only when every pattern matches). Answer with ONE JSON object holding only the \
-components to ADD, e.g. {\"hooks\": [{\"id\": \"commit-now\", \"event\": \"after_tool\", \"condition\": \
+(the hook fires only when every pattern matches); examples [{name, turns: [{role, text}]}] are worked \
+conversations shown before the task (role user, assistant or tool). Answer with ONE JSON object: component lists \
+to ADD, e.g. {\"hooks\": [{\"id\": \"commit-now\", \"event\": \"after_tool\", \"condition\": \
 \"remaining_steps_lte\", \"action\": \"warn\", \"message\": \"Commit the answer now.\", \"parameters\": \
-{\"threshold\": 2}}]}. Never claim unrun tests.";
+{\"threshold\": 2}}]}; \"replace\": {component: [entries]} to rewrite the parent's entries (matched by hook id, \
+prompt-rule slot, skill/context/example name, memory key, tool_view tool name); \"remove\": {component: [ids]} to \
+drop entries that mislead the policy. Never claim unrun tests.";
 
 /// An LLM editor over any OpenAI-compatible (or native) policy.
 pub struct LlmEditor<'p> {
@@ -375,6 +505,7 @@ pub fn child_from_reply(req: &EditRequest<'_>, reply: &str) -> Result<HarnessSpe
         && spec.hooks == req.parent.hooks
         && spec.context == req.parent.context
         && spec.memory == req.parent.memory
+        && spec.examples == req.parent.examples
         && spec.tool_view == req.parent.tool_view
     {
         return Err("the edit changes no component of the parent".into());
@@ -437,7 +568,7 @@ mod tests {
     }
 
     fn opts() -> ValidateOptions {
-        ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]) }
+        ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true }
     }
 
     #[tokio::test]
@@ -456,9 +587,35 @@ mod tests {
             }
         }
         let d = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
-        let a = editor.diff(&d, 0, &[]).unwrap().0;
-        let b = editor.diff(&d, 1, &[]).unwrap().0;
+        let a = editor.diff(&d, 0, &[], true).unwrap().0;
+        let b = editor.diff(&d, 1, &[], true).unwrap().0;
         assert_ne!(a, b);
+    }
+
+    /// Without `harness_actions` (the DBBench default) no child forces or rewrites an
+    /// action; the first mechanism of every cause changes the policy's own output.
+    #[tokio::test]
+    async fn without_harness_actions_children_repair_through_the_policys_output() {
+        let editor = TemplateEditor::default();
+        let o = ValidateOptions { harness_actions: false, ..opts() };
+        for (cause, _) in codes::ALL {
+            let repairs = repairs_for(cause, 2);
+            assert!(!repairs[0].harness_side(), "{cause}: policy-side mechanisms come first");
+            let first_harness_side = repairs.iter().position(Repair::harness_side).unwrap_or(repairs.len());
+            assert!(repairs[first_harness_side..].iter().all(Repair::harness_side), "{cause}: harness-side mechanisms come last");
+            for variant in 0..4 {
+                let d = direction(&[cause]);
+                let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: format!("c-{cause}-{variant}"),
+                    generation: 1, variant, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
+                let child = editor.edit(&req).await.unwrap_or_else(|e| panic!("{cause} v{variant}: {e}"));
+                assert!(check_spec(&child, &o).is_empty());
+                assert!(crate::harness::harness_side_hooks(&child).is_empty(), "{cause} v{variant}: {child:?}");
+            }
+        }
+        // The same direction with the opt-in may reach a forced commit.
+        let d = direction(&[codes::PROSE_ANSWER]);
+        let reached: Vec<bool> = (0..6).map(|v| editor.diff(&d, v, &[], true).is_some_and(|(diff, _)| diff.to_string().contains("force_action"))).collect();
+        assert!(reached.iter().any(|f| *f), "{reached:?}");
     }
 
     #[tokio::test]
@@ -521,6 +678,49 @@ mod tests {
         let c2 = editor.edit(&req2).await.unwrap();
         assert!(check_spec(&c2, &o).is_empty());
         assert_eq!(c2.parent.as_deref(), Some("c1"));
+    }
+
+    /// Eq. 2's Edit modifies the parent: an LLM reply may replace and remove the parent's
+    /// entries as well as add; a key the parent lacks is refused with the keys it has.
+    #[test]
+    fn llm_edits_replace_and_remove_parent_components() {
+        let o = opts();
+        let parent: HarnessSpec = serde_json::from_value(json!({"id": "p", "parent": "h0", "generation": 1,
+            "prompt_rules": [{"slot": "answer_format", "text": "Answer in a sentence."}, {"slot": "action_guidance", "text": "Inspect first."}],
+            "skills": [{"name": "inspect", "text": "SELECT * LIMIT 5."}],
+            "hooks": [{"id": "nag", "event": "after_tool", "condition": "always", "action": "warn", "message": "Think."},
+                      {"id": "low", "event": "before_decision", "condition": "remaining_steps_lte", "action": "warn", "message": "Commit now.", "parameters": {"threshold": 2}}],
+            "tool_view": {"tools": [{"name": "execute_sql", "description": "Run SQL."}, {"name": "commit_final_answer"}]}})).unwrap();
+        let d = direction(&[codes::PROSE_ANSWER]);
+        let req = EditRequest { parent: &parent, direction: &d, child_id: "c".into(), generation: 2, variant: 0, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
+        let reply = r#"{"replace": {"prompt_rules": [{"slot": "answer_format", "text": "Commit with Final Answer: [\"<value>\"]."}],
+                                    "tool_view": [{"name": "execute_sql", "description": "Run one SELECT."}]},
+                        "remove": {"hooks": ["nag"], "skills": ["inspect"]},
+                        "hooks": [{"id": "low", "event": "after_tool", "condition": "last_action_failed", "action": "warn", "message": "Fix the query."}]}"#;
+        let child = child_from_reply(&req, reply).unwrap();
+        assert_eq!(child.prompt_rules.len(), 2);
+        assert_eq!(child.prompt_rules[0].slot, "answer_format", "a replaced entry keeps its place");
+        assert!(child.prompt_rules[0].text.starts_with("Commit with Final Answer"));
+        assert!(child.skills.is_empty());
+        let ids: Vec<&str> = child.hooks.iter().filter_map(|h| h.id.as_deref()).collect();
+        assert_eq!(ids, ["low", "low-2"], "the removed hook is gone; an added hook with a taken id gets a suffix");
+        let view = child.tool_view.as_ref().unwrap();
+        assert_eq!(view.tools[0].description.as_deref(), Some("Run one SELECT."));
+        assert_eq!(view.tools.len(), 2);
+        assert!(check_spec(&child, &o).is_empty());
+        // Removing only: a valid edit that changes the parent.
+        let only = child_from_reply(&req, r#"{"remove": {"prompt_rules": ["action_guidance"]}}"#).unwrap();
+        assert_eq!(only.prompt_rules.len(), 1);
+        for (reply, needle) in [
+            (r#"{"remove": {"hooks": ["ghost"]}}"#, "`remove.hooks[0]`: the parent has no entry with id `ghost`; its hooks: nag, low"),
+            (r#"{"replace": {"skills": [{"text": "x"}]}}"#, "`replace.skills[0]` needs its `name`"),
+            (r#"{"remove": {"widgets": ["a"]}}"#, "`remove.widgets`: unknown component"),
+            (r#"{"remove": {"hooks": "nag"}}"#, "`remove.hooks` must be a list"),
+            (r#"{"remove": []}"#, "`remove` must be an object"),
+        ] {
+            let err = child_from_reply(&req, reply).unwrap_err();
+            assert!(err.contains(needle), "{reply}: {err}");
+        }
     }
 
     #[test]

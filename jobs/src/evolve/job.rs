@@ -126,6 +126,8 @@ pub struct RoundSummary {
 pub struct EvolveOutput {
     pub manifest: PoolManifest,
     pub rounds: Vec<RoundSummary>,
+    /// Why evolution stopped before its last round, if it did.
+    pub stopped: Option<String>,
 }
 
 /// Failures of the stage itself (invalid candidates are recorded, not raised).
@@ -194,15 +196,12 @@ fn solved(rows: &[Trajectory]) -> BTreeSet<String> {
     rows.iter().filter(|r| r.success).map(|r| r.task_id.clone()).collect()
 }
 
-/// The tasks of round `round` (1-based): the training tasks split into `rounds` chunks.
-pub fn round_tasks(train: &[String], rounds: usize, round: usize) -> Vec<String> {
-    let rounds = rounds.max(1);
-    let size = train.len().div_ceil(rounds).max(1);
-    let chunks: Vec<&[String]> = train.chunks(size).collect();
-    if chunks.is_empty() {
-        return vec![];
-    }
-    chunks[(round - 1) % chunks.len()].to_vec()
+/// The fresh tasks of round `round` (1-based, §3.2 "fresh tasks"): the training tasks split
+/// into `rounds` chunks, no task in two rounds. `None` when the split has run out (fewer
+/// tasks than rounds): tasks are never repeated.
+pub fn round_tasks(train: &[String], rounds: usize, round: usize) -> Option<Vec<String>> {
+    let size = train.len().div_ceil(rounds.max(1)).max(1);
+    train.chunks(size).nth(round.checked_sub(1)?).map(<[String]>::to_vec)
 }
 
 /// Local-evaluation tasks (Table 8): the direction's failed tasks first, then at most
@@ -339,9 +338,18 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
     let rounds_total = s.proposal_budgets.len();
     let mut rounds = Vec::new();
     let mut next_child = 1usize;
+    let mut stopped = None;
     for (ri, budget) in s.proposal_budgets.iter().enumerate() {
         let round = ri as u32 + 1;
-        let tasks = round_tasks(&input.train_task_ids, rounds_total, ri + 1);
+        let Some(tasks) = round_tasks(&input.train_task_ids, rounds_total, ri + 1) else {
+            let why = format!(
+                "the training split ran out: {} task(s) give fresh tasks to {ri} of {rounds_total} rounds (give evolution at least {rounds_total} training tasks, or fewer proposal_budgets)",
+                input.train_task_ids.len()
+            );
+            tracing::warn!(round, "{why}; evolution stops");
+            stopped = Some(why);
+            break;
+        };
         tracing::info!(round, parents = parents.len(), tasks = tasks.len(), budget, "evolve round started");
 
         // 2a–b: parents on fresh tasks, diagnosis, directions.
@@ -484,9 +492,32 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
             Some(sel) => parents = sel.parents.iter().map(|id| specs[id].clone()).collect(),
             None => {
                 tracing::info!(round, "no valid child this round; evolution stops");
+                if ri + 1 < rounds_total {
+                    stopped = Some(format!("round {round} made no valid child, so no round after it had parents"));
+                }
                 break;
             }
         }
     }
-    Ok(EvolveOutput { manifest, rounds })
+    Ok(EvolveOutput { manifest, rounds, stopped })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_tasks;
+
+    #[test]
+    fn rounds_get_fresh_tasks_and_none_once_the_split_runs_out() {
+        let train: Vec<String> = (0..7).map(|i| format!("t{i}")).collect();
+        let rounds: Vec<Vec<String>> = (1..=3).map(|r| round_tasks(&train, 3, r).unwrap()).collect();
+        assert_eq!(rounds.iter().map(Vec::len).collect::<Vec<_>>(), [3, 3, 1]);
+        let all: std::collections::BTreeSet<&String> = rounds.iter().flatten().collect();
+        assert_eq!(all.len(), 7, "no task in two rounds");
+        // Two tasks for three rounds: the third round has none left, and none repeats.
+        let two = &train[..2];
+        assert_eq!(round_tasks(two, 3, 1).unwrap(), ["t0"]);
+        assert_eq!(round_tasks(two, 3, 2).unwrap(), ["t1"]);
+        assert_eq!(round_tasks(two, 3, 3), None);
+        assert_eq!(round_tasks(&[], 1, 1), None);
+    }
 }

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+use schemas::HarnessSpec;
 
 /// Repairs and regressions of one sibling relative to H0 on shared validation tasks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +45,36 @@ pub fn pool_repair_counts(m: &super::pool::PoolManifest) -> Option<Vec<RepairCou
         .map(|e| (e.id.clone(), e.validation_coverage.iter().cloned().collect()))
         .collect();
     Some(repair_counts(&tasks, &base, &siblings))
+}
+
+/// Each sibling's mechanisms and on which side they act: `policy-side` when every
+/// component changes what the policy itself writes (worked examples, prompt rules, skills,
+/// context, memory, tool views, warn / block_and_prompt hooks), else `harness-side` with
+/// the hooks that act in its place (`force_action`, `rewrite_action`). Markdown table.
+pub fn mechanism_table(specs: &[HarnessSpec]) -> String {
+    let mut md = String::from("| sibling | components | side |\n|---|---|---|\n");
+    for s in specs.iter().filter(|s| s.id != schemas::H0_ID) {
+        let mut parts: Vec<String> = Vec::new();
+        for (name, n) in [
+            ("examples", s.examples.len()),
+            ("prompt rules", s.prompt_rules.len()),
+            ("skills", s.skills.len()),
+            ("context", s.context.len()),
+            ("memory", s.memory.len()),
+            ("hooks", s.hooks.len()),
+        ] {
+            if n > 0 {
+                parts.push(format!("{n} {name}"));
+            }
+        }
+        if s.tool_view.is_some() {
+            parts.push("tool view".into());
+        }
+        let forced = crate::harness::harness_side_hooks(s);
+        let side = if forced.is_empty() { "policy-side".to_string() } else { format!("harness-side (acts for the policy: {})", forced.join(", ")) };
+        md.push_str(&format!("| {} | {} | {} |\n", s.id, if parts.is_empty() { "none".into() } else { parts.join(", ") }, side));
+    }
+    md
 }
 
 /// Figure 1a and 5 as a Markdown table: repaired and regressed tasks per sibling (with
@@ -212,6 +243,19 @@ pub fn plot_overlap(counts: &[RepairCount], file: &Path) -> Result<(), PlotError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mechanism_table_marks_policy_side_and_harness_side_siblings() {
+        let spec = |v: serde_json::Value| -> HarnessSpec { serde_json::from_value(v).unwrap() };
+        let example = spec(serde_json::json!({"id": "s1", "parent": "h0", "examples": [{"name": "e", "turns": [{"role": "user", "text": "q"}, {"role": "assistant", "text": "a"}]}],
+            "hooks": [{"id": "w", "event": "before_decision", "condition": "text_only_reply", "action": "warn", "message": "Commit."}]}));
+        let forced = spec(serde_json::json!({"id": "s2", "parent": "h0", "hooks": [{"id": "commit-stated", "event": "before_decision", "condition": "text_only_reply",
+            "action": "force_action", "message": "", "parameters": {"tool": "commit_final_answer", "args": {"answers": ["1"]}}}]}));
+        let t = mechanism_table(&[HarnessSpec::h0(), example, forced]);
+        assert!(t.contains("| s1 | 1 examples, 1 hooks | policy-side |"), "{t}");
+        assert!(t.contains("| s2 | 1 hooks | harness-side (acts for the policy: commit-stated) |"), "{t}");
+        assert!(!t.contains("| h0 |"), "{t}");
+    }
 
     fn set(v: &[&str]) -> BTreeSet<String> {
         v.iter().map(|s| s.to_string()).collect()

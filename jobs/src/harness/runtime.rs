@@ -665,7 +665,9 @@ mod tests {
 
     fn spec(hooks: Value) -> HarnessSpec {
         let v = json!({"id": "s1", "parent": "h0", "hooks": hooks});
-        super::super::validate::spec_from_value("test", &v, &Default::default()).expect("valid test spec")
+        // Hooks that act for the policy are what these tests exercise.
+        let opts = super::super::ValidateOptions { harness_actions: true, ..Default::default() };
+        super::super::validate::spec_from_value("test", &v, &opts).expect("valid test spec")
     }
 
     fn session(hooks: Value) -> Session {
@@ -859,7 +861,8 @@ mod tests {
             let params = if action == "rewrite_action" { json!({"tool": "execute_sql"}) } else { json!({}) };
             let v = json!({"id": "x", "hooks": [{"event": event, "condition": "always", "action": action, "message": "m",
                 "parameters": params}]});
-            let problems = super::super::validate::validate_value(&v, &Default::default());
+            let opts = super::super::ValidateOptions { harness_actions: true, ..Default::default() };
+            let problems = super::super::validate::validate_value(&v, &opts);
             assert_eq!(problems.len(), 1, "{event} × {action}: {problems:?}");
             assert!(problems[0].message.contains("only at before_action"));
         }

@@ -54,6 +54,23 @@ pub struct ValidateOptions {
     /// Tool names the target environment offers; when given, tool views and hook actions
     /// must name one of them.
     pub tools: Option<Vec<String>>,
+    /// Hooks may act in the policy's place (`force_action`, `rewrite_action`). The
+    /// environment opts in (`[environment] harness_actions = true`); off, such hooks are
+    /// refused: what a harness does in the policy's place is not the policy's behaviour,
+    /// and its tokens are never trained on.
+    pub harness_actions: bool,
+}
+
+/// Ids of a spec's hooks that act in the policy's place (`force_action`, `rewrite_action`):
+/// its harness-side mechanisms. A spec without any repairs only through the policy's own
+/// output (examples, prompt rules, skills, hints, blocking).
+pub fn harness_side_hooks(spec: &schemas::HarnessSpec) -> Vec<String> {
+    spec.hooks
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| matches!(h.action, schemas::HookAction::ForceAction | schemas::HookAction::RewriteAction))
+        .map(|(i, h)| h.id.clone().unwrap_or_else(|| format!("hooks[{i}]")))
+        .collect()
 }
 
 /// Parses and validates a spec text; `file` names it in errors.
@@ -681,6 +698,15 @@ impl Validator<'_> {
             }
         }
         let mediates = matches!(action, Some("rewrite_action" | "force_action"));
+        if mediates && !self.opts.harness_actions {
+            self.problem(
+                join(path, "action"),
+                format!(
+                    "`{}` acts in the policy's place, which this environment does not allow by default: repair through the policy's own output (examples, prompt rules, skills, warn hooks, block_and_prompt), or opt in with [environment] harness_actions = true (`--harness-actions` on the command line)",
+                    action.unwrap_or_default()
+                ),
+            );
+        }
         if mediates {
             allowed.insert("tool", "action");
             allowed.insert("args", "action");
@@ -769,8 +795,23 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// Problems under options that allow harness actions (their own test refuses them).
     fn problems(v: Value) -> Vec<String> {
-        validate_value(&v, &ValidateOptions::default()).iter().map(|p| p.to_string()).collect()
+        validate_value(&v, &ValidateOptions { harness_actions: true, ..Default::default() }).iter().map(|p| p.to_string()).collect()
+    }
+
+    #[test]
+    fn harness_actions_are_refused_unless_the_environment_opts_in() {
+        let spec = json!({"id": "s1", "parent": "h0", "hooks": [
+            {"id": "f", "event": "before_decision", "condition": "text_only_reply", "action": "force_action",
+             "parameters": {"tool": "commit_final_answer", "args": {"answers": ["1"]}}},
+            {"id": "r", "event": "before_action", "condition": "always", "action": "rewrite_action", "parameters": {"args": {"query": "SELECT 1"}}},
+            {"id": "w", "event": "before_decision", "condition": "text_only_reply", "action": "warn", "message": "Commit the answer."}]});
+        let refused: Vec<String> = validate_value(&spec, &ValidateOptions::default()).iter().map(|p| p.to_string()).collect();
+        assert_eq!(refused.len(), 2, "{refused:?}");
+        assert!(refused[0].starts_with("hooks[0].action:") && refused[0].contains("`force_action` acts in the policy's place"), "{refused:?}");
+        assert!(refused[1].starts_with("hooks[1].action:") && refused[1].contains("harness_actions = true"), "{refused:?}");
+        assert!(problems(spec).is_empty());
     }
 
     #[test]
@@ -842,7 +883,7 @@ mod tests {
             ]
         });
         assert_eq!(problems(spec.clone()), Vec::<String>::new());
-        let parsed = spec_from_value("x.json", &spec, &ValidateOptions::default()).unwrap();
+        let parsed = spec_from_value("x.json", &spec, &ValidateOptions { harness_actions: true, ..Default::default() }).unwrap();
         assert_eq!(parsed.hooks.len(), 3);
     }
 
@@ -939,7 +980,7 @@ mod tests {
 
     #[test]
     fn tools_are_checked_when_the_environment_is_known() {
-        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]) };
+        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true };
         let spec = json!({
             "id": "x",
             "tool_view": {"tools": [{"name": "run_python"}]},
@@ -966,7 +1007,7 @@ mod tests {
     #[test]
     fn the_example_pools_validate_against_dbbench_tools() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]) };
+        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true };
         let load = |folder: &str| -> Vec<HarnessSpec> {
             let mut specs: Vec<HarnessSpec> = std::fs::read_dir(root.join(folder))
                 .unwrap()
@@ -1001,7 +1042,7 @@ mod tests {
 
     #[test]
     fn hiding_every_offered_tool_is_a_problem() {
-        let opts = ValidateOptions { tools: Some(vec!["a".into(), "b".into()]) };
+        let opts = ValidateOptions { tools: Some(vec!["a".into(), "b".into()]), harness_actions: true };
         let spec = json!({"id": "x", "tool_view": {"tools": [{"name": "a", "shown": false}, {"name": "b", "shown": false}]}});
         let got: Vec<String> = validate_value(&spec, &opts).iter().map(|p| p.to_string()).collect();
         assert_eq!(got, vec!["tool_view.tools: hides every tool the environment offers; the policy could not act".to_string()]);

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::env::{ToolCall, ToolSpec};
 use schemas::{ErrorClass, Role};
 
+pub mod metered;
 pub mod openai;
 pub mod text_protocol;
 pub mod weight_sync;

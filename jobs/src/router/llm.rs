@@ -139,10 +139,15 @@ impl Voter for LlmVoter {
         let messages = [Message::new(Role::System, SYSTEM), Message::new(Role::User, prompt(req, self.max_profile_entries))];
         let sampling = SamplingParams { seed: Some(req.seed), ..self.sampling.clone() };
         match self.policy.chat(&messages, &[], &sampling).await {
-            Ok(out) => RawBallot { voter: self.name(), ranking: parse_ranking(&out.text), raw: Some(out.text) },
+            Ok(out) => RawBallot {
+                voter: self.name(),
+                ranking: parse_ranking(&out.text),
+                usage: schemas::LlmUsage::call(out.prompt_tokens.into(), out.completion_tokens.into()),
+                raw: Some(out.text),
+            },
             Err(e) => {
                 tracing::warn!(voter = %self.name(), error = %e, "voter call failed; its ballot is discarded");
-                RawBallot { voter: self.name(), ranking: Err(format!("voter call failed: {e}")), raw: None }
+                RawBallot { voter: self.name(), ranking: Err(format!("voter call failed: {e}")), raw: None, usage: Default::default() }
             }
         }
     }

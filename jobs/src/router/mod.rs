@@ -339,7 +339,7 @@ impl Router {
             };
             let ranked = rule.ranked(&vr);
             let ranking = ranked.iter().map(|(h, _)| h.clone()).collect();
-            let ballot = schemas::Ballot { voter: rule.name(), ranking, valid: true, invalid_reason: None, raw: None };
+            let ballot = schemas::Ballot { voter: rule.name(), ranking, valid: true, invalid_reason: None, raw: None, prompt_tokens: 0, completion_tokens: 0 };
             (vec![ballot], ranked)
         } else {
             // `Router::new` allows no voters only when the rule voter was chosen.
@@ -593,7 +593,7 @@ mod tests {
             "llm:broken".into()
         }
         async fn vote(&self, req: &VoteRequest<'_>) -> RawBallot {
-            RawBallot { voter: self.name(), ranking: Ok(vec![req.candidates[0].clone(); 4]), raw: Some("dup".into()) }
+            RawBallot { voter: self.name(), ranking: Ok(vec![req.candidates[0].clone(); 4]), raw: Some("dup".into()), usage: Default::default() }
         }
     }
 

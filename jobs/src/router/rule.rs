@@ -83,6 +83,6 @@ impl Voter for RuleVoter {
 
     async fn vote(&self, req: &VoteRequest<'_>) -> RawBallot {
         let ranking: Vec<String> = self.ranked(req).into_iter().take(req.ballot_len).map(|(c, _)| c).collect();
-        RawBallot { voter: self.name(), ranking: Ok(ranking), raw: None }
+        RawBallot { voter: self.name(), ranking: Ok(ranking), raw: None, usage: Default::default() }
     }
 }

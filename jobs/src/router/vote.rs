@@ -43,6 +43,8 @@ pub struct RawBallot {
     pub ranking: Result<Vec<String>, String>,
     /// The voter's raw output, kept for audit.
     pub raw: Option<String>,
+    /// What the voter's call spent (zero for the rule voter).
+    pub usage: schemas::LlmUsage,
 }
 
 /// Validates a raw ballot against the candidates offered (Appendix C): exactly
@@ -76,6 +78,8 @@ pub fn validate_ballot(raw: RawBallot, candidates: &[String]) -> Ballot {
         valid: reason.is_none(),
         invalid_reason: reason,
         raw: raw.raw,
+        prompt_tokens: raw.usage.prompt_tokens,
+        completion_tokens: raw.usage.completion_tokens,
     }
 }
 
@@ -175,7 +179,7 @@ mod tests {
     }
 
     fn ballot(voter: &str, ranking: &[&str], candidates: &[String]) -> Ballot {
-        validate_ballot(RawBallot { voter: voter.into(), ranking: Ok(ids(ranking)), raw: None }, candidates)
+        validate_ballot(RawBallot { voter: voter.into(), ranking: Ok(ids(ranking)), raw: None, usage: Default::default() }, candidates)
     }
 
     fn pool() -> Vec<String> {
@@ -255,7 +259,7 @@ mod tests {
         let long = ballot("l", &["h1", "h2", "h3", "h4", "h0"], &c);
         assert!(long.invalid_reason.as_deref().unwrap().contains("exactly 4"));
         let unparsable = validate_ballot(
-            RawBallot { voter: "p".into(), ranking: Err("unparsable: expected `{`".into()), raw: Some("I like h1".into()) },
+            RawBallot { voter: "p".into(), ranking: Err("unparsable: expected `{`".into()), raw: Some("I like h1".into()), usage: Default::default() },
             &c,
         );
         assert_eq!((unparsable.valid, unparsable.raw.as_deref()), (false, Some("I like h1")));

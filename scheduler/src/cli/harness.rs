@@ -28,6 +28,10 @@ pub struct ValidateArgs {
     /// and hook actions must use them. DBBench: execute_sql,commit_final_answer
     #[arg(long, value_delimiter = ',')]
     pub tools: Option<Vec<String>>,
+    /// Allow hooks that act in the policy's place (force_action, rewrite_action), as an
+    /// environment with `[environment] harness_actions = true` does.
+    #[arg(long)]
+    pub harness_actions: bool,
 }
 
 #[derive(Debug, Args)]
@@ -52,7 +56,7 @@ fn read_json(path: &Path) -> anyhow::Result<Value> {
 
 fn validate(args: ValidateArgs) -> anyhow::Result<u8> {
     let value = read_json(&args.file)?;
-    let problems = validate_value(&value, &ValidateOptions { tools: args.tools });
+    let problems = validate_value(&value, &ValidateOptions { tools: args.tools, harness_actions: args.harness_actions });
     let mut out = std::io::stdout().lock();
     if problems.is_empty() {
         let spec: HarnessSpec = serde_json::from_value(value)

@@ -22,7 +22,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 
 use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
-use jobs::harness::{parse_spec, Budgets, ValidateOptions};
+use jobs::harness::{parse_spec, Budgets};
 use jobs::policy::openai::{OpenAiConfig, OpenAiPolicy, ToolProtocol};
 use jobs::policy::SamplingParams;
 use jobs::rollout::{self, RolloutContext, RolloutInput, RolloutSummary};
@@ -38,6 +38,10 @@ pub struct RolloutArgs {
     /// Harness spec (JSON), or `h0` for the base harness.
     #[arg(long, value_name = "FILE|h0", default_value = "h0")]
     pub harness: String,
+    /// Allow the harness's hooks to act in the policy's place (force_action,
+    /// rewrite_action); refused otherwise, as in a run without `[environment] harness_actions`.
+    #[arg(long)]
+    pub harness_actions: bool,
     /// Base URL of the OpenAI-compatible server, with its API prefix: http://127.0.0.1:18080/v1
     #[arg(long, value_name = "URL", required_unless_present = "native", conflicts_with = "native")]
     pub policy: Option<String>,
@@ -147,7 +151,7 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
     }
 
     // Harness, environment, policy, store.
-    let harness = load_harness(&args.harness)?;
+    let harness = load_harness(&args.harness, args.harness_actions)?;
     let mut env_config = DbBenchConfig::from_engine_name(&args.engine, args.db_url.as_deref())?;
     if let Some(rounds) = args.max_rounds {
         env_config = env_config.with_max_rounds(rounds)?;
@@ -238,12 +242,12 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
     Ok(exit::OK)
 }
 
-fn load_harness(arg: &str) -> anyhow::Result<HarnessSpec> {
+fn load_harness(arg: &str, harness_actions: bool) -> anyhow::Result<HarnessSpec> {
     if arg == schemas::H0_ID {
         return Ok(HarnessSpec::h0());
     }
     let text = std::fs::read_to_string(arg).with_context(|| format!("--harness {arg}: cannot read the spec file (or pass `h0`)"))?;
-    Ok(parse_spec(arg, &text, &ValidateOptions { tools: Some(jobs::env::dbbench::tools().into_iter().map(|t| t.name).collect()) })?)
+    Ok(parse_spec(arg, &text, &jobs::env::dbbench::validate_options(harness_actions))?)
 }
 
 /// The summary table: success by task type, then episode totals.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use infra::store::ObjectStore;
+use jobs::policy::metered::Metered;
 use jobs::policy::Policy;
 use jobs::rollout::{RolloutContext, RolloutInput};
 use schemas::{JobEnvelope, JobKind};
@@ -16,6 +17,15 @@ use tokio::sync::Mutex;
 use worker::{Handler, JobContext, JobFailure, JobOutput, Registry};
 
 use super::inputs::RunInputs;
+
+/// What the LLM components of a job spent, by component (`policy`, `profiler`,
+/// `diagnoser`, `editor`): the `llm_usage` of its done-marker's result, Table 9's costs.
+pub type LlmSpend = std::collections::BTreeMap<String, schemas::LlmUsage>;
+
+/// The `llm_usage` a done-marker's result reports (empty for older markers).
+pub fn spend_of(result: &serde_json::Value) -> LlmSpend {
+    result.get("llm_usage").and_then(|v| serde_json::from_value(v.clone()).ok()).unwrap_or_default()
+}
 
 /// Payload of every rollout-shaped job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -194,18 +204,20 @@ impl Handler for ReanchorHandler {
         let policy = self.shared.policy(store, &inputs, payload.checkpoint_step).await?;
         let envs = inputs.env_factory(schemas::Split::Validation).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
         let profiler = inputs.spec().router.profiler.as_ref().map(|e| text_model(e, "router.profiler")).transpose()?;
+        let profiler = profiler.as_deref().map(Metered::new);
         let rctx = jobs::reanchor::ReanchorContext {
             store,
             policy: policy.as_ref(),
             envs: &envs,
-            profiler: profiler.as_deref(),
+            profiler: profiler.as_ref().map(|p| p as &dyn jobs::policy::Policy),
             profiler_config: Default::default(),
             job_id: &job.job_id,
             delivery_attempt: job.attempt,
         };
         let out = jobs::reanchor::run(&rctx, &payload.input).await.map_err(|e| failure(e.is_retryable(), e))?;
         let outputs = if out.already_done { vec![] } else { vec![out.manifest.profile_part.clone()] };
-        Ok(JobOutput { outputs, result: serde_json::json!({ "calibration_id": out.manifest.calibration_id }), committed: true })
+        let usage = LlmSpend::from([("profiler".to_string(), profiler.as_ref().map(Metered::usage).unwrap_or_default())]);
+        Ok(JobOutput { outputs, result: serde_json::json!({ "calibration_id": out.manifest.calibration_id, "llm_usage": usage }), committed: true })
     }
 }
 
@@ -231,14 +243,17 @@ impl Handler for EvolveHandler {
         let envs = inputs
             .env_factory_over(&[schemas::Split::Train, schemas::Split::Validation])
             .map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
+        let policy = Metered::new(policy.as_ref());
         let llm = settings.llm.as_ref().map(|e| text_model(e, "evolution.llm")).transpose()?;
+        // Diagnoser and editor may share one endpoint; each counts its own calls.
+        let (diagnoser_llm, editor_llm) = (llm.as_deref().map(Metered::new), llm.as_deref().map(Metered::new));
         // Appendix F: the diagnoser and editor answer deterministically.
         let greedy = jobs::policy::SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![] };
         let missing = || JobFailure::Fatal("evolution.llm is required for an LLM diagnoser or editor".into());
         let rule = jobs::evolve::RuleDiagnoser;
         let llm_diagnoser;
         let diagnoser: &dyn jobs::evolve::Diagnoser = if settings.diagnoser == "llm" {
-            llm_diagnoser = jobs::evolve::LlmDiagnoser { policy: llm.as_deref().ok_or_else(missing)?, sampling: greedy.clone() };
+            llm_diagnoser = jobs::evolve::LlmDiagnoser { policy: diagnoser_llm.as_ref().ok_or_else(missing)?, sampling: greedy.clone() };
             &llm_diagnoser
         } else {
             &rule
@@ -246,24 +261,28 @@ impl Handler for EvolveHandler {
         let template = jobs::evolve::TemplateEditor::default();
         let llm_editor;
         let editor: &dyn jobs::evolve::Editor = if settings.editor == "llm" {
-            llm_editor = jobs::evolve::LlmEditor { policy: llm.as_deref().ok_or_else(missing)?, sampling: greedy };
+            llm_editor = jobs::evolve::LlmEditor { policy: editor_llm.as_ref().ok_or_else(missing)?, sampling: greedy };
             &llm_editor
         } else {
             &template
         };
-        let validate = jobs::harness::ValidateOptions {
-            tools: Some(jobs::env::dbbench::tools().into_iter().map(|t| t.name).collect()),
-        };
-        let ectx = jobs::evolve::EvolveContext { store, policy: policy.as_ref(), envs: &envs, diagnoser, editor, validate };
+        let validate = inputs.spec().environment.validate_options();
+        let ectx = jobs::evolve::EvolveContext { store, policy: &policy, envs: &envs, diagnoser, editor, validate };
         let out = jobs::evolve::run(&ectx, &payload.input).await.map_err(|e| match &e {
             jobs::evolve::EvolveError::InvalidInput { .. } => JobFailure::Fatal(e.to_string()),
             // Rollout, store and endpoint trouble may pass; batches already done are kept.
             _ => JobFailure::Retryable(e.to_string()),
         })?;
         let members: Vec<&str> = out.manifest.members.iter().map(|m| m.id.as_str()).collect();
+        // What this delivery spent (a redelivered job counts only its own calls).
+        let usage = LlmSpend::from([
+            ("policy".to_string(), policy.usage()),
+            ("diagnoser".to_string(), diagnoser_llm.as_ref().map(Metered::usage).unwrap_or_default()),
+            ("editor".to_string(), editor_llm.as_ref().map(Metered::usage).unwrap_or_default()),
+        ]);
         Ok(JobOutput {
             outputs: vec![],
-            result: serde_json::json!({ "members": members, "rejected": out.manifest.rejected.len(), "rounds": out.rounds }),
+            result: serde_json::json!({ "members": members, "rejected": out.manifest.rejected.len(), "rounds": out.rounds, "stopped": out.stopped, "llm_usage": usage }),
             committed: false,
         })
     }

@@ -65,7 +65,7 @@ pub const SPLITS: [Split; 3] = [Split::Train, Split::Validation, Split::Test];
 
 /// Reads the pool folder: every `*.json` file must be a valid harness spec; all problems
 /// are reported together.
-pub fn read_pool(dir: &std::path::Path) -> anyhow::Result<Vec<HarnessSpec>> {
+pub fn read_pool(dir: &std::path::Path, opts: &jobs::harness::ValidateOptions) -> anyhow::Result<Vec<HarnessSpec>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read the pool folder {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -76,10 +76,7 @@ pub fn read_pool(dir: &std::path::Path) -> anyhow::Result<Vec<HarnessSpec>> {
     let mut problems = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(&f).with_context(|| format!("cannot read {}", f.display()))?;
-        let opts = jobs::harness::ValidateOptions {
-            tools: Some(jobs::env::dbbench::tools().into_iter().map(|t| t.name).collect()),
-        };
-        match jobs::harness::parse_spec(&f.display().to_string(), &text, &opts) {
+        match jobs::harness::parse_spec(&f.display().to_string(), &text, opts) {
             // H0 is implicit; a file describing it unedited is allowed and skipped.
             Ok(spec) if spec.id == schemas::H0_ID && is_unedited(&spec) => {}
             Ok(spec) => pool.push(spec),
@@ -127,7 +124,7 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
     let spec = &loaded.spec;
     let run_id = &loaded.run_id;
     let pool = match (&spec.pool.dir, &spec.pool.from_run) {
-        (Some(dir), _) => read_pool(&loaded.resolve(dir))?,
+        (Some(dir), _) => read_pool(&loaded.resolve(dir), &loaded.spec.environment.validate_options())?,
         (None, Some(from)) => evolved_pool(store, from).await?,
         (None, None) => vec![],
     };

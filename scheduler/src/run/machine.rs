@@ -57,6 +57,8 @@ pub struct Scheduler {
     pub store: Arc<dyn ObjectStore>,
     pub exec: Executor,
     pub inputs: Arc<RunInputs>,
+    /// Costs of the stage running now (Table 9), stored when it finishes.
+    pub cost: std::sync::Mutex<super::cost::StageCost>,
 }
 
 /// Seed of a (purpose, step, task, harness) unit, derived from the run seed.
@@ -136,7 +138,11 @@ impl Scheduler {
             }
             st.stage = stage.clone();
             state::save(self.store.as_ref(), st).await?;
+            *self.cost_mut() = Default::default();
+            let started = std::time::Instant::now();
             match self.run_stage(&stage, st).await {
+                // The report stage writes the report: its own few seconds are not in it.
+                Ok(()) if stage != "report" => self.write_cost(&stage, started.elapsed().as_secs_f64(), st).await?,
                 Ok(()) => {}
                 Err(e) => {
                     let cancelled = matches!(e.downcast_ref::<StageError>(), Some(StageError::Cancelled));
@@ -245,7 +251,13 @@ impl Scheduler {
         };
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "evolve", ..Default::default() });
         let payload = serde_json::to_value(super::handlers::EvolveJob { input })?;
-        self.exec.run(self.run_id(), "evolve", vec![self.envelope(id, JobKind::Evolve, payload)]).await?;
+        let markers = self.exec.run(self.run_id(), "evolve", vec![self.envelope(id, JobKind::Evolve, payload)]).await?;
+        for (component, usage) in super::handlers::spend_of(&markers[0].result) {
+            self.cost_mut().add_llm(&component, usage);
+        }
+        if let Some(why) = markers[0].result.get("stopped").and_then(|v| v.as_str()) {
+            tracing::warn!("evolution stopped early: {why}");
+        }
 
         let members = super::inputs::evolved_pool(self.store.as_ref(), self.run_id()).await?;
         super::check_pool_size(spec, members.len()).context("the evolved pool is too small for rescue")?;
@@ -340,6 +352,7 @@ impl Scheduler {
                 rows.extend(read_records::<Trajectory>(self.store.as_ref(), &key).await?);
             }
         }
+        self.cost_mut().add_rows(&rows);
         self.charge(&rows, st)?;
         Ok(rows)
     }
@@ -390,7 +403,27 @@ impl Scheduler {
         Ok(())
     }
 
+    fn cost_mut(&self) -> std::sync::MutexGuard<'_, super::cost::StageCost> {
+        self.cost.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stores what stage `label` cost (Table 9) as metrics of stage `cost:<kind>`: the wall
+    /// time of the drive that finished it, and what [`Scheduler::cost`] collected.
+    async fn write_cost(&self, label: &str, wall_seconds: f64, st: &RunState) -> anyhow::Result<()> {
+        let values = self.cost_mut().metrics(wall_seconds);
+        let refs: Vec<(&str, f64)> = values.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+        let stage = format!("{}{}", super::cost::STAGE_PREFIX, super::cost::stage_kind(label));
+        let step = super::cost::stage_step(label, st.step);
+        self.write_metric_part(step, &stage, &format!("cost:{label}"), &refs, st).await
+    }
+
     async fn write_metrics(&self, step: u32, stage: &str, values: &[(&str, f64)], st: &RunState) -> anyhow::Result<()> {
+        self.write_metric_part(step, stage, stage, values, st).await
+    }
+
+    /// Writes metric rows of `stage` at `step` as one part named by `part` (parts with the
+    /// same part and step replace each other: a re-run stage rewrites its own).
+    async fn write_metric_part(&self, step: u32, stage: &str, part: &str, values: &[(&str, f64)], st: &RunState) -> anyhow::Result<()> {
         let now = schemas::now_unix_ms();
         let rows: Vec<MetricRow> = values
             .iter()
@@ -404,7 +437,7 @@ impl Scheduler {
                 recorded_at_ms: now,
             })
             .collect();
-        let id = job_id(&JobIdParts { run_id: self.run_id(), stage, step, ..Default::default() });
+        let id = job_id(&JobIdParts { run_id: self.run_id(), stage: part, step, ..Default::default() });
         write_records(self.store.as_ref(), &keys::metrics_part(self.run_id(), step, &id), &rows).await?;
         Ok(())
     }
@@ -476,6 +509,7 @@ impl Scheduler {
             // Which harness H_best is: its id as the metric's name.
             self.write_metrics(step, "evaluation:h_best", &[(h.as_str(), *validation)], st).await?;
         }
+        self.cost_mut().add_decisions(&decisions);
         if !decisions.is_empty() {
             let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "evaluation:routing", step, ..Default::default() });
             jobs::router::write_decisions(self.store.as_ref(), self.run_id(), step, &id, &decisions).await?;
@@ -565,7 +599,10 @@ impl Scheduler {
         };
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "reanchor", step, task_id: &calibration_id, ..Default::default() });
         let payload = serde_json::to_value(ReanchorJob { input, checkpoint_step: st.latest_checkpoint })?;
-        self.exec.run(self.run_id(), stage, vec![self.envelope(id, JobKind::Reanchor, payload)]).await?;
+        let markers = self.exec.run(self.run_id(), stage, vec![self.envelope(id, JobKind::Reanchor, payload)]).await?;
+        for (component, usage) in super::handlers::spend_of(&markers[0].result) {
+            self.cost_mut().add_llm(&component, usage);
+        }
 
         let ev = self.load_evidence(Some(&calibration_id)).await?;
         let success = ev.validation_success();
@@ -689,6 +726,7 @@ impl Scheduler {
                 _ => unreachable!("rescue fires only for the h0 and router strategies"),
             }
         }
+        self.cost_mut().add_decisions(&decisions);
         if !decisions.is_empty() {
             let id = job_id(&JobIdParts { run_id: self.run_id(), stage: &stage, step: u, ..Default::default() });
             jobs::router::write_decisions(self.store.as_ref(), self.run_id(), u, &id, &decisions).await?;
@@ -813,6 +851,7 @@ impl Scheduler {
         let markers = self.exec.run(self.run_id(), &format!("update:{u}:learn"), vec![job]).await?;
         let out: native::learn::LearnOutput = serde_json::from_value(markers[0].result.clone()).context("reading the learn job's result")?;
         let m = &out.metrics;
+        self.cost_mut().learner_forward_tokens += m.forward_tokens;
         // A step that trained nothing has no loss, gradient or mismatch to report: only
         // that it trained nothing (the report shows "–" there, not a measured zero).
         let mut values = vec![("policy_tokens_trained", m.policy_tokens as f64), ("tasks", m.tasks as f64), ("trained", if out.trained { 1.0 } else { 0.0 })];

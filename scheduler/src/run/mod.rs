@@ -3,6 +3,7 @@
 //! embedded (in-process memory queue and workers) and distributed (a queue URL, worker
 //! processes elsewhere).
 
+pub mod cost;
 pub mod executor;
 pub mod handlers;
 pub mod inputs;
@@ -93,7 +94,7 @@ pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &
         // Inputs are read again after evolution wrote the run's pool.
         let inputs = Arc::new(inputs::RunInputs::load(store.as_ref(), run_id).await?);
         let exec = Executor { store: store.clone(), queue: queue.clone(), poll, bars };
-        let sched = Scheduler { store: store.clone(), exec, inputs };
+        let sched = Scheduler { store: store.clone(), exec, inputs, cost: Default::default() };
         match sched.drive(&mut st).await? {
             Drive::Finished(f) => return Ok(f),
             Drive::PoolChanged => continue,

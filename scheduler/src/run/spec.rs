@@ -114,6 +114,18 @@ pub struct EnvironmentSection {
     pub db_url: Option<String>,
     /// Environment actions per episode.
     pub max_rounds: Option<u32>,
+    /// Let harness hooks act in the policy's place (`force_action` commits, `rewrite_action`
+    /// SQL rewrites). Off by default: siblings then repair through the policy's own output,
+    /// which is what training keeps.
+    #[serde(default)]
+    pub harness_actions: bool,
+}
+
+impl EnvironmentSection {
+    /// How this environment validates harness specs (pool members, evolved siblings).
+    pub fn validate_options(&self) -> jobs::harness::ValidateOptions {
+        jobs::env::dbbench::validate_options(self.harness_actions)
+    }
 }
 
 fn default_engine() -> String {
@@ -401,11 +413,14 @@ pub struct EvaluationSection {
     /// Besides H0, evaluate the router's Rank-1 .. Rank-`ranks` harness of every test task
     /// (Eq. 12; 3 gives Table 5). 0: H0 only. Default: 1 with a pool, else 0.
     pub ranks: Option<u32>,
+    /// The report's training stages (Table 2 layout) are this many updates each. Default:
+    /// the run in thirds (early, mid, late).
+    pub stage_updates: Option<u32>,
 }
 
 impl Default for EvaluationSection {
     fn default() -> Self {
-        EvaluationSection { k: default_eval_k(), baseline: true, ranks: None }
+        EvaluationSection { k: default_eval_k(), baseline: true, ranks: None, stage_updates: None }
     }
 }
 
@@ -766,7 +781,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         } else {
             // the pool's harness specs, checked now rather than when the run is submitted
             let mut ids: Vec<String> = vec!["h0".into()];
-            match super::inputs::read_pool(&full) {
+            match super::inputs::read_pool(&full, &spec.environment.validate_options()) {
                 Ok(pool) => ids.extend(pool.into_iter().map(|h| h.id)),
                 Err(e) => bad("pool.dir", shorten(&format!("{e:#}"), 2_000)),
             }
@@ -835,6 +850,9 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     }
     if spec.evaluation.ranks.is_some_and(|r| r > 0) && !spec.has_pool() {
         bad("evaluation.ranks", "routing test tasks needs a pool; set ranks = 0 or give [pool] dir".into());
+    }
+    if spec.evaluation.stage_updates == Some(0) {
+        bad("evaluation.stage_updates", "must be at least 1 update per stage (leave it out for early/mid/late thirds)".into());
     }
     if spec.evaluation.k == 0 {
         bad("evaluation.k", "must be at least 1".into());
@@ -911,6 +929,7 @@ rescue = "h0"
             (format!("{GOOD}[budgets]\nepisode_context_tokens = 0\n"), "budgets.episode_context_tokens"),
             (format!("{GOOD}[budgets]\nmax_rollouts = 0\n"), "budgets.max_rollouts"),
             (format!("{GOOD}[evaluation]\nranks = 1000\n"), "evaluation.ranks"),
+            (format!("{GOOD}[evaluation]\nstage_updates = 0\n"), "evaluation.stage_updates"),
             (format!("{GOOD}[router]\nvariant = \"topk_fixed\"\n"), "router.voters"),
             (format!("{GOOD}[router]\nvariant = \"rule\"\nrule_voter = true\n"), "router.rule_voter"),
             (format!("{GOOD}[router]\nvariant = \"topk_adaptive\"\nrule_voter = true\nvoters = [{{ base_url = \"http://127.0.0.1:1/v1\", model = \"m\" }}]\n"), "router.rule_voter"),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use harness_s_tests::{openai_model, openai_url, unique};
 use infra::store::{LocalStore, ObjectStore};
 use jobs::env::dbbench::generate::{generate_jsonl, Difficulty, GenerateOptions};
-use jobs::env::dbbench::{tools, DbBenchConfig, DbBenchFactory, TaskSet};
+use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
 use jobs::evolve::pool::{load_manifest, load_pool};
 use jobs::evolve::{self, EvolveContext, EvolveInput, EvolveSettings, LlmEditor, RuleDiagnoser};
 use jobs::harness::{check_spec, Budgets, ValidateOptions};
@@ -28,8 +28,9 @@ fn tasks(seed: u64, n: usize) -> (Arc<TaskSet>, Vec<String>) {
     (Arc::new(loaded.tasks), ids)
 }
 
+/// DBBench's validation as a run without `harness_actions` has it.
 fn validate() -> ValidateOptions {
-    ValidateOptions { tools: Some(tools().into_iter().map(|t| t.name).collect()) }
+    jobs::env::dbbench::validate_options(false)
 }
 
 /// Small settings so the run fits a few minutes on two cores: short episodes, one round.
@@ -53,8 +54,9 @@ async fn llm_editor_output_is_validated_and_invalid_edits_never_enter_the_pool()
     let (set, ids) = tasks(33, 3);
     let factory = DbBenchFactory { tasks: set, config: DbBenchConfig::sqlite().with_max_rounds(2).unwrap() };
     let policy = policy();
+    let editor_llm = jobs::policy::metered::Metered::new(&policy);
     let editor = LlmEditor {
-        policy: &policy,
+        policy: &editor_llm,
         sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 200, seed: Some(42), stop: vec![] },
     };
     let ctx = EvolveContext { store: &store, policy: &policy, envs: &factory, diagnoser: &RuleDiagnoser, editor: &editor, validate: validate() };
@@ -72,6 +74,9 @@ async fn llm_editor_output_is_validated_and_invalid_edits_never_enter_the_pool()
     assert_eq!(m, out.manifest);
     let proposals: usize = out.rounds.iter().map(|r| r.proposals).sum();
     assert!(proposals >= 1, "no candidate was proposed: {:?}", out.rounds);
+    // What the editor spent, as the endpoint counted it (Table 9's editor column).
+    let spent = editor_llm.usage();
+    assert!(spent.calls >= 1 && spent.prompt_tokens > 0 && spent.completion_tokens > 0, "{spent:?}");
     assert_eq!(m.rejected.len() + m.members.len() - 1, proposals, "every proposal is either a member or rejected");
     for r in &m.rejected {
         assert!(m.member(&r.id).is_none(), "rejected `{}` is in the pool", r.id);
@@ -193,10 +198,23 @@ async fn a_run_evolves_its_pool_and_a_training_run_rescues_with_it() {
     for c in &counts {
         assert!(report.contains(&format!("| {} | {} |", c.sibling, c.repaired.len())), "{report}");
     }
+    // Without `[environment] harness_actions` every sibling repairs through the policy's
+    // own output, and the report says so for each.
+    for h in &siblings {
+        assert!(jobs::harness::harness_side_hooks(h).is_empty(), "{h:?}");
+        assert!(report.contains(&format!("| {} | ", h.id)) && report.contains("| policy-side |"), "{report}");
+    }
     for png in ["repairs.png", "overlap.png"] {
         let bytes = store.get(&format!("runs/evolve-pool/reports/{png}")).await.unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
     }
+    // Table 9: the evolve job meters the policy it evolves with; the rule diagnoser and
+    // template editor spend no LLM tokens.
+    let metrics: Vec<schemas::MetricRow> = infra::table::read_prefix(store.as_ref(), "runs/evolve-pool/metrics/").await.unwrap();
+    let evolve_cost = |name: &str| metrics.iter().find(|m| m.stage == "cost:evolve" && m.name == name).map(|m| m.value);
+    assert!(evolve_cost("policy_completion_tokens").is_some_and(|v| v > 0.0) && evolve_cost("policy_calls").is_some_and(|v| v > 0.0), "{metrics:?}");
+    assert!(evolve_cost("wall_seconds").is_some_and(|v| v > 0.0));
+    assert_eq!((evolve_cost("diagnoser_calls"), evolve_cost("editor_calls")), (None, None));
 
     let run_json: serde_json::Value = serde_json::from_slice(&store.get("runs/evolve-pool/inputs/run.json").await.unwrap()).unwrap();
     let pool: Vec<&str> = run_json["pool"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();

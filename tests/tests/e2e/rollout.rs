@@ -45,18 +45,10 @@ fn text(out: &Output) -> String {
     format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
-/// Runs a DuckDB query over every Parquet file under `dir`; returns the rows as JSON values.
+/// Runs a DuckDB query over every Parquet file under `dir` (`TRAJ` in `select`).
 fn duckdb(dir: &Path, select: &str) -> Vec<serde_json::Value> {
     let glob = format!("{}/**/*.parquet", dir.display());
-    let sql = select.replace("TRAJ", &format!("read_parquet('{glob}')"));
-    let script = "import duckdb, json, sys\n\
-                  con = duckdb.connect()\n\
-                  cur = con.execute(sys.argv[1])\n\
-                  cols = [d[0] for d in cur.description]\n\
-                  print(json.dumps([dict(zip(cols, r)) for r in cur.fetchall()], default=str))";
-    let out = std::process::Command::new("python3").args(["-c", script, &sql]).output().expect("python3 runs");
-    assert!(out.status.success(), "DuckDB query failed (pip install duckdb):\n{sql}\n{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).expect("DuckDB printed JSON")
+    harness_s_tests::duckdb(&select.replace("TRAJ", &format!("read_parquet('{glob}')")))
 }
 
 #[tokio::test]

@@ -104,6 +104,25 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
             assert_eq!(g.retained_kind, RetainedKind::Base);
         }
     }
+    // The README's joined view: every row of a retained group gets its GRPO advantage
+    // from the group rows (trajectory rows are written before their group is formed).
+    let root = dir.path().join("store/runs/e2e-embedded");
+    let joined = harness_s_tests::duckdb(&format!(
+        "WITH g AS (SELECT retained, retained_kind, unnest(trajectory_ids) AS trajectory_id, unnest(advantages) AS advantage \
+                    FROM read_parquet('{root}/groups/**/*.parquet')) \
+         SELECT t.trajectory_id, t.task_id, t.kind, t.reward, g.advantage, g.retained_kind \
+         FROM read_parquet('{root}/trajectories/**/*.parquet', hive_partitioning = true) t \
+         JOIN g USING (trajectory_id) WHERE g.retained ORDER BY t.trajectory_id",
+        root = root.display()
+    ));
+    let retained: Vec<&Group> = groups.iter().filter(|g| g.retained).collect();
+    assert_eq!(joined.len(), retained.iter().map(|g| g.trajectory_ids.len()).sum::<usize>(), "{joined:?}");
+    for g in &retained {
+        let rows: Vec<&serde_json::Value> = joined.iter().filter(|r| r["task_id"] == g.task_id.as_str()).collect();
+        let sum: f64 = rows.iter().map(|r| r["advantage"].as_f64().unwrap()).sum();
+        assert!(sum.abs() < 1e-9, "GRPO advantages of a group sum to zero: {rows:?}");
+        assert!(rows.iter().all(|r| r["kind"] == if g.retained_kind == RetainedKind::Rescue { "rescue" } else { "base" }), "{rows:?}");
+    }
     let metrics: Vec<MetricRow> = read_prefix(store.as_ref(), "runs/e2e-embedded/metrics/").await.unwrap();
     let rescue_rate = metrics.iter().find(|m| m.name == "rescue_rate").expect("rescue_rate recorded").value;
     let fired = groups.iter().filter(|g| g.rescue_fired).count() as f64 / groups.len() as f64;
@@ -113,6 +132,17 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     }
     assert_trained(store.as_ref(), "e2e-embedded", 1).await;
     assert!(store.head("runs/e2e-embedded/reports/signals.png").await.unwrap().is_some());
+
+    // Table 9: every finished stage has its wall time; the policy's tokens equal the rows'.
+    let cost = |stage: &str, name: &str| metrics.iter().filter(|m| m.stage == stage && m.name == name).map(|m| m.value).sum::<f64>();
+    for stage in ["baseline", "calibration", "base", "rescue", "groups", "learn", "evaluation"] {
+        assert!(metrics.iter().any(|m| m.stage == format!("cost:{stage}") && m.name == "wall_seconds"), "no wall time for {stage}");
+    }
+    let base_rows = rows.iter().filter(|r| r.kind == RolloutKind::Base);
+    assert_eq!(cost("cost:base", "policy_completion_tokens"), base_rows.clone().map(|r| r.completion_tokens as f64).sum::<f64>());
+    assert_eq!(cost("cost:base", "rollouts"), base_rows.count() as f64);
+    assert!(cost("cost:learn", "learner_forward_tokens") > 0.0, "the learner's tokens are counted");
+    assert_eq!(cost("cost:rescue", "voter_calls"), 0.0, "the rule router spends no LLM tokens");
 
     // H_best (Table 7): the pool member with the best validation success at the final
     // calibration, evaluated on every test task with H0's seeds, named in the report.
@@ -129,6 +159,7 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     }
     let report = String::from_utf8(store.get("runs/e2e-embedded/reports/report.md").await.unwrap().to_vec()).unwrap();
     assert!(report.contains(&format!("under H_best = `{}`", h_best.name)), "{report}");
+    assert!(report.contains("## Cost (Table 9 layout)") && report.contains("| learn |"), "{report}");
     assert!(out.contains("H_best = "), "{out}");
 
     // Re-anchoring: one calibration per checkpoint, each naming the checkpoint it froze;

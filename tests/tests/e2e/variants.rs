@@ -161,5 +161,21 @@ async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_su
             assert!(entries.iter().all(|e| e.harness_id != "h0"), "profiles describe siblings against H0");
         }
         assert!(store.head(&format!("runs/{id}/reports/report.md")).await.unwrap().is_some(), "{variant}: report written");
+
+        // Table 9: the voters' tokens come from their ballots, the profiler's from the
+        // re-anchoring jobs, both as the llama.cpp server counted them.
+        let cost = |stage: &str, name: &str| -> f64 { metrics.iter().filter(|m| m.stage == stage && m.name == name).map(|m| m.value).sum() };
+        let ballots: Vec<&schemas::Ballot> = decisions.iter().flat_map(|d| &d.ballots).filter(|b| b.voter.starts_with("llm:")).collect();
+        let voter_prompt = cost("cost:rescue", "voter_prompt_tokens") + cost("cost:evaluation", "voter_prompt_tokens");
+        assert_eq!(voter_prompt, ballots.iter().map(|b| b.prompt_tokens as f64).sum::<f64>(), "{variant}");
+        if variant.starts_with("llm") || variant.starts_with("topk") {
+            assert!(voter_prompt > 0.0 && ballots.iter().all(|b| b.prompt_tokens > 0), "{variant}: every LLM ballot counts its prompt: {ballots:?}");
+            assert!(cost("cost:rescue", "voter_calls") >= 1.0, "{variant}");
+        } else {
+            assert_eq!(voter_prompt, 0.0, "{variant}: no LLM voter, no voter tokens");
+        }
+        let profiler = cost("cost:calibration", "profiler_prompt_tokens");
+        assert_eq!(profiler > 0.0, variant == "topk_adaptive", "{variant}: only the run with an LLM profiler spends profiler tokens ({profiler})");
+        assert!(cost("cost:base", "policy_completion_tokens") > 0.0 && cost("cost:base", "wall_seconds") > 0.0, "{variant}");
     }
 }

@@ -257,8 +257,8 @@ mod staleness_tests {
             "trajectory_id": id, "run_id": "r", "job_id": "j", "step": 2, "kind": "rescue", "split": "train",
             "task_id": "t", "task_type": "counting", "group_id": "g", "attempt": 0, "harness_id": "h0",
             "harness_version": "v", "policy_checkpoint": "", "seed": 0, "reward": 0.0, "success": false,
-            "termination": "committed", "error_class": null, "error_message": null, "advantage": null,
-            "retained": true, "retained_reason": null, "prompt_tokens": 0, "completion_tokens": 0,
+            "termination": "committed", "error_class": null, "error_message": null,
+            "prompt_tokens": 0, "completion_tokens": 0,
             "harness_tokens": 0, "model_calls": 0, "env_actions": 0, "started_at_ms": 0, "duration_ms": 0,
             "policy_ms": 0, "env_ms": 0, "turns": [], "temperature": 1.0, "tool_view": ""
         }))

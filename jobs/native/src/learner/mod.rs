@@ -91,6 +91,9 @@ pub struct StepMetrics {
     pub tis_clipped_share: f64,
     /// Policy tokens that had a rollout logprob (the mismatch is measured over these).
     pub mismatch_tokens: u64,
+    /// Tokens the learner ran forward and backward (context and completion of every
+    /// sample it trained on, once per optimizer step): its cost in Table 9.
+    pub forward_tokens: u64,
     pub seconds: f64,
 }
 
@@ -110,6 +113,7 @@ impl StepMetrics {
             mismatch_max: f("mismatch_max"),
             tis_clipped_share: f("tis_clipped_share"),
             mismatch_tokens: f("mismatch_tokens") as u64,
+            forward_tokens: f("forward_tokens") as u64,
             seconds: f("seconds"),
         }
     }
@@ -127,6 +131,7 @@ impl StepMetrics {
             ("mismatch_max", self.mismatch_max),
             ("tis_clipped_share", self.tis_clipped_share),
             ("mismatch_tokens", self.mismatch_tokens as f64),
+            ("forward_tokens", self.forward_tokens as f64),
             ("seconds", self.seconds),
         ]
         .into_iter()
@@ -293,6 +298,8 @@ impl Learner {
         order.shuffle(&mut self.rng);
         let plan = self.plan(&order, samples);
         metrics.micro_batches = plan.len() as u64;
+        let per_pass: usize = order.iter().map(|&i| samples[i].context.len() + samples[i].completion.len()).sum();
+        metrics.forward_tokens = (per_pass * self.config.updates_per_batch.max(1)) as u64;
         let batches: Vec<MicroBatch> = plan.iter().map(|rows| self.tensors(rows, samples)).collect();
 
         // π_old is the pre-update policy. The first pass's forward runs with those very

@@ -157,6 +157,12 @@ fn unique_db_name(prefix: &str) -> String {
 }
 
 /// The tools, as AgentBench declares them.
+/// How harness specs are validated for DBBench: its tools, and whether hooks may act in the
+/// policy's place (`harness_actions`, off unless the run opts in).
+pub fn validate_options(harness_actions: bool) -> crate::harness::ValidateOptions {
+    crate::harness::ValidateOptions { tools: Some(tools().into_iter().map(|t| t.name).collect()), harness_actions }
+}
+
 pub fn tools() -> Vec<ToolSpec> {
     vec![
         ToolSpec {

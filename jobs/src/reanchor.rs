@@ -217,7 +217,9 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
     let mut entries: Vec<ProfileEntry> = Vec::new();
     let mut problems = Vec::new();
     let mut profilers = vec![crate::profile::stats::SOURCE.to_string()];
-    let llm = ctx.profiler.map(|p| LlmProfiler::new(p, ctx.profiler_config.clone()));
+    // Metered: the profiler's tokens are this job's cost (Table 9), in its marker's result.
+    let metered = ctx.profiler.map(crate::policy::metered::Metered::new);
+    let llm = metered.as_ref().map(|p| LlmProfiler::new(p, ctx.profiler_config.clone()));
     if let Some(l) = &llm {
         profilers.push(format!("llm:{}", l.label));
     }
@@ -272,7 +274,11 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
         kind: JobKind::Reanchor,
         attempt: ctx.delivery_attempt,
         outputs: vec![profile_part, manifest_entry],
-        result: serde_json::json!({ "calibration_id": input.calibration_id, "validation_success": summary }),
+        result: serde_json::json!({
+            "calibration_id": input.calibration_id,
+            "validation_success": summary,
+            "llm_usage": { "profiler": metered.as_ref().map(|m| m.usage()).unwrap_or_default() },
+        }),
         finished_at_ms: now_unix_ms(),
     };
     if ctx.store.put_if_absent(&marker_key, Bytes::from(encode_document(&marker))).await? == PutOutcome::AlreadyExists {

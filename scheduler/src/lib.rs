@@ -9,6 +9,7 @@ pub mod cli;
 pub mod compare;
 pub mod report;
 pub mod run;
+pub mod tensorboard;
 
 /// Process exit codes, so that CI and cron can tell outcomes apart.
 pub mod exit {

@@ -51,6 +51,9 @@ impl Series {
     }
 }
 
+/// Columns that count things (rollouts, tokens): printed as whole numbers.
+const COUNT_COLUMNS: [&str; 3] = ["rollouts_base", "rollouts_rescue", "policy_tokens_trained"];
+
 /// The per-update metrics table (Markdown).
 pub fn update_table(s: &Series) -> String {
     let cols = [
@@ -79,6 +82,9 @@ pub fn update_table(s: &Series) -> String {
         let _ = write!(out, "| {step} |");
         for c in cols {
             match s.get(c).iter().find(|p| p.0 == step) {
+                Some((_, v)) if COUNT_COLUMNS.contains(&c) => {
+                    let _ = write!(out, " {v:.0} |");
+                }
                 Some((_, v)) => {
                     let _ = write!(out, " {} |", number(*v));
                 }
@@ -176,6 +182,74 @@ pub fn stage_table(s: &Series, updates: u32, stage_updates: Option<u32>) -> Stri
     out
 }
 
+/// What the report plots from the training rollout rows (base and rescue kinds).
+#[derive(Debug, Default, PartialEq)]
+pub struct TrajectorySeries {
+    /// Success rate per update, by harness.
+    pub success_by_harness: BTreeMap<String, Vec<(u32, f64)>>,
+    /// Rollouts and successes over the run, by harness.
+    pub totals_by_harness: BTreeMap<String, (u64, u64)>,
+    /// Mean reward of the base (H0) rollouts per update.
+    pub base_reward: Vec<(u32, f64)>,
+    /// Mean policy (completion) tokens per rollout per update, in hundreds (to share an
+    /// axis with the reward).
+    pub length_hundreds: Vec<(u32, f64)>,
+}
+
+impl TrajectorySeries {
+    pub fn of(rows: &[schemas::Trajectory]) -> Self {
+        use schemas::RolloutKind;
+        let training: Vec<&schemas::Trajectory> = rows.iter().filter(|r| matches!(r.kind, RolloutKind::Base | RolloutKind::Rescue)).collect();
+        let mut by: BTreeMap<(String, u32), (u64, u64)> = BTreeMap::new();
+        let mut reward: BTreeMap<u32, (f64, u64)> = BTreeMap::new();
+        let mut length: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+        let mut out = TrajectorySeries::default();
+        for r in &training {
+            let e = by.entry((r.harness_id.clone(), r.step)).or_default();
+            e.0 += 1;
+            e.1 += u64::from(r.success);
+            let t = out.totals_by_harness.entry(r.harness_id.clone()).or_default();
+            t.0 += 1;
+            t.1 += u64::from(r.success);
+            if r.kind == RolloutKind::Base {
+                let e = reward.entry(r.step).or_default();
+                e.0 += r.reward;
+                e.1 += 1;
+            }
+            let e = length.entry(r.step).or_default();
+            e.0 += r.completion_tokens;
+            e.1 += 1;
+        }
+        for ((h, step), (n, ok)) in by {
+            out.success_by_harness.entry(h).or_default().push((step, ok as f64 / n as f64));
+        }
+        out.base_reward = reward.into_iter().map(|(s, (sum, n))| (s, sum / n as f64)).collect();
+        out.length_hundreds = length.into_iter().map(|(s, (sum, n))| (s, sum as f64 / n as f64 / 100.0)).collect();
+        out
+    }
+}
+
+/// The run's resolved settings in a few lines: what the numbers below were measured with.
+pub fn spec_summary(stored: &crate::run::inputs::StoredRun) -> String {
+    let s = &stored.spec;
+    let a = &s.algorithm;
+    let model = if s.policy.backend == "native" { s.policy.model.clone() } else { format!("{} at {}", s.policy.model, s.policy.base_url.clone().unwrap_or_default()) };
+    format!(
+        "Policy `{model}` ({} backend, temperature {}); K = {}, {} task(s) per update, {} update(s), learning rate {:e}; rescue `{}` with the `{}` router over {} sibling(s){}; seed {}.\n\n",
+        s.policy.backend,
+        s.policy.temperature,
+        a.k,
+        a.tasks_per_update,
+        a.updates,
+        a.learning_rate,
+        a.rescue.as_str(),
+        s.router.variant_name(),
+        stored.pool.len(),
+        if a.learn { "" } else { "; no learning (rescue only)" },
+        s.run.seed
+    )
+}
+
 /// Table 9: what the run cost, per stage kind (wall time, rollouts, the policy's calls and
 /// tokens) and per LLM component (voters, profiler, diagnoser, editor; the learner's
 /// forward tokens), summed over the run. `None` when the run recorded no costs.
@@ -229,6 +303,12 @@ pub fn rank_table(s: &Series) -> Option<String> {
 }
 
 pub fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(&str, &[(u32, f64)])]) -> anyhow::Result<()> {
+    line_plot_over(path, title, "update", y_label, series)
+}
+
+/// [`line_plot`] with its own x-axis label. Series after the first are drawn with larger
+/// hollow markers, so that equal values (two rates at 0) stay visible on top of each other.
+pub fn line_plot_over(path: &std::path::Path, title: &str, x_label: &str, y_label: &str, series: &[(&str, &[(u32, f64)])]) -> anyhow::Result<()> {
     let root = BitMapBackend::new(path, (720, 420)).into_drawing_area();
     root.fill(&WHITE)?;
     let max_x = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.0)).max().unwrap_or(1).max(1);
@@ -246,7 +326,7 @@ pub fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(
         .build_cartesian_2d(min_x as f64 - 0.5..max_x as f64 + 0.5, (min_y - if min_y < 0.0 { pad } else { 0.0 })..max_y + pad)?;
     chart
         .configure_mesh()
-        .x_desc("update")
+        .x_desc(x_label)
         .y_desc(y_label)
         .x_labels((max_x - min_x) as usize + 2)
         .x_label_formatter(&|x| if x.fract().abs() < 1e-9 { format!("{x:.0}") } else { String::new() })
@@ -260,7 +340,8 @@ pub fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?
             .label(*name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+        let (size, style) = if i == 0 { (3, color.filled()) } else { (3 + 2 * i as i32, color.stroke_width(2)) };
+        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, size, style)))?;
     }
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
     root.present()?;
@@ -298,14 +379,17 @@ async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Pa
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
     let s = Series::load(store, run_id).await?;
     let dir = tempfile::tempdir().context("cannot create a temporary folder for plots")?;
-    let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 5] = [
+    let rows: Vec<schemas::Trajectory> = infra::table::read_prefix(store, &format!("runs/{run_id}/trajectories/")).await?;
+    let t = TrajectorySeries::of(&rows);
+    let harness_lines: Vec<(&str, &[(u32, f64)])> = t.success_by_harness.iter().map(|(h, v)| (h.as_str(), v.as_slice())).collect();
+    let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 7] = [
         (
             "signals.png",
             "Training signal by update",
             "fraction",
             vec![("effective group rate", s.get("effective_group_rate")), ("effective token share", s.get("effective_token_share"))],
         ),
-        ("validation.png", "H0 validation success by checkpoint", "success rate", vec![("H0 validation success", s.get("h0_validation_success"))]),
+        ("validation.png", "H0 validation success by calibration", "success rate", vec![("H0 validation success", s.get("h0_validation_success"))]),
         (
             "rescue.png",
             "Rescue by update",
@@ -319,14 +403,27 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
             "nats",
             vec![("mean", s.get("mismatch_mean")), ("max", s.get("mismatch_max"))],
         ),
+        ("harnesses.png", "Training rollout success by harness (base and rescue)", "success rate", harness_lines),
+        (
+            "rollouts.png",
+            "Training rollouts by update",
+            "value",
+            vec![("mean reward (base)", t.base_reward.as_slice()), ("policy tokens per rollout / 100", t.length_hundreds.as_slice())],
+        ),
     ];
     for (file, title, y, series) in &plots {
         let path = dir.path().join(file);
-        line_plot(&path, title, y, series).with_context(|| format!("drawing {file}"))?;
+        // Calibrations sit at the checkpoint step they froze (0: the starting policy).
+        let x = if *file == "validation.png" { "checkpoint step" } else { "update" };
+        line_plot_over(&path, title, x, y, series).with_context(|| format!("drawing {file}"))?;
         let bytes = std::fs::read(&path)?;
         store.put(&format!("runs/{run_id}/reports/{file}"), Bytes::from(bytes)).await?;
     }
-    let mut md = format!("# Run `{run_id}`\n\n## Evaluation (test split)\n\n| | Pass@k | Avg@k |\n|---|---:|---:|\n");
+    let mut md = format!("# Run `{run_id}`\n\n");
+    if let Ok(stored) = crate::run::inputs::load_stored(store, run_id).await {
+        md.push_str(&spec_summary(&stored));
+    }
+    md.push_str("## Evaluation (test split)\n\n| | Pass@k | Avg@k |\n|---|---:|---:|\n");
     for stage in ["baseline", "evaluation"] {
         let pass = s.last(&format!("{stage}/pass_at_k"));
         let avg = s.last(&format!("{stage}/avg_at_k"));
@@ -354,6 +451,13 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
         let _ = writeln!(md, "| {step} | {v:.3} |");
     }
     md.push_str("\n![validation](validation.png)\n\n## Rescue by update\n\n![rescue](rescue.png)\n");
+    if !t.success_by_harness.is_empty() {
+        md.push_str("\n## Training rollouts\n\n| harness | rollouts | successes | success rate |\n|---|---:|---:|---:|\n");
+        for (h, (n, ok)) in &t.totals_by_harness {
+            let _ = writeln!(md, "| {h} | {n} | {ok} | {:.3} |", *ok as f64 / (*n).max(1) as f64);
+        }
+        md.push_str("\n![harnesses](harnesses.png)\n![rollouts](rollouts.png)\n");
+    }
     let updates = s.get("rollouts_base").iter().map(|p| p.0).max().unwrap_or(0);
     if updates > 0 {
         let stage_updates = crate::run::inputs::load_stored(store, run_id).await.ok().and_then(|r| r.spec.evaluation.stage_updates);
@@ -429,6 +533,30 @@ mod tests {
         let t = stage_table(&Series(m), 6, Some(4));
         assert!(t.contains("| 1 | 1–4 | 0.625 | 0.250 | 0.250 | 0.250 |"), "{t}");
         assert!(t.contains("| 2 | 5–6 | – | – | – | – |"), "{t}");
+    }
+
+    #[test]
+    fn trajectory_series_give_success_by_harness_reward_and_length_per_update() {
+        let row = |step: u32, kind: schemas::RolloutKind, h: &str, success: bool, tokens: u64| {
+            let mut v: schemas::Trajectory = serde_json::from_value(serde_json::json!({
+                "trajectory_id": format!("{step}-{h}-{success}-{tokens}"), "run_id": "r", "job_id": "j", "step": step, "kind": "base", "split": "train",
+                "task_id": "t", "task_type": "counting", "group_id": "g", "attempt": 0, "harness_id": h, "harness_version": "v",
+                "policy_checkpoint": "c", "seed": 0, "reward": if success { 1.0 } else { 0.0 }, "success": success, "termination": "committed",
+                "error_class": null, "error_message": null, "prompt_tokens": 0, "completion_tokens": tokens, "harness_tokens": 0,
+                "model_calls": 1, "env_actions": 1, "started_at_ms": 0, "duration_ms": 0, "policy_ms": 0, "env_ms": 0,
+                "temperature": 1.0, "tool_view": "[]", "turns": []
+            })).unwrap();
+            v.kind = kind;
+            v
+        };
+        use schemas::RolloutKind::{Base, Eval, Rescue};
+        let rows = [row(1, Base, "h0", false, 100), row(1, Base, "h0", true, 300), row(1, Rescue, "s1", true, 200), row(2, Base, "h0", false, 50), row(2, Eval, "h0", true, 999)];
+        let t = TrajectorySeries::of(&rows);
+        assert_eq!(t.success_by_harness["h0"], vec![(1, 0.5), (2, 0.0)]);
+        assert_eq!(t.success_by_harness["s1"], vec![(1, 1.0)]);
+        assert_eq!(t.totals_by_harness["h0"], (3, 1), "evaluation rows are not training rollouts");
+        assert_eq!(t.base_reward, vec![(1, 0.5), (2, 0.0)]);
+        assert_eq!(t.length_hundreds, vec![(1, 2.0), (2, 0.5)]);
     }
 
     #[test]

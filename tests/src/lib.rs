@@ -106,3 +106,23 @@ pub fn duckdb(sql: &str) -> Vec<serde_json::Value> {
     assert!(out.status.success(), "DuckDB query failed (pip install duckdb):\n{sql}\n{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("DuckDB printed JSON")
 }
+
+/// A free TCP port on 127.0.0.1 (bound and released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port()
+}
+
+/// `GET /metrics` on 127.0.0.1:`port`: the whole HTTP response as text.
+pub fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("the metrics endpoint listens");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text
+}
+
+/// The value of a Prometheus sample line `name value` in a scrape.
+pub fn sample(scrape: &str, name: &str) -> Option<f64> {
+    scrape.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}

@@ -4,7 +4,10 @@
 //! Families (label `kind`): `harness_s_jobs_started_total`, `…_succeeded_total`,
 //! `…_skipped_total` (done-marker already present), `…_retried_total`,
 //! `…_dead_lettered_total`, the gauge `harness_s_jobs_in_flight` and the histogram
-//! `harness_s_job_duration_seconds`.
+//! `harness_s_job_duration_seconds`. A process that drives a run (`harness-s run`,
+//! `harness-s scheduler`) adds run-level gauges: `harness_s_run_updates_done`,
+//! `…_run_stages_done`, `…_run_rollouts`, `…_run_tokens`, `…_run_mean_reward` (of the
+//! latest update's retained groups) and `…_run_h0_validation_success` (latest calibration).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -41,6 +44,27 @@ pub struct Metrics {
     dead_lettered: Family<KindLabel, Counter>,
     in_flight: Gauge,
     duration: Family<KindLabel, Histogram>,
+    run: RunGauges,
+}
+
+/// Run-level gauges, set by the scheduler as stages finish.
+#[derive(Clone, Default)]
+struct RunGauges {
+    updates_done: Gauge,
+    stages_done: Gauge,
+    rollouts: Gauge,
+    tokens: Gauge,
+    mean_reward: Gauge<f64, std::sync::atomic::AtomicU64>,
+    h0_validation_success: Gauge<f64, std::sync::atomic::AtomicU64>,
+}
+
+/// Where a run stands, for the run-level gauges.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RunProgress {
+    pub updates_done: u32,
+    pub stages_done: usize,
+    pub rollouts: u64,
+    pub tokens: u64,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -74,7 +98,35 @@ impl Metrics {
         registry.register("jobs_dead_lettered", "Jobs and malformed messages moved to the dead-letter queue", dead_lettered.clone());
         registry.register("jobs_in_flight", "Jobs running now", in_flight.clone());
         registry.register("job_duration_seconds", "Handler run time", duration.clone());
-        Metrics { registry: Arc::new(registry), started, succeeded, skipped, retried, dead_lettered, in_flight, duration }
+        let run = RunGauges::default();
+        registry.register("run_updates_done", "Training updates the run has finished", run.updates_done.clone());
+        registry.register("run_stages_done", "Stages the run has finished", run.stages_done.clone());
+        registry.register("run_rollouts", "Rollouts the run has made (base, rescue and other)", run.rollouts.clone());
+        registry.register("run_tokens", "Prompt and completion tokens of the run's rollouts", run.tokens.clone());
+        registry.register("run_mean_reward", "Mean reward of the latest update's retained groups", run.mean_reward.clone());
+        registry.register("run_h0_validation_success", "H0's validation success at the latest calibration", run.h0_validation_success.clone());
+        Metrics { registry: Arc::new(registry), started, succeeded, skipped, retried, dead_lettered, in_flight, duration, run }
+    }
+
+    /// Sets the run-level gauges.
+    pub fn set_run(&self, p: RunProgress) {
+        self.run.updates_done.set(i64::from(p.updates_done));
+        self.run.stages_done.set(p.stages_done as i64);
+        self.run.rollouts.set(p.rollouts as i64);
+        self.run.tokens.set(p.tokens as i64);
+    }
+
+    /// Records a run metric the gauges follow (`mean_reward`, `h0_validation_success`).
+    pub fn observe_run_metric(&self, name: &str, value: f64) {
+        match name {
+            "mean_reward" => {
+                self.run.mean_reward.set(value);
+            }
+            "h0_validation_success" => {
+                self.run.h0_validation_success.set(value);
+            }
+            _ => {}
+        }
     }
 
     pub fn started(&self, kind: JobKind) {

@@ -50,7 +50,14 @@ impl LocalStore {
     fn temp_in(path: &Path) -> Result<NamedTempFile> {
         let parent = path.parent().expect("keys have a parent folder");
         std::fs::create_dir_all(parent).map_err(Self::io(parent))?;
-        tempfile::Builder::new().prefix(TMP_PREFIX).tempfile_in(parent).map_err(Self::io(parent))
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(TMP_PREFIX);
+        // Stored objects are readable by the group and others, as files written with the
+        // usual umask are (a temporary file alone would be 0600): a checkpoint folder is
+        // loaded by serving processes running as other users.
+        #[cfg(unix)]
+        builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644));
+        builder.tempfile_in(parent).map_err(Self::io(parent))
     }
 
     fn write_temp(path: &Path, bytes: &[u8]) -> Result<NamedTempFile> {

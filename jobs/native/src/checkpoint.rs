@@ -100,7 +100,8 @@ fn restore_optimizer(bytes: &[u8], location: &str, device: Device) -> Result<Ada
 pub async fn save(store: &dyn ObjectStore, learner: &Learner, tokenizer: Option<&Tokenizer>, info: &SaveInfo) -> Result<String, NativeError> {
     let dir = keys::checkpoint_dir(&info.run_id, info.step);
     let mut files: Vec<(&str, Vec<u8>)> = vec![
-        (MODEL_FILE, write_safetensors(&learner.model.named_tensors())?),
+        // `format = pt`: what transformers' loader looks for in a safetensors header.
+        (MODEL_FILE, write_safetensors_with(&learner.model.named_tensors(), Some(HashMap::from([("format".to_string(), "pt".to_string())])))?),
         (OPTIMIZER_FILE, optimizer_bytes(&learner.optim)?),
         (CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config.to_hf_json()).expect("serialises")),
     ];

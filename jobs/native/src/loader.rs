@@ -22,8 +22,13 @@ pub fn resolve_model(reference: &str, base_dir: &Path) -> Result<PathBuf, Native
     let config = |detail: String| NativeError::Config { field: "model".into(), detail };
     let module = package.replace('-', "_");
     // Found, not imported: the package's own imports (and their dependencies) do not matter.
+    // Python puts the current folder first on its path for `-c`; run it from `/` (and with
+    // PYTHONSAFEPATH, which Python 3.11+ honours) so that a file in the user's folder named
+    // like the package is neither found nor executed.
     let out = std::process::Command::new("python3")
         .args(["-c", &format!("import importlib.util as u; s = u.find_spec({module:?}); print(s.submodule_search_locations[0])")])
+        .current_dir("/")
+        .env("PYTHONSAFEPATH", "1")
         .output()
         .map_err(|e| config(format!("`{reference}`: cannot run python3 to find the package: {e}")))?;
     if !out.status.success() {

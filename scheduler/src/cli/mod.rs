@@ -5,11 +5,13 @@ use clap::{Args, Parser, Subcommand};
 mod bench;
 mod generate;
 mod harness;
+mod metrics;
 mod pool;
 mod rollout;
 mod run;
 mod queue;
 mod serve;
+mod spec;
 mod store;
 mod tasks;
 mod worker;
@@ -54,6 +56,8 @@ pub enum Command {
     /// Check a whole run: every done-marker parses and every file it lists has its size and
     /// SHA-256; exits 1 on damage (a resume re-runs the damaged jobs).
     Verify(run::RunRefArgs),
+    /// Export a run's metrics: wide CSV, one Parquet file or a TensorBoard event file.
+    Metrics(metrics::MetricsArgs),
     /// Compare two runs side by side (e.g. Harness-S against plain GRPO): Markdown and plots in the store.
     Compare(run::CompareArgs),
     /// Inspect an object store: list objects, print Parquet rows as JSON lines.
@@ -82,6 +86,17 @@ pub enum Command {
     Serve(serve::ServeArgs),
     /// Complete one prompt with the native backend (GGUF or HF directory); --logprobs shows each token's log-probability.
     Generate(generate::GenerateArgs),
+    /// Run specs: print one resolved (defaults filled in, --set applied) with the run's plan.
+    #[command(subcommand)]
+    Spec(spec::SpecCommand),
+    /// Print a shell completion script: `harness-s completions bash > ~/.local/share/bash-completion/completions/harness-s`.
+    Completions(CompletionsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CompletionsArgs {
+    /// bash, zsh, fish, elvish or powershell.
+    pub shell: clap_complete::Shell,
 }
 
 /// Sets up tracing to stderr in the chosen format.
@@ -103,7 +118,10 @@ pub fn init_tracing(global: &GlobalArgs) {
             filter = filter.add_directive(d);
         }
     }
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colour only on a terminal, and never with NO_COLOR set (https://no-color.org): logs
+    // written to a file or a pipe stay plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     if global.log_format == "json" {
         builder.json().init();
     } else {
@@ -123,6 +141,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Report(args) => run::report(args).await,
         Command::Verify(args) => run::verify(args).await,
         Command::Compare(args) => run::compare(args).await,
+        Command::Metrics(args) => metrics::run(args).await,
         Command::Store(cmd) => store::run(cmd).await,
         Command::Bench(cmd) => bench::run(cmd).await,
         Command::Worker(args) => worker::run(args).await,
@@ -133,7 +152,83 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Pool(cmd) => pool::run(cmd).await,
         Command::Generate(args) => generate::run(args).await,
         Command::Serve(args) => serve::run(args).await,
+        Command::Spec(cmd) => spec::run(cmd).await,
+        Command::Completions(args) => {
+            use clap::CommandFactory;
+            clap_complete::generate(args.shell, &mut Cli::command(), "harness-s", &mut std::io::stdout());
+            Ok(crate::exit::OK)
+        }
     }
+}
+
+/// The store every command reads and writes: one flag, one variable, one default.
+#[derive(Debug, Clone, Args)]
+pub struct StoreArg {
+    /// Object store: a folder, file:///abs/dir or s3://bucket/prefix?endpoint=URL.
+    #[arg(long = "store", id = "store", value_name = "URL", env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
+    pub url: String,
+}
+
+/// Where the embedded default keeps runs: `./harness-s-data`.
+pub const DEFAULT_STORE: &str = "harness-s-data";
+
+impl StoreArg {
+    /// The URL with a relative folder made absolute (taken relative to the current folder).
+    pub fn url(&self) -> String {
+        absolute_store(&self.url)
+    }
+
+    /// Opens the store; errors name the flag.
+    pub async fn open(&self) -> anyhow::Result<std::sync::Arc<dyn infra::store::ObjectStore>> {
+        use anyhow::Context;
+        infra::store::open_store(&self.url()).await.with_context(|| format!("--store {}", infra::redact_url(&self.url)))
+    }
+}
+
+/// A relative plain path as store URL is taken relative to the current folder.
+pub fn absolute_store(url: &str) -> String {
+    if url.contains("://") {
+        url.to_string()
+    } else {
+        let p = std::path::absolute(url).unwrap_or_else(|_| std::path::PathBuf::from(url));
+        format!("file://{}", p.display())
+    }
+}
+
+/// The job queue of a distributed run: one flag, one variable (no default: an in-process
+/// queue cannot be shared between processes).
+#[derive(Debug, Clone, Args)]
+pub struct QueueArg {
+    /// Queue URL: amqp://user:password@host:5672/%2f?prefix=<run> (query options: prefix,
+    /// max_attempts, retry_base_ms, retry_max_ms, connect_timeout_s, reconnect_timeout_s).
+    #[arg(long = "queue", id = "queue", value_name = "URL", env = "HARNESS_S_QUEUE", hide_env_values = true)]
+    pub url: String,
+}
+
+/// [`QueueArg`] where a queue is optional (in-process workers without one).
+#[derive(Debug, Clone, Args)]
+pub struct OptQueueArg {
+    /// Queue URL (amqp://...); without it, in-process workers.
+    #[arg(long = "queue", id = "queue", value_name = "URL", env = "HARNESS_S_QUEUE", hide_env_values = true)]
+    pub url: Option<String>,
+}
+
+/// Stops the metrics server when the command ends.
+pub struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Serves `metrics` at `addr` (`GET /metrics`, Prometheus text) while the returned guard lives.
+pub async fn serve_metrics(metrics: &::worker::Metrics, addr: Option<std::net::SocketAddr>) -> anyhow::Result<Option<AbortOnDrop>> {
+    use anyhow::Context;
+    let Some(addr) = addr else { return Ok(None) };
+    let (bound, task) = metrics.serve(addr).await.with_context(|| format!("--metrics-addr {addr}: cannot listen there"))?;
+    tracing::info!(addr = %bound, "serving Prometheus metrics at http://{bound}/metrics");
+    Ok(Some(AbortOnDrop(task)))
 }
 
 /// Parses a count that must be at least 1 (`--workers 0` would run nothing).

@@ -8,6 +8,7 @@ use clap::{Args, Subcommand};
 use jobs::evolve::pool::{load_manifest, load_member};
 use jobs::harness::diff_specs;
 
+use super::StoreArg;
 use crate::exit;
 
 #[derive(Debug, Subcommand)]
@@ -31,13 +32,6 @@ pub struct ReportArgs {
     pub out: std::path::PathBuf,
     #[command(flatten)]
     pub store: StoreArg,
-}
-
-#[derive(Debug, Args)]
-pub struct StoreArg {
-    /// Object store URL: a directory, file:///abs/dir or s3://bucket/prefix?endpoint=...
-    #[arg(long, value_name = "URL")]
-    pub store: String,
 }
 
 #[derive(Debug, Args)]
@@ -74,8 +68,14 @@ pub async fn run(cmd: PoolCommand) -> anyhow::Result<u8> {
 }
 
 async fn ls(args: LsArgs) -> anyhow::Result<u8> {
-    let store = infra::store::open_store(&args.store.store).await.context("--store")?;
-    let m = load_manifest(store.as_ref(), &args.run).await?;
+    let store = args.store.open().await?;
+    let m = match load_manifest(store.as_ref(), &args.run).await {
+        Ok(m) => m,
+        // A pool that came from a folder (or another run) has members but no evolution
+        // manifest: list them from the submitted run.
+        Err(jobs::evolve::PoolError::Missing { .. }) => return ls_submitted(store.as_ref(), &args.run).await,
+        Err(e) => return Err(e.into()),
+    };
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -111,8 +111,30 @@ async fn ls(args: LsArgs) -> anyhow::Result<u8> {
     Ok(exit::OK)
 }
 
+/// The members of a run's pool as submitted (`[pool] dir` or `from_run`): id, parent,
+/// generation, components and whether they act for the policy.
+async fn ls_submitted(store: &dyn infra::store::ObjectStore, run_id: &str) -> anyhow::Result<u8> {
+    let stored = crate::run::inputs::load_stored(store, run_id).await?;
+    let mut out = std::io::stdout().lock();
+    let source = match (&stored.spec.pool.dir, &stored.spec.pool.from_run) {
+        (Some(dir), _) => format!("[pool] dir = {}", dir.display()),
+        (None, Some(from)) => format!("[pool] from_run = {from}"),
+        (None, None) => {
+            writeln!(out, "run {run_id} has no pool (no [pool] section and no evolution): rescue can only use H0")?;
+            return Ok(exit::OK);
+        }
+    };
+    writeln!(out, "pool of run {run_id} ({} members besides h0, from {source}; no evolution manifest)", stored.pool.len())?;
+    let mut specs = Vec::new();
+    for id in &stored.pool {
+        specs.push(load_member(store, run_id, id).await?);
+    }
+    write!(out, "{}", jobs::evolve::report::mechanism_table(&specs))?;
+    Ok(exit::OK)
+}
+
 async fn show(args: ShowArgs) -> anyhow::Result<u8> {
-    let store = infra::store::open_store(&args.store.store).await.context("--store")?;
+    let store = args.store.open().await?;
     let spec = load_member(store.as_ref(), &args.run, &args.id).await?;
     let m = load_manifest(store.as_ref(), &args.run).await?;
     let mut out = std::io::stdout().lock();
@@ -124,7 +146,7 @@ async fn show(args: ShowArgs) -> anyhow::Result<u8> {
 }
 
 async fn diff(args: DiffArgs) -> anyhow::Result<u8> {
-    let store = infra::store::open_store(&args.store.store).await.context("--store")?;
+    let store = args.store.open().await?;
     let a = load_member(store.as_ref(), &args.run, &args.a).await?;
     let b = load_member(store.as_ref(), &args.run, &args.b).await?;
     super::harness::print_edits(&diff_specs(&a, &b))?;
@@ -133,7 +155,7 @@ async fn diff(args: DiffArgs) -> anyhow::Result<u8> {
 
 async fn report(args: ReportArgs) -> anyhow::Result<u8> {
     use jobs::evolve::report::{plot_overlap, plot_repairs, pool_repair_counts, repair_table};
-    let store = infra::store::open_store(&args.store.store).await.context("--store")?;
+    let store = args.store.open().await?;
     let m = load_manifest(store.as_ref(), &args.run).await?;
     let counts = pool_repair_counts(&m).with_context(|| format!("pool of run `{}` has no `h0` member to compare with", args.run))?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;

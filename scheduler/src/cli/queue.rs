@@ -24,12 +24,8 @@ pub enum QueueCommand {
     Delete(QueueUrl),
 }
 
-#[derive(Debug, Args)]
-pub struct QueueUrl {
-    /// Queue URL: amqp://user:password@host:5672/%2f?prefix=<run>
-    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
-    pub queue: String,
-}
+/// The queue these commands look at (the same `--queue` as everywhere).
+pub type QueueUrl = super::QueueArg;
 
 #[derive(Debug, Args)]
 pub struct EnqueueSleepArgs {
@@ -101,7 +97,7 @@ fn kind(name: &str) -> anyhow::Result<JobKind> {
 }
 
 async fn open(url: &QueueUrl) -> anyhow::Result<std::sync::Arc<dyn Queue>> {
-    open_queue(&url.queue).await.with_context(|| format!("opening the queue {}", infra::redact_url(&url.queue)))
+    open_queue(&url.url).await.with_context(|| format!("opening the queue {}", infra::redact_url(&url.url)))
 }
 
 pub async fn run(cmd: QueueCommand) -> anyhow::Result<u8> {

@@ -7,7 +7,7 @@
 //! harness-s rollout --tasks ../shared/data/dbbench/dev.jsonl --limit 3 \
 //!   --harness examples/hooks/s2-commit-answer.json \
 //!   --policy "$HARNESS_S_TEST_OPENAI_URL" --model smollm2-135m-instruct --tool-protocol text \
-//!   --n 2 --out /tmp/hs-rollout
+//!   --n 2 --store /tmp/hs-rollout
 //! ```
 //!
 //! Exit codes: 0 every episode ran without an error; 3 (degraded) some episodes recorded
@@ -69,9 +69,9 @@ pub struct RolloutArgs {
     /// Rollouts per task.
     #[arg(long = "n", value_name = "K", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub attempts: u32,
-    /// Store URL for the outputs: a directory, file:///abs/dir or s3://bucket/prefix?endpoint=...
-    #[arg(long, value_name = "URL")]
-    pub out: String,
+    /// Where the rollouts go (`--out` is the older name of `--store`).
+    #[command(flatten)]
+    pub store: super::StoreArg,
     /// Run id (the outputs go under runs/<run>/); default `rollout-<unix seconds>`.
     #[arg(long)]
     pub run: Option<String>,
@@ -178,7 +178,7 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
             Box::new(OpenAiPolicy::new(policy_config).context("--policy/--model")?)
         }
     };
-    let store = infra::store::open_store(&args.out).await.with_context(|| format!("--out {}", args.out))?;
+    let store = args.store.open().await?;
 
     let mut budgets = Budgets::default();
     if let Some(calls) = args.max_model_calls {

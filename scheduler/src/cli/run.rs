@@ -13,28 +13,37 @@ use infra::store::open_store;
 
 use crate::run::{self, machine::Finish, spec, state};
 
-const DEFAULT_STORE: &str = "harness-s-data";
+use super::{OptQueueArg, QueueArg, StoreArg};
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Run spec (TOML), e.g. examples/quickstart.toml.
     pub spec: PathBuf,
-    /// Object store for everything the run produces.
-    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
-    pub store: String,
+    /// Override a spec key: --set algorithm.updates=5 --set policy.temperature=0.7
+    /// (repeatable; typed and checked like the file).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    #[command(flatten)]
+    pub store: StoreArg,
     /// In-process workers.
     #[arg(long, default_value_t = 1, value_parser = super::at_least_one)]
     pub workers: usize,
+    /// Serve Prometheus metrics (run-level gauges and job counters) on this address, path /metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Args)]
 pub struct SubmitArgs {
     pub spec: PathBuf,
-    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true)]
-    pub store: String,
+    /// Override a spec key (repeatable), as for `run`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    #[command(flatten)]
+    pub store: StoreArg,
     /// Queue the scheduler will use (checked to be reachable now).
-    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
-    pub queue: Option<String>,
+    #[command(flatten)]
+    pub queue: OptQueueArg,
 }
 
 #[derive(Debug, Args)]
@@ -42,18 +51,21 @@ pub struct SchedulerArgs {
     /// Run to drive.
     #[arg(long)]
     pub run: String,
-    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true)]
-    pub store: String,
-    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
-    pub queue: String,
+    #[command(flatten)]
+    pub store: StoreArg,
+    #[command(flatten)]
+    pub queue: QueueArg,
+    /// Serve Prometheus metrics (run-level gauges) on this address, path /metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Args)]
 pub struct RunRefArgs {
     /// Run id.
     pub run: String,
-    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
-    pub store: String,
+    #[command(flatten)]
+    pub store: StoreArg,
 }
 
 #[derive(Debug, Args)]
@@ -62,25 +74,28 @@ pub struct CompareArgs {
     pub run_a: String,
     /// The run to compare it with (e.g. plain GRPO with the same model, seed and tasks).
     pub run_b: String,
-    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
-    pub store: String,
+    #[command(flatten)]
+    pub store: StoreArg,
 }
 
 #[derive(Debug, Args)]
 pub struct ResumeArgs {
     pub run: String,
-    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true, default_value = DEFAULT_STORE)]
-    pub store: String,
+    #[command(flatten)]
+    pub store: StoreArg,
     /// Drive through this queue (distributed); default: in-process workers.
-    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
-    pub queue: Option<String>,
+    #[command(flatten)]
+    pub queue: OptQueueArg,
     /// In-process workers (embedded resume only).
     #[arg(long, default_value_t = 1, value_parser = super::at_least_one)]
     pub workers: usize,
+    /// Serve Prometheus metrics on this address, path /metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
-fn load_spec(path: &std::path::Path) -> anyhow::Result<spec::LoadedSpec> {
-    spec::load(path).map_err(|e| anyhow::anyhow!("invalid run spec {e}"))
+pub(crate) fn load_spec(path: &std::path::Path, overrides: &[String]) -> anyhow::Result<spec::LoadedSpec> {
+    spec::load_with(path, overrides).map_err(|e| anyhow::anyhow!("invalid run spec {e}"))
 }
 
 async fn finish(store_url: &str, run_id: &str, result: anyhow::Result<Finish>) -> anyhow::Result<u8> {
@@ -122,47 +137,53 @@ async fn print_summary(store: &dyn infra::store::ObjectStore, run_id: &str) -> a
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
-    let loaded = load_spec(&args.spec)?;
-    let store = open_store(&absolute_store(&args.store)).await?;
+    let loaded = load_spec(&args.spec, &args.set)?;
+    let store = args.store.open().await?;
     run::submit(store.as_ref(), &loaded).await?;
     println!("run `{}` → {}", loaded.run_id, store.url());
     let bars = std::io::stderr().is_terminal();
-    let result = run::drive_embedded(store.clone(), &loaded.run_id, args.workers, bars).await;
-    finish(&absolute_store(&args.store), &loaded.run_id, result).await
+    let metrics = worker::Metrics::new();
+    let _server = super::serve_metrics(&metrics, args.metrics_addr).await?;
+    let result = run::drive_embedded(store.clone(), &loaded.run_id, args.workers, bars, metrics).await;
+    finish(&args.store.url(), &loaded.run_id, result).await
 }
 
 pub async fn submit(args: SubmitArgs) -> anyhow::Result<u8> {
-    let loaded = load_spec(&args.spec)?;
-    if let Some(q) = &args.queue {
+    let loaded = load_spec(&args.spec, &args.set)?;
+    if let Some(q) = &args.queue.url {
         infra::queue::open_queue(q).await.with_context(|| format!("--queue {}", infra::redact_url(q)))?;
     }
-    let store = open_store(&args.store).await?;
+    let store = args.store.open().await?;
     run::submit(store.as_ref(), &loaded).await?;
     println!("{}", loaded.run_id);
     Ok(crate::exit::OK)
 }
 
 pub async fn scheduler(args: SchedulerArgs) -> anyhow::Result<u8> {
-    let store = open_store(&args.store).await?;
-    let queue = infra::queue::open_queue(&args.queue).await?;
-    let result = run::drive(store, queue, &args.run, false).await;
-    finish(&args.store, &args.run, result).await
+    let store = args.store.open().await?;
+    let queue = infra::queue::open_queue(&args.queue.url).await?;
+    let metrics = worker::Metrics::new();
+    let _server = super::serve_metrics(&metrics, args.metrics_addr).await?;
+    let result = run::drive(store, queue, &args.run, false, metrics).await;
+    finish(&args.store.url(), &args.run, result).await
 }
 
 pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
-    let url = absolute_store(&args.store);
+    let url = args.store.url();
     let store = open_store(&url).await?;
     // Refuse before starting anything when the run is finished.
     run::state_for_drive(store.as_ref(), &args.run).await?;
-    let result = match &args.queue {
-        Some(q) => run::drive(store, infra::queue::open_queue(q).await?, &args.run, false).await,
-        None => run::drive_embedded(store, &args.run, args.workers, std::io::stderr().is_terminal()).await,
+    let metrics = worker::Metrics::new();
+    let _server = super::serve_metrics(&metrics, args.metrics_addr).await?;
+    let result = match &args.queue.url {
+        Some(q) => run::drive(store, infra::queue::open_queue(q).await?, &args.run, false, metrics).await,
+        None => run::drive_embedded(store, &args.run, args.workers, std::io::stderr().is_terminal(), metrics).await,
     };
     finish(&url, &args.run, result).await
 }
 
 pub async fn status(args: RunRefArgs) -> anyhow::Result<u8> {
-    let store = open_store(&absolute_store(&args.store)).await?;
+    let store = args.store.open().await?;
     let st = state::load(store.as_ref(), &args.run).await?.with_context(|| format!("no run `{}` in {}", args.run, store.url()))?;
     println!("run:        {}", st.run_id);
     println!("status:     {}", st.status.as_str());
@@ -171,6 +192,9 @@ pub async fn status(args: RunRefArgs) -> anyhow::Result<u8> {
     println!("stages:     {} done", st.completed.len());
     println!("checkpoint: {}", st.latest_checkpoint.map(|s| format!("step {s}")).unwrap_or_else(|| "starting model".into()));
     println!("rollouts:   {} base, {} rescue, {} other", st.rollouts_base, st.rollouts_rescue, st.rollouts_other);
+    println!("tokens:     {} (prompt and completion tokens of every rollout)", st.tokens);
+    let wall = (st.updated_at_ms - st.started_at_ms).max(0) / 1000;
+    println!("wall time:  {}:{:02}:{:02} (from submission to the last state change)", wall / 3600, wall / 60 % 60, wall % 60);
     if !st.failures.is_empty() {
         let f: Vec<String> = st.failures.iter().map(|(k, v)| format!("{k}={v}")).collect();
         println!("failures:   {}", f.join(", "));
@@ -183,7 +207,7 @@ pub async fn status(args: RunRefArgs) -> anyhow::Result<u8> {
 }
 
 pub async fn cancel(args: RunRefArgs) -> anyhow::Result<u8> {
-    let store = open_store(&absolute_store(&args.store)).await?;
+    let store = args.store.open().await?;
     let st = state::load(store.as_ref(), &args.run).await?.with_context(|| format!("no run `{}` in {}", args.run, store.url()))?;
     if st.status.is_finished() {
         anyhow::bail!("run `{}` already finished ({}); nothing to cancel", args.run, st.status.as_str());
@@ -194,7 +218,7 @@ pub async fn cancel(args: RunRefArgs) -> anyhow::Result<u8> {
 }
 
 pub async fn report(args: RunRefArgs) -> anyhow::Result<u8> {
-    let store = open_store(&absolute_store(&args.store)).await?;
+    let store = args.store.open().await?;
     // a report of a run that is not there would be an empty report in a new folder
     run::inputs::load_stored(store.as_ref(), &args.run).await?;
     let url = crate::report::write(store.as_ref(), &args.run).await?;
@@ -203,7 +227,7 @@ pub async fn report(args: RunRefArgs) -> anyhow::Result<u8> {
 }
 
 pub async fn verify(args: RunRefArgs) -> anyhow::Result<u8> {
-    let store = open_store(&absolute_store(&args.store)).await?;
+    let store = args.store.open().await?;
     run::inputs::load_stored(store.as_ref(), &args.run).await?;
     let (damage, markers) = run::verify::verify_run(store.as_ref(), &args.run).await?;
     if damage.is_empty() {
@@ -219,7 +243,7 @@ pub async fn verify(args: RunRefArgs) -> anyhow::Result<u8> {
 }
 
 pub async fn compare(args: CompareArgs) -> anyhow::Result<u8> {
-    let store = open_store(&absolute_store(&args.store)).await?;
+    let store = args.store.open().await?;
     for run in [&args.run_a, &args.run_b] {
         run::inputs::load_stored(store.as_ref(), run).await?;
     }
@@ -228,12 +252,3 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     Ok(crate::exit::OK)
 }
 
-/// A relative plain path as store URL is taken relative to the current folder.
-fn absolute_store(url: &str) -> String {
-    if url.contains("://") {
-        url.to_string()
-    } else {
-        let p = std::path::absolute(url).unwrap_or_else(|_| PathBuf::from(url));
-        format!("file://{}", p.display())
-    }
-}

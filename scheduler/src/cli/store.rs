@@ -17,20 +17,31 @@ pub enum StoreCommand {
 
 #[derive(Debug, Args)]
 pub struct LsArgs {
-    /// Store URL, optionally with a prefix: file:///tmp/x, s3://bucket/runs/r1
-    pub url: String,
-    /// Only keys starting with this prefix (relative to the URL).
+    /// A store URL (file:///tmp/x, s3://bucket/runs/r1), or a prefix in `--store`
+    /// (`runs/quickstart/metrics/`); default: all of `--store`.
+    pub location: Option<String>,
+    /// Only keys starting with this prefix (relative to the location).
     #[arg(long, default_value = "")]
     pub prefix: String,
+    #[command(flatten)]
+    pub store: super::StoreArg,
 }
 
 #[derive(Debug, Args)]
 pub struct CatArgs {
-    /// Object URL: file:///tmp/x/a.parquet, s3://bucket/runs/r1/state.json
-    pub url: String,
+    /// An object URL (file:///tmp/x/a.parquet, s3://bucket/runs/r1/state.json), or a key
+    /// in `--store` (`runs/quickstart/state.json`).
+    pub object: String,
     /// Print at most this many rows of a Parquet file.
     #[arg(long)]
     pub limit: Option<usize>,
+    #[command(flatten)]
+    pub store: super::StoreArg,
+}
+
+/// Whether a positional location is a URL of its own rather than a key in `--store`.
+fn is_url(location: &str) -> bool {
+    location.contains("://") || location.starts_with('/')
 }
 
 pub async fn run(cmd: StoreCommand) -> anyhow::Result<u8> {
@@ -41,15 +52,20 @@ pub async fn run(cmd: StoreCommand) -> anyhow::Result<u8> {
 }
 
 async fn ls(args: LsArgs) -> anyhow::Result<u8> {
+    let (url, prefix) = match &args.location {
+        Some(l) if is_url(l) => (l.clone(), args.prefix.clone()),
+        Some(l) => (args.store.url(), format!("{l}{}", args.prefix)),
+        None => (args.store.url(), args.prefix.clone()),
+    };
     // A local store that is not there is a typo more often than an empty store.
-    if !args.url.contains("://") || args.url.starts_with("file://") {
-        let path = args.url.strip_prefix("file://").unwrap_or(&args.url);
+    if !url.contains("://") || url.starts_with("file://") {
+        let path = url.strip_prefix("file://").unwrap_or(&url);
         if !std::path::Path::new(path).is_dir() {
-            anyhow::bail!("no store at `{}`: the folder does not exist (give file:///abs/dir or s3://bucket/prefix)", infra::redact_url(&args.url));
+            anyhow::bail!("no store at `{}`: the folder does not exist (give file:///abs/dir or s3://bucket/prefix)", infra::redact_url(&url));
         }
     }
-    let store = open_store(&args.url).await?;
-    let objects = store.list(&args.prefix).await?;
+    let store = open_store(&url).await?;
+    let objects = store.list(&prefix).await?;
     let mut out = std::io::stdout().lock();
     let mut total = 0u64;
     for o in &objects {
@@ -61,7 +77,7 @@ async fn ls(args: LsArgs) -> anyhow::Result<u8> {
 }
 
 async fn cat(args: CatArgs) -> anyhow::Result<u8> {
-    let (store, key) = open_object(&args.url).await?;
+    let (store, key) = if is_url(&args.object) { open_object(&args.object).await? } else { (args.store.open().await?, args.object.clone()) };
     let mut out = std::io::stdout().lock();
     if key.ends_with(".parquet") {
         let file = ParquetFile::open(store.as_ref(), &key).await?;

@@ -14,15 +14,11 @@ use worker::{Metrics, Worker, WorkerConfig};
 
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
-    /// Queue URL: amqp://user:password@host:5672/%2f?prefix=<run> (query options:
-    /// prefix, max_attempts, retry_base_ms, retry_max_ms, connect_timeout_s,
-    /// reconnect_timeout_s).
-    #[arg(long, env = "HARNESS_S_QUEUE", hide_env_values = true)]
-    pub queue: String,
-    /// Object store URL for outputs and done-markers: file:///abs/dir or
-    /// s3://bucket/prefix?endpoint=URL.
-    #[arg(long, env = "HARNESS_S_STORE", hide_env_values = true)]
-    pub store: String,
+    #[command(flatten)]
+    pub queue: super::QueueArg,
+    /// Where outputs and done-markers go.
+    #[command(flatten)]
+    pub store: super::StoreArg,
     /// Job kinds to consume, comma-separated (evolve, rollout, rescue, reanchor, learn,
     /// eval, sleep).
     #[arg(long, value_delimiter = ',', required = true)]
@@ -62,12 +58,12 @@ fn check(args: &WorkerArgs) -> anyhow::Result<Settings> {
     if !(args.grace_secs.is_finite() && args.grace_secs >= 0.0) {
         bail!("--grace-secs: {} is not a number of seconds ≥ 0", args.grace_secs);
     }
-    if args.queue.starts_with("memory:") {
+    if args.queue.url.starts_with("memory:") {
         bail!(
             "--queue {}: a memory:// queue lives inside one process, so a separate worker process \
              would never see its jobs; use amqp://user:password@host:5672/%2f (RabbitMQ), \
              or run in-process workers with `harness-s run`",
-            args.queue
+            args.queue.url
         );
     }
     Ok(Settings { kinds, grace: Duration::from_secs_f64(args.grace_secs) })
@@ -86,25 +82,17 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<u8> {
         }
     };
 
-    let queue = infra::queue::open_queue(&args.queue)
+    let queue = infra::queue::open_queue(&args.queue.url)
         .await
-        .with_context(|| format!("opening the queue {}", infra::redact_url(&args.queue)))?;
-    let store = infra::store::open_store(&args.store)
+        .with_context(|| format!("opening the queue {}", infra::redact_url(&args.queue.url)))?;
+    let store = infra::store::open_store(&args.store.url())
         .await
-        .with_context(|| format!("opening the store {}", infra::redact_url(&args.store)))?;
+        .with_context(|| format!("opening the store {}", infra::redact_url(&args.store.url)))?;
 
     let mut config = WorkerConfig::new(settings.kinds, args.concurrency);
     config.grace = settings.grace;
     let metrics = Metrics::new();
-    let _server = match args.metrics_addr {
-        Some(addr) => {
-            let (bound, task) =
-                metrics.serve(addr).await.with_context(|| format!("--metrics-addr {addr}: cannot listen there"))?;
-            tracing::info!(addr = %bound, "serving Prometheus metrics at http://{bound}/metrics");
-            Some(AbortOnDrop(task))
-        }
-        None => None,
-    };
+    let _server = super::serve_metrics(&metrics, args.metrics_addr).await?;
     let worker = Worker::new(queue.clone(), Arc::clone(&store), crate::run::handlers::registry(), config)?.with_metrics(metrics);
     let summary = worker.run(shutdown).await?;
     // Summary on stdout for scripts; the same line went to the log.
@@ -112,10 +100,3 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<u8> {
     Ok(crate::exit::OK)
 }
 
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}

@@ -29,14 +29,15 @@ pub fn stage_kind(label: &str) -> &str {
 }
 
 /// The step a stage's costs are recorded at: its update (`update:3:*`, `calibration:3`,
-/// `calibration:final:3`), else `current`.
-pub fn stage_step(label: &str, current: u32) -> u32 {
+/// `calibration:final:3`), the run's last update for the final evaluation and report (as
+/// the evaluation's own metrics are), 0 for evolution and the baseline.
+pub fn stage_step(label: &str, updates: u32) -> u32 {
     let parts: Vec<&str> = label.split(':').collect();
-    let n = match parts.as_slice() {
-        ["update", u, _] | ["calibration", "final", u] | ["calibration", u] => u.parse().ok(),
-        _ => None,
-    };
-    n.unwrap_or(current)
+    match parts.as_slice() {
+        ["update", u, _] | ["calibration", "final", u] | ["calibration", u] => u.parse().unwrap_or(0),
+        ["evaluation"] | ["report"] => updates,
+        _ => 0,
+    }
 }
 
 /// The costs of one stage while it runs.
@@ -119,6 +120,8 @@ mod tests {
         assert_eq!(stage_step("calibration:final:4", 9), 4);
         assert_eq!(stage_step("calibration:2", 9), 2);
         assert_eq!(stage_step("evaluation", 9), 9);
+        assert_eq!(stage_step("baseline", 9), 0);
+        assert_eq!(stage_step("evolve", 9), 0);
         for label in ["evolve", "baseline", "calibration:0", "update:1:base", "update:1:rescue", "update:1:groups", "update:1:learn", "evaluation", "report"] {
             assert!(KINDS.contains(&stage_kind(label)), "{label}");
         }

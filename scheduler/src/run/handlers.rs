@@ -204,20 +204,19 @@ impl Handler for ReanchorHandler {
         let policy = self.shared.policy(store, &inputs, payload.checkpoint_step).await?;
         let envs = inputs.env_factory(schemas::Split::Validation).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
         let profiler = inputs.spec().router.profiler.as_ref().map(|e| text_model(e, "router.profiler")).transpose()?;
-        let profiler = profiler.as_deref().map(Metered::new);
         let rctx = jobs::reanchor::ReanchorContext {
             store,
             policy: policy.as_ref(),
             envs: &envs,
-            profiler: profiler.as_ref().map(|p| p as &dyn jobs::policy::Policy),
+            // The job meters its profiler and reports the tokens in its done-marker.
+            profiler: profiler.as_deref(),
             profiler_config: Default::default(),
             job_id: &job.job_id,
             delivery_attempt: job.attempt,
         };
         let out = jobs::reanchor::run(&rctx, &payload.input).await.map_err(|e| failure(e.is_retryable(), e))?;
         let outputs = if out.already_done { vec![] } else { vec![out.manifest.profile_part.clone()] };
-        let usage = LlmSpend::from([("profiler".to_string(), profiler.as_ref().map(Metered::usage).unwrap_or_default())]);
-        Ok(JobOutput { outputs, result: serde_json::json!({ "calibration_id": out.manifest.calibration_id, "llm_usage": usage }), committed: true })
+        Ok(JobOutput { outputs, result: serde_json::json!({ "calibration_id": out.manifest.calibration_id }), committed: true })
     }
 }
 

@@ -59,12 +59,47 @@ pub struct Scheduler {
     pub inputs: Arc<RunInputs>,
     /// Costs of the stage running now (Table 9), stored when it finishes.
     pub cost: std::sync::Mutex<super::cost::StageCost>,
+    /// Run-level gauges (Prometheus).
+    pub metrics: worker::Metrics,
 }
 
 /// Seed of a (purpose, step, task, harness) unit, derived from the run seed.
 fn unit_seed(run_seed: u64, parts: &[&str]) -> u64 {
     let id = job_id(&JobIdParts { run_id: &parts.join("/"), seed: run_seed, ..Default::default() });
     u64::from_str_radix(&id[..15], 16).unwrap_or(run_seed)
+}
+
+/// The stages of a run of `spec`, in order (Algorithm 1): evolve, baseline, calibrations,
+/// update stages, final calibration, evaluation, report.
+pub fn stages(spec: &super::spec::RunSpec) -> Vec<String> {
+    let mut s = vec![];
+    if spec.evolution.is_some() {
+        s.push("evolve".to_string());
+    }
+    // `updates = 0` (HE-only): the starting policy under H0, H_best and the router's
+    // ranks, with no training; the final evaluation is then the baseline itself.
+    if spec.evaluation.baseline && spec.algorithm.updates > 0 {
+        s.push("baseline".to_string());
+    }
+    s.push("calibration:0".into());
+    for u in 1..=spec.algorithm.updates {
+        for part in ["base", "rescue", "groups"] {
+            s.push(format!("update:{u}:{part}"));
+        }
+        if spec.algorithm.learn {
+            s.push(format!("update:{u}:learn"));
+        }
+        let interval = spec.calibration.interval;
+        if interval > 0 && u % interval == 0 && u < spec.algorithm.updates {
+            s.push(format!("calibration:{u}"));
+        }
+    }
+    if spec.algorithm.updates > 0 {
+        s.push(format!("calibration:final:{}", spec.algorithm.updates));
+    }
+    s.push("evaluation".into());
+    s.push("report".into());
+    s
 }
 
 impl Scheduler {
@@ -96,35 +131,7 @@ impl Scheduler {
 
     /// The stages of this run, in order.
     pub fn stages(&self) -> Vec<String> {
-        let spec = self.spec();
-        let mut s = vec![];
-        if spec.evolution.is_some() {
-            s.push("evolve".to_string());
-        }
-        // `updates = 0` (HE-only): the starting policy under H0, H_best and the router's
-        // ranks, with no training; the final evaluation is then the baseline itself.
-        if spec.evaluation.baseline && spec.algorithm.updates > 0 {
-            s.push("baseline".to_string());
-        }
-        s.push("calibration:0".into());
-        for u in 1..=spec.algorithm.updates {
-            for part in ["base", "rescue", "groups"] {
-                s.push(format!("update:{u}:{part}"));
-            }
-            if spec.algorithm.learn {
-                s.push(format!("update:{u}:learn"));
-            }
-            let interval = spec.calibration.interval;
-            if interval > 0 && u % interval == 0 && u < spec.algorithm.updates {
-                s.push(format!("calibration:{u}"));
-            }
-        }
-        if spec.algorithm.updates > 0 {
-            s.push(format!("calibration:final:{}", spec.algorithm.updates));
-        }
-        s.push("evaluation".into());
-        s.push("report".into());
-        s
+        stages(self.spec())
     }
 
     /// Runs every stage not yet done; persists state after each.
@@ -154,6 +161,12 @@ impl Scheduler {
             }
             st.completed.push(stage.clone());
             state::save(self.store.as_ref(), st).await?;
+            self.metrics.set_run(worker::metrics::RunProgress {
+                updates_done: st.step,
+                stages_done: st.completed.len(),
+                rollouts: st.rollouts_base + st.rollouts_rescue + st.rollouts_other,
+                tokens: st.tokens,
+            });
             if stage == "evolve" {
                 return Ok(Drive::PoolChanged);
             }
@@ -413,7 +426,7 @@ impl Scheduler {
         let values = self.cost_mut().metrics(wall_seconds);
         let refs: Vec<(&str, f64)> = values.iter().map(|(n, v)| (n.as_str(), *v)).collect();
         let stage = format!("{}{}", super::cost::STAGE_PREFIX, super::cost::stage_kind(label));
-        let step = super::cost::stage_step(label, st.step);
+        let step = super::cost::stage_step(label, self.spec().algorithm.updates);
         self.write_metric_part(step, &stage, &format!("cost:{label}"), &refs, st).await
     }
 
@@ -425,6 +438,9 @@ impl Scheduler {
     /// same part and step replace each other: a re-run stage rewrites its own).
     async fn write_metric_part(&self, step: u32, stage: &str, part: &str, values: &[(&str, f64)], st: &RunState) -> anyhow::Result<()> {
         let now = schemas::now_unix_ms();
+        for (name, value) in values {
+            self.metrics.observe_run_metric(name, *value);
+        }
         let rows: Vec<MetricRow> = values
             .iter()
             .map(|(name, value)| MetricRow {
@@ -437,8 +453,17 @@ impl Scheduler {
                 recorded_at_ms: now,
             })
             .collect();
+        self.store_metric_rows(step, part, &rows).await
+    }
+
+    /// Stores metric rows as the Parquet part named by (`part`, `step`) and, for
+    /// TensorBoard as they arrive, as an event file (`tensorboard --logdir` on the folder).
+    async fn store_metric_rows(&self, step: u32, part: &str, rows: &[MetricRow]) -> anyhow::Result<()> {
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: part, step, ..Default::default() });
-        write_records(self.store.as_ref(), &keys::metrics_part(self.run_id(), step, &id), &rows).await?;
+        write_records(self.store.as_ref(), &keys::metrics_part(self.run_id(), step, &id), rows).await?;
+        let at = rows.iter().map(|r| r.recorded_at_ms).max().unwrap_or_else(schemas::now_unix_ms);
+        let events = format!("{}{}", crate::tensorboard::events_prefix(self.run_id()), crate::tensorboard::event_file_name(at, &id[..16]));
+        self.store.put(&events, bytes::Bytes::from(crate::tensorboard::encode(rows))).await?;
         Ok(())
     }
 
@@ -519,8 +544,7 @@ impl Scheduler {
             }
             let checkpoint_key = checkpoint.map(|s| native::checkpoint::manifest_key(self.run_id(), s));
             let rows = jobs::router::analysis::metric_rows(&table, self.run_id(), step, "evaluation:ranks", checkpoint_key.as_deref());
-            let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "evaluation:ranks", step, ..Default::default() });
-            write_records(self.store.as_ref(), &keys::metrics_part(self.run_id(), step, &id), &rows).await?;
+            self.store_metric_rows(step, "evaluation:ranks", &rows).await?;
         }
         Ok(())
     }

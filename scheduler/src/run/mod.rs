@@ -86,7 +86,8 @@ pub async fn state_for_drive(store: &dyn ObjectStore, run_id: &str) -> anyhow::R
 }
 
 /// Drives a run with the given queue (workers consume it elsewhere or in-process).
-pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &str, bars: bool) -> anyhow::Result<Finish> {
+/// `metrics` gets the run-level gauges as stages finish (serve it with `--metrics-addr`).
+pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &str, bars: bool, metrics: worker::Metrics) -> anyhow::Result<Finish> {
     let mut st = state_for_drive(store.as_ref(), run_id).await?;
     preflight::check(&inputs::load_stored(store.as_ref(), run_id).await?.spec).await?;
     let poll = if queue.url().starts_with("memory:") { Duration::from_millis(100) } else { Duration::from_millis(500) };
@@ -94,7 +95,7 @@ pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &
         // Inputs are read again after evolution wrote the run's pool.
         let inputs = Arc::new(inputs::RunInputs::load(store.as_ref(), run_id).await?);
         let exec = Executor { store: store.clone(), queue: queue.clone(), poll, bars };
-        let sched = Scheduler { store: store.clone(), exec, inputs, cost: Default::default() };
+        let sched = Scheduler { store: store.clone(), exec, inputs, cost: Default::default(), metrics: metrics.clone() };
         match sched.drive(&mut st).await? {
             Drive::Finished(f) => return Ok(f),
             Drive::PoolChanged => continue,
@@ -103,7 +104,8 @@ pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &
 }
 
 /// Drives a run in this process: a memory queue and `workers` in-process workers.
-pub async fn drive_embedded(store: Arc<dyn ObjectStore>, run_id: &str, workers: usize, bars: bool) -> anyhow::Result<Finish> {
+/// The in-process workers count their jobs in `metrics` too.
+pub async fn drive_embedded(store: Arc<dyn ObjectStore>, run_id: &str, workers: usize, bars: bool, metrics: worker::Metrics) -> anyhow::Result<Finish> {
     let queue = infra::queue::open_queue(&format!("memory://{run_id}")).await?;
     let registry = handlers::registry();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -114,7 +116,7 @@ pub async fn drive_embedded(store: Arc<dyn ObjectStore>, run_id: &str, workers: 
     for i in 0..workers.max(1) {
         let mut config = worker::WorkerConfig::new(RUN_KINDS.to_vec(), per_worker);
         config.worker_id = format!("embedded-{i}");
-        let w = worker::Worker::new(queue.clone(), store.clone(), registry.clone(), config)?;
+        let w = worker::Worker::new(queue.clone(), store.clone(), registry.clone(), config)?.with_metrics(metrics.clone());
         let mut rx = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
             w.run(async move {
@@ -123,7 +125,7 @@ pub async fn drive_embedded(store: Arc<dyn ObjectStore>, run_id: &str, workers: 
             .await
         }));
     }
-    let result = drive(store, queue, run_id, bars).await;
+    let result = drive(store, queue, run_id, bars, metrics).await;
     let _ = stop_tx.send(true);
     for t in tasks {
         match t.await {

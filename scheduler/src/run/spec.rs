@@ -77,6 +77,8 @@ pub struct RunSpec {
     pub evaluation: EvaluationSection,
     #[serde(default)]
     pub budgets: BudgetSection,
+    #[serde(default)]
+    pub learner: LearnerSection,
     /// Directional harness evolution (§3.2) before training: the run's pool is what it
     /// evolves.
     pub evolution: Option<EvolutionSection>,
@@ -330,8 +332,8 @@ pub struct AlgorithmSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouterSection {
     /// `random`, `rule`, `llm_4x2`, `topk_fixed` or `topk_adaptive` (§3.4, Table 2).
-    #[serde(default = "default_variant")]
-    pub variant: String,
+    /// Default: `topk_adaptive` (the paper's method) when `voters` are given, else `rule`.
+    pub variant: Option<String>,
     /// LLM voters of the profile variants (`llm_4x2`, `topk_*`), each an OpenAI-compatible
     /// endpoint. None: those variants vote with the built-in rule voter over profiles
     /// (recorded as `rule+profiles` on every ballot).
@@ -350,14 +352,24 @@ pub struct RouterSection {
 
 impl Default for RouterSection {
     fn default() -> Self {
-        RouterSection { variant: default_variant(), voters: vec![], rule_voter: false, profiler: None, similar_tasks: None }
+        RouterSection { variant: None, voters: vec![], rule_voter: false, profiler: None, similar_tasks: None }
     }
 }
 
 impl RouterSection {
+    /// The variant's name as given, or the default: Top-K Adaptive (the method) with LLM
+    /// voters, the rule router without.
+    pub fn variant_name(&self) -> &str {
+        match &self.variant {
+            Some(v) => v,
+            None if !self.voters.is_empty() => "topk_adaptive",
+            None => "rule",
+        }
+    }
+
     /// The variant; the spec check guarantees it parses.
     pub fn variant(&self) -> jobs::router::Variant {
-        self.variant.parse().unwrap_or(jobs::router::Variant::Rule)
+        self.variant_name().parse().unwrap_or(jobs::router::Variant::Rule)
     }
 }
 
@@ -379,8 +391,57 @@ impl EndpointSection {
     }
 }
 
-fn default_variant() -> String {
-    "rule".into()
+/// The learner's optimizer and batching (Appendix B). The learning rate is
+/// `[algorithm] learning_rate`; the clipping widths are the paper's (η− = 0.20, η+ = 0.28).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LearnerSection {
+    /// AdamW β1, β2 and ε.
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Global L2 norm the gradient is clipped to before each step.
+    pub max_grad_norm: f64,
+    /// Padded tokens per micro-batch (bounds the learner's activation memory).
+    pub micro_batch_tokens: usize,
+    /// Optimizer steps per batch of retained groups (π_old stays the pre-update policy).
+    pub updates_per_batch: usize,
+}
+
+impl Default for LearnerSection {
+    fn default() -> Self {
+        let (o, l) = (native::learner::AdamWConfig::default(), native::learner::LearnerConfig::default());
+        LearnerSection {
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            max_grad_norm: o.max_grad_norm,
+            micro_batch_tokens: l.micro_batch_tokens,
+            updates_per_batch: l.updates_per_batch,
+        }
+    }
+}
+
+impl LearnerSection {
+    /// The learner configuration of a run: these keys, its learning rate and seed.
+    pub fn config(&self, learning_rate: f64, seed: u64) -> native::learner::LearnerConfig {
+        native::learner::LearnerConfig {
+            optimizer: native::learner::AdamWConfig {
+                lr: learning_rate,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                weight_decay: self.weight_decay,
+                max_grad_norm: self.max_grad_norm,
+            },
+            micro_batch_tokens: self.micro_batch_tokens,
+            updates_per_batch: self.updates_per_batch,
+            seed,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -512,6 +573,69 @@ pub fn load(path: &Path) -> Result<LoadedSpec, SpecError> {
     let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
     let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "run".into());
     parse(&text, &file, &base_dir, &stem)
+}
+
+/// Reads a spec file and applies `key.path=value` overrides (`--set`) before checking it:
+/// each value is read as a TOML value (`3`, `1e-4`, `true`, `"text"`, `[1, 2]`), or as a
+/// string when it is not one (`--set router.variant=rule`). The overridden spec is checked
+/// like the file, and its text (the file's with the overrides applied) is what the run
+/// stores.
+pub fn load_with(path: &Path, overrides: &[String]) -> Result<LoadedSpec, SpecError> {
+    if overrides.is_empty() {
+        return load(path);
+    }
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| SpecError {
+        file: file.clone(),
+        problems: vec![SpecProblem { path: "(file)".into(), message: format!("cannot read: {e}") }],
+    })?;
+    let text = apply_overrides(&text, overrides).map_err(|problems| SpecError { file: file.clone(), problems })?;
+    let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "run".into());
+    parse(&text, &file, &base_dir, &stem)
+}
+
+/// The spec text with `key.path=value` overrides applied; problems name the `--set` given.
+pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, Vec<SpecProblem>> {
+    let bad = |o: &str, message: String| SpecProblem { path: format!("--set {}", shorten(o, 80)), message };
+    let mut doc: toml::Table = text.parse().map_err(|e: toml::de::Error| vec![SpecProblem { path: "(syntax)".into(), message: e.to_string().trim().to_string() }])?;
+    let mut problems = Vec::new();
+    for o in overrides {
+        let Some((key, raw)) = o.split_once('=') else {
+            problems.push(bad(o, "expected key.path=value, e.g. --set algorithm.updates=5".into()));
+            continue;
+        };
+        let parts: Vec<&str> = key.trim().split('.').collect();
+        if parts.iter().any(|p| p.is_empty()) {
+            problems.push(bad(o, format!("`{}` is not a key path like algorithm.updates", key.trim())));
+            continue;
+        }
+        let value = match format!("v = {}", raw.trim()).parse::<toml::Table>() {
+            Ok(mut t) => t.remove("v").unwrap_or_else(|| toml::Value::String(raw.trim().to_string())),
+            Err(_) => toml::Value::String(raw.trim().to_string()),
+        };
+        match section_mut(&mut doc, &parts[..parts.len() - 1]) {
+            Ok(table) => {
+                table.insert(parts[parts.len() - 1].to_string(), value);
+            }
+            Err(message) => problems.push(bad(o, message)),
+        }
+    }
+    if !problems.is_empty() {
+        return Err(problems);
+    }
+    toml::to_string(&doc).map_err(|e| vec![SpecProblem { path: "--set".into(), message: format!("cannot write the overridden spec: {e}") }])
+}
+
+/// The table at `path` in `doc`, made where missing; an error when a value sits there.
+fn section_mut<'a>(mut table: &'a mut toml::Table, path: &[&str]) -> Result<&'a mut toml::Table, String> {
+    for section in path {
+        table = match table.entry(section.to_string()).or_insert_with(|| toml::Value::Table(Default::default())) {
+            toml::Value::Table(t) => t,
+            _ => return Err(format!("`{section}` is a value, not a section")),
+        };
+    }
+    Ok(table)
 }
 
 /// Parses and checks spec text; `stem` is the default run id.
@@ -792,10 +916,10 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
             }
         }
     }
-    match spec.router.variant.parse::<jobs::router::Variant>() {
+    match spec.router.variant_name().parse::<jobs::router::Variant>() {
         Err(_) => {
             let names: Vec<&str> = jobs::router::Variant::ALL.iter().map(|v| v.as_str()).collect();
-            bad("router.variant", format!("`{}` is not one of {}", spec.router.variant, names.join(", ")));
+            bad("router.variant", format!("`{}` is not one of {}", spec.router.variant_name(), names.join(", ")));
         }
         Ok(v) if !v.uses_profiles() && !spec.router.voters.is_empty() => bad(
             "router.voters",
@@ -850,6 +974,26 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     }
     if spec.evaluation.ranks.is_some_and(|r| r > 0) && !spec.has_pool() {
         bad("evaluation.ranks", "routing test tasks needs a pool; set ranks = 0 or give [pool] dir".into());
+    }
+    let l = &spec.learner;
+    for (key, v, lo, hi) in [("learner.beta1", l.beta1, 0.0, 1.0), ("learner.beta2", l.beta2, 0.0, 1.0)] {
+        if !(v >= lo && v < hi) {
+            bad(key, format!("{v} must be in [{lo}, {hi})"));
+        }
+    }
+    for (key, v) in [("learner.eps", l.eps), ("learner.max_grad_norm", l.max_grad_norm)] {
+        if !(v.is_finite() && v > 0.0) {
+            bad(key, format!("{v} must be a positive number"));
+        }
+    }
+    if !(l.weight_decay.is_finite() && l.weight_decay >= 0.0) {
+        bad("learner.weight_decay", format!("{} must be zero or positive", l.weight_decay));
+    }
+    if l.micro_batch_tokens < 16 {
+        bad("learner.micro_batch_tokens", format!("{} is too small: a micro-batch holds at least one sample (use 1024 or more)", l.micro_batch_tokens));
+    }
+    if l.updates_per_batch == 0 {
+        bad("learner.updates_per_batch", "must be at least 1".into());
     }
     if spec.evaluation.stage_updates == Some(0) {
         bad("evaluation.stage_updates", "must be at least 1 update per stage (leave it out for early/mid/late thirds)".into());
@@ -930,6 +1074,9 @@ rescue = "h0"
             (format!("{GOOD}[budgets]\nmax_rollouts = 0\n"), "budgets.max_rollouts"),
             (format!("{GOOD}[evaluation]\nranks = 1000\n"), "evaluation.ranks"),
             (format!("{GOOD}[evaluation]\nstage_updates = 0\n"), "evaluation.stage_updates"),
+            (format!("{GOOD}[learner]\nbeta2 = 1.5\n"), "learner.beta2"),
+            (format!("{GOOD}[learner]\nupdates_per_batch = 0\n"), "learner.updates_per_batch"),
+            (format!("{GOOD}[learner]\nweight_decay = -1\n"), "learner.weight_decay"),
             (format!("{GOOD}[router]\nvariant = \"topk_fixed\"\n"), "router.voters"),
             (format!("{GOOD}[router]\nvariant = \"rule\"\nrule_voter = true\n"), "router.rule_voter"),
             (format!("{GOOD}[router]\nvariant = \"topk_adaptive\"\nrule_voter = true\nvoters = [{{ base_url = \"http://127.0.0.1:1/v1\", model = \"m\" }}]\n"), "router.rule_voter"),
@@ -986,7 +1133,11 @@ rescue = "h0"
         let s = parse(GOOD, "good.toml", Path::new("."), "good").unwrap();
         assert_eq!(s.run_id, "t1");
         assert_eq!(s.spec.evaluation.k, 3);
-        assert_eq!(s.spec.router.variant, "rule");
+        assert_eq!(s.spec.router.variant_name(), "rule");
+        // With voters and no variant, the router is Top-K Adaptive (the method).
+        let voters = GOOD.to_string() + "[router]\nvoters = [{ base_url = \"http://127.0.0.1:1/v1\", model = \"m\" }]\n";
+        let s = parse(&voters, "good.toml", Path::new("."), "good").unwrap();
+        assert_eq!(s.spec.router.variant(), jobs::router::Variant::TopkAdaptive);
         assert_eq!(s.spec.algorithm.rescue, RescueStrategy::H0);
         // one request at a time for an endpoint unless the spec says otherwise
         assert_eq!(s.spec.policy.concurrency(), 1);

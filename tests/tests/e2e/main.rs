@@ -1,3 +1,4 @@
+mod cli;
 mod dbbench;
 mod evolve;
 mod harness;

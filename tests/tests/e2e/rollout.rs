@@ -35,7 +35,7 @@ async fn rollout(policy_url: &str, harness: &str, tasks: &str, out: &Path, run: 
         .args(["--task-ids", tasks, "--harness", harness, "--policy", policy_url, "--model", &openai_model()])
         .args(["--tool-protocol", "text", "--n", "1", "--seed", "7", "--run", run])
         .args(["--max-rounds", "3", "--max-model-calls", "2", "--max-tokens", "40", "--max-context-tokens", "2048"])
-        .arg("--out")
+        .arg("--store")
         .arg(out)
         .args(extra);
     cmd.output().await.expect("harness-s runs")

@@ -207,11 +207,17 @@ async fn parquet_round_trip(store: &dyn ObjectStore) {
 
 #[tokio::test]
 async fn local_store_suite() {
-    let (_dir, store) = local_store().await;
+    let (dir, store) = local_store().await;
     basic_operations(store.as_ref()).await;
     put_if_absent_race(store.clone()).await;
     multipart(store.as_ref()).await;
     parquet_round_trip(store.as_ref()).await;
+    // Objects are readable by the group and others (serving processes of other users load
+    // checkpoints), not 0600 like the temporary files they are written through.
+    use std::os::unix::fs::PermissionsExt;
+    store.put("perm/a.json", bytes::Bytes::from_static(b"{}")).await.unwrap();
+    let mode = std::fs::metadata(dir.path().join("perm/a.json")).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode & 0o044, 0o044, "mode {mode:o}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

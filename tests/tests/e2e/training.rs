@@ -72,6 +72,7 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     let (code, out, err) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
     assert!(code == 0 || code == 3, "exit {code}\nstdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains("effective_group_rate"), "metrics table printed:\n{out}");
+    assert!(!err.contains('\u{1b}'), "logs into a pipe carry no colour codes:\n{err}");
     assert!(out.contains("report: "), "{out}");
 
     let store = open_store(&store_url).await.unwrap();
@@ -133,6 +134,37 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     assert_trained(store.as_ref(), "e2e-embedded", 1).await;
     assert!(store.head("runs/e2e-embedded/reports/signals.png").await.unwrap().is_some());
 
+    // Tracking: the run's metrics as TensorBoard reads them (its own EventAccumulator over
+    // the event files the scheduler wrote as it went), as a wide CSV, and its folder pool.
+    let tb = dir.path().join("store/runs/e2e-embedded/tensorboard");
+    let script = "import json, sys\n\
+                  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+                  ea = EventAccumulator(sys.argv[1], size_guidance={'scalars': 0})\n\
+                  ea.Reload()\n\
+                  print(json.dumps({t: [[e.step, e.value] for e in ea.Scalars(t)] for t in ea.Tags()['scalars']}))";
+    let read = Command::new("python3").args(["-c", script]).arg(&tb).output().unwrap();
+    assert!(read.status.success(), "TensorBoard's reader failed (pip install tensorboard): {}", String::from_utf8_lossy(&read.stderr));
+    let scalars: std::collections::BTreeMap<String, Vec<(u32, f64)>> = serde_json::from_slice(&read.stdout).unwrap();
+    for m in &metrics {
+        let tag = format!("{}/{}", m.stage, m.name);
+        let points = scalars.get(&tag).unwrap_or_else(|| panic!("no TensorBoard scalar {tag}: {:?}", scalars.keys().collect::<Vec<_>>()));
+        assert!(points.iter().any(|(s, v)| *s == m.step && (v - m.value).abs() <= 1e-5 * m.value.abs().max(1.0)), "{tag} at {}: {points:?} vs {}", m.step, m.value);
+    }
+    let (code, csv, err) = harness_s(&["metrics", "e2e-embedded", "--store", &store_url]);
+    assert_eq!(code, 0, "{err}");
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    assert_eq!(header[0], "step");
+    assert!(header.contains(&"learn/loss") && header.contains(&"update/effective_group_rate"), "{header:?}");
+    assert_eq!(csv.lines().count() - 1, metrics.iter().map(|m| m.step).collect::<std::collections::BTreeSet<_>>().len(), "one row per step");
+    let (code, pool, err) = Command::new(harness_s_bin())
+        .args(["pool", "ls", "e2e-embedded"])
+        .env("HARNESS_S_STORE", &store_url)
+        .output()
+        .map(|o| (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout).to_string(), String::from_utf8_lossy(&o.stderr).to_string()))
+        .unwrap();
+    assert_eq!(code, 0, "pool ls takes the store from HARNESS_S_STORE: {err}");
+    assert!(pool.contains("from [pool] dir") && pool.contains("| s1-example-answer |") && pool.contains("policy-side"), "{pool}");
+
     // Table 9: every finished stage has its wall time; the policy's tokens equal the rows'.
     let cost = |stage: &str, name: &str| metrics.iter().filter(|m| m.stage == stage && m.name == name).map(|m| m.value).sum::<f64>();
     for stage in ["baseline", "calibration", "base", "rescue", "groups", "learn", "evaluation"] {
@@ -160,6 +192,11 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     let report = String::from_utf8(store.get("runs/e2e-embedded/reports/report.md").await.unwrap().to_vec()).unwrap();
     assert!(report.contains(&format!("under H_best = `{}`", h_best.name)), "{report}");
     assert!(report.contains("## Cost (Table 9 layout)") && report.contains("| learn |"), "{report}");
+    assert!(report.contains("K = 2, 2 task(s) per update, 1 update(s)") && report.contains("rescue `router`"), "the resolved settings head the report:\n{report}");
+    assert!(report.contains("## Training rollouts") && report.contains("| h0 |"), "{report}");
+    for png in ["harnesses.png", "rollouts.png", "validation.png"] {
+        assert_eq!(&store.get(&format!("runs/e2e-embedded/reports/{png}")).await.unwrap()[1..4], b"PNG", "{png}");
+    }
     assert!(out.contains("H_best = "), "{out}");
 
     // Re-anchoring: one calibration per checkpoint, each naming the checkpoint it froze;
@@ -559,6 +596,11 @@ async fn assert_trained(store: &dyn infra::store::ObjectStore, run: &str, step: 
         })
         .fold(0.0, f64::max);
     assert!(moved > 0.0, "update {step} of {run} left every weight as the base model's");
+    // The weights file says it is a PyTorch-layout safetensors file, as transformers expects.
+    let weights = store.get(&format!("runs/{run}/checkpoints/step={step}/model.safetensors")).await.unwrap();
+    let header_len = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&weights[8..8 + header_len]).unwrap();
+    assert_eq!(header["__metadata__"]["format"], "pt", "{}", header["__metadata__"]);
 }
 
 /// `(name, sha256)` of every file of a stored checkpoint.
@@ -685,8 +727,10 @@ async fn a_worker_killed_during_rescue_rollouts_loses_nothing() {
     };
     let mut doomed = worker("doomed");
     let mut survivor = worker("survivor");
+    let metrics_port = harness_s_tests::free_port();
     let mut scheduler = Command::new(harness_s_bin())
-        .args(["scheduler", "--run", &run_id, "--store", &store_url, "--queue", &queue_url])
+        .args(["scheduler", "--run", &run_id, "--store", &store_url, "--queue", &queue_url, "--metrics-addr"])
+        .arg(format!("127.0.0.1:{metrics_port}"))
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(dir.path().join("scheduler.log")).unwrap())
         .spawn()
@@ -708,6 +752,13 @@ async fn a_worker_killed_during_rescue_rollouts_loses_nothing() {
     }
     doomed.kill().unwrap(); // SIGKILL
     doomed.wait().unwrap();
+    // The scheduler's Prometheus endpoint follows the run: by the rescue stage the
+    // calibration and the base rollouts are done.
+    let scraped = harness_s_tests::scrape(metrics_port);
+    assert!(harness_s_tests::sample(&scraped, "harness_s_run_stages_done").is_some_and(|v| v >= 2.0), "{scraped}");
+    assert!(harness_s_tests::sample(&scraped, "harness_s_run_rollouts").is_some_and(|v| v >= 4.0), "{scraped}");
+    assert!(harness_s_tests::sample(&scraped, "harness_s_run_tokens").is_some_and(|v| v > 0.0), "{scraped}");
+    assert!(harness_s_tests::sample(&scraped, "harness_s_run_h0_validation_success").is_some(), "{scraped}");
 
     let status = scheduler.wait().unwrap();
     let _ = Command::new("kill").args(["-TERM", &survivor.id().to_string()]).status();

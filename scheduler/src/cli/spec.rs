@@ -105,7 +105,11 @@ fn plan(loaded: &LoadedSpec) -> anyhow::Result<Vec<String>> {
         "  evaluation: {} (test tasks {test} × k {} × up to {eval_harnesses} harness(es): H0{})",
         test * spec.evaluation.k as usize * eval_harnesses,
         spec.evaluation.k,
-        if spec.has_pool() { format!(", Rank-1..{} and H_best", spec.eval_ranks()) } else { String::new() }
+        match (spec.has_pool(), spec.eval_ranks()) {
+            (false, _) => String::new(),
+            (true, 0) => " and H_best".to_string(),
+            (true, r) => format!(", Rank-1..{r} and H_best"),
+        }
     ));
     if a.learn && a.updates > 0 {
         lines.push(format!("learn steps: {} (a checkpoint each)", a.updates));

@@ -61,7 +61,11 @@ async fn ls(args: LsArgs) -> anyhow::Result<u8> {
     if !url.contains("://") || url.starts_with("file://") {
         let path = url.strip_prefix("file://").unwrap_or(&url);
         if !std::path::Path::new(path).is_dir() {
-            anyhow::bail!("no store at `{}`: the folder does not exist (give file:///abs/dir or s3://bucket/prefix)", infra::redact_url(&url));
+            let looked_for = match &args.location {
+                Some(l) if !is_url(l) => format!(" to list `{l}` in (a location without `://` is a key prefix in --store)"),
+                _ => String::new(),
+            };
+            anyhow::bail!("no store at `{}`{looked_for}: the folder does not exist (give file:///abs/dir or s3://bucket/prefix)", infra::redact_url(&url));
         }
     }
     let store = open_store(&url).await?;

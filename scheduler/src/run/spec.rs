@@ -589,10 +589,26 @@ pub fn load_with(path: &Path, overrides: &[String]) -> Result<LoadedSpec, SpecEr
         file: file.clone(),
         problems: vec![SpecProblem { path: "(file)".into(), message: format!("cannot read: {e}") }],
     })?;
-    let text = apply_overrides(&text, overrides).map_err(|problems| SpecError { file: file.clone(), problems })?;
+    let merged = apply_overrides(&text, overrides).map_err(|problems| SpecError { file: file.clone(), problems })?;
     let base_dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
     let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "run".into());
-    parse(&text, &file, &base_dir, &stem)
+    let structural = |e: &SpecError| e.problems.iter().find(|p| p.path == "(structure)").map(|p| p.message.clone());
+    match parse(&merged, &file, &base_dir, &stem) {
+        // A value of the wrong type: the error's position is in the rewritten text, so name
+        // the override(s) that cause it instead.
+        Err(e) if structural(&e).is_some() => {
+            let mut problems = Vec::new();
+            for o in overrides {
+                let Ok(one) = apply_overrides(&text, std::slice::from_ref(o)) else { continue };
+                if let Some(message) = parse(&one, &file, &base_dir, &stem).err().as_ref().and_then(structural) {
+                    let detail = message.rsplit('^').next().unwrap_or(&message).trim().to_string();
+                    problems.push(SpecProblem { path: format!("--set {}", shorten(o, 80)), message: format!("the value does not fit the key: {detail}") });
+                }
+            }
+            Err(if problems.is_empty() { e } else { SpecError { file, problems } })
+        }
+        other => other,
+    }
 }
 
 /// The spec text with `key.path=value` overrides applied; problems name the `--set` given.

@@ -16,7 +16,7 @@ fn completions_are_printed_for_each_shell() {
     for shell in ["bash", "zsh", "fish"] {
         let (code, out, err) = harness_s(&["completions", shell]);
         assert_eq!(code, 0, "{shell}: {err}");
-        assert!(out.contains("harness-s") && out.contains("--store") && out.contains("completions"), "{shell}:\n{}", &out[..out.len().min(400)]);
+        assert!(out.contains("harness-s") && out.contains("store") && out.contains("completions") && out.contains("metrics-addr"), "{shell}:\n{}", &out[..out.len().min(400)]);
     }
     let (code, _, err) = harness_s(&["completions", "tcsh"]);
     assert_eq!(code, 2, "an unknown shell is a usage error: {err}");
@@ -34,7 +34,7 @@ fn spec_show_fills_in_defaults_and_applies_overrides() {
     }
     // Overrides are checked like the file, and name what was wrong.
     for (set, needle) in [
-        ("algorithm.updates=many", "algorithm.updates"),
+        ("algorithm.updates=many", "--set algorithm.updates=many: the value does not fit the key"),
         ("learner.beta2=1.5", "learner.beta2"),
         ("no-equals-sign", "--set no-equals-sign"),
         ("algorithm..k=2", "not a key path"),

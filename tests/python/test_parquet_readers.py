@@ -69,7 +69,7 @@ def test_pyarrow_reads_partitions_and_values(written):
     first = sorted(Path(data).rglob("*.parquet"))[0]
     meta = pq.read_metadata(first).metadata
     assert meta[b"harness_s.record"] == b"trajectory"
-    assert meta[b"harness_s.schema_version"] == b"2"
+    assert meta[b"harness_s.schema_version"] == b"3"
 
 
 def test_polars_reads_partitions_and_values(written):

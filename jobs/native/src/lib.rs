@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 pub mod checkpoint;
 pub mod cpu;
 pub mod engine;
+pub mod export;
 pub mod gguf;
 pub mod hf;
 pub mod kernels;

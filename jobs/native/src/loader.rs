@@ -104,7 +104,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<LlamaConfig, NativeError> {
 }
 
 /// HF parameter name of a GGUF tensor name.
-fn hf_name(gguf: &str) -> Option<String> {
+pub fn hf_name(gguf: &str) -> Option<String> {
     let top = match gguf {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),

@@ -109,3 +109,62 @@ fn greedy_decoding_and_logits_match_llama_cpp() {
     }
     assert!(gen.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0));
 }
+
+/// llama.cpp on one GGUF as it is: greedy tokens and first-token logits, as JSON.
+const RUN_ONE: &str = r#"
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+path, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+llm = Llama(model_path=path, n_ctx=512, n_threads=2, logits_all=True, verbose=False, seed=0)
+toks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+llm.eval(toks)
+first = llm.scores[llm.n_tokens - 1].tolist()
+out = []
+for _ in range(n):
+    t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    out.append(t)
+    llm.eval([t])
+print(json.dumps({"prompt_tokens": toks, "tokens": out, "first_logits": first}))
+"#;
+
+/// Weights exported as GGUF (`harness-s export gguf`) run in llama.cpp as the model they
+/// came from: the SmolLM2 weights changed as an update would change them, exported, give
+/// llama.cpp logits equal to ours within the F32 tolerance above and the same greedy
+/// tokens, while the change itself moves the logits far more than that.
+#[test]
+fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
+    tch::set_num_threads(2);
+    let gguf = smollm2_gguf();
+    let prompt = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n";
+    const N: usize = 24;
+    let (model, tok) = loader::load(&gguf, tch::Device::Cpu).unwrap();
+    let ids = tok.encode(prompt).unwrap();
+    let before = sampler::next_token_logits(&model, &ids).unwrap();
+    // An "update": every layer's attention output projection scaled by 1.1 (q/k rows too,
+    // so that the q/k permutation is exercised by changed weights).
+    tch::no_grad(|| {
+        for (name, t) in model.named_tensors() {
+            if name.ends_with("o_proj.weight") || name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight") {
+                let _ = t.shallow_clone().g_mul_scalar_(1.1);
+            }
+        }
+    });
+    let ours = sampler::next_token_logits(&model, &ids).unwrap();
+    let moved = relative_error(&ours, &before);
+
+    let base = native::gguf::GgufFile::open(&gguf).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let exported = dir.path().join("exported.gguf");
+    std::fs::write(&exported, native::export::gguf_bytes(&base, &model).unwrap()).unwrap();
+    let out = Command::new("python3").args(["-c", RUN_ONE, exported.to_str().unwrap(), prompt, &N.to_string()]).output().unwrap();
+    assert!(out.status.success(), "llama.cpp could not run the exported GGUF: {}", String::from_utf8_lossy(&out.stderr));
+    let theirs: Reference = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ids, theirs.prompt_tokens, "the exported tokenizer tokenizes as ours");
+    let rel = relative_error(&ours, &theirs.first_logits);
+    eprintln!("exported GGUF: first-token logits relative L2 error {rel:.2e}; the change itself moved them by {moved:.2e}");
+    assert!(rel < 1e-2 && rel * 10.0 < moved, "llama.cpp on the exported GGUF: error {rel:.3e}, change {moved:.3e}");
+    let gen = sampler::generate(&model, &ids, &sampler::GenerateOptions::greedy(N), &[]).unwrap();
+    let agree = gen.tokens.iter().zip(&theirs.tokens).take_while(|(a, b)| a == b).count();
+    assert!(agree >= 20, "greedy tokens agree for only {agree} of {N}: ours {:?}, llama.cpp {:?}", gen.tokens, theirs.tokens);
+}

@@ -29,6 +29,10 @@ pub struct MetricsArgs {
 }
 
 pub async fn run(args: MetricsArgs) -> anyhow::Result<u8> {
+    // The arguments first: nothing is read for a command that cannot write its output.
+    if args.format != "csv" && args.out.is_none() {
+        anyhow::bail!("--format {} writes a file: give --out PATH", args.format);
+    }
     let store = args.store.open().await?;
     crate::run::inputs::load_stored(store.as_ref(), &args.run).await?;
     let mut rows: Vec<MetricRow> = infra::table::read_prefix(store.as_ref(), &format!("runs/{}/metrics/", args.run)).await?;

@@ -3,6 +3,7 @@
 use clap::{Args, Parser, Subcommand};
 
 mod bench;
+mod export;
 mod generate;
 mod harness;
 mod metrics;
@@ -89,6 +90,9 @@ pub enum Command {
     /// Run specs: print one resolved (defaults filled in, --set applied) with the run's plan.
     #[command(subcommand)]
     Spec(spec::SpecCommand),
+    /// Export a run's trained policy: `export gguf RUN --out FILE` for llama.cpp and Ollama.
+    #[command(subcommand)]
+    Export(export::ExportCommand),
     /// Print a shell completion script: `harness-s completions bash > ~/.local/share/bash-completion/completions/harness-s`.
     Completions(CompletionsArgs),
 }
@@ -153,6 +157,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Generate(args) => generate::run(args).await,
         Command::Serve(args) => serve::run(args).await,
         Command::Spec(cmd) => spec::run(cmd).await,
+        Command::Export(cmd) => export::run(cmd).await,
         Command::Completions(args) => {
             use clap::CommandFactory;
             clap_complete::generate(args.shell, &mut Cli::command(), "harness-s", &mut std::io::stdout());

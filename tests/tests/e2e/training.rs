@@ -165,6 +165,18 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     assert_eq!(code, 0, "pool ls takes the store from HARNESS_S_STORE: {err}");
     assert!(pool.contains("from [pool] dir") && pool.contains("| s1-example-answer |") && pool.contains("policy-side"), "{pool}");
 
+    // The trained policy leaves for llama.cpp: `export gguf` writes a GGUF that it loads.
+    let exported = dir.path().join("trained.gguf");
+    let (code, out, err) = harness_s(&["export", "gguf", "e2e-embedded", "--out", exported.to_str().unwrap(), "--store", &store_url]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("step 1 of run `e2e-embedded`"), "{out}");
+    let load = Command::new("python3")
+        .args(["-c", "import sys; from llama_cpp import Llama; m = Llama(model_path=sys.argv[1], n_ctx=128, verbose=False); print(m.n_vocab())"])
+        .arg(&exported)
+        .output()
+        .unwrap();
+    assert!(load.status.success() && String::from_utf8_lossy(&load.stdout).trim() == "49152", "{}", String::from_utf8_lossy(&load.stderr));
+
     // Table 9: every finished stage has its wall time; the policy's tokens equal the rows'.
     let cost = |stage: &str, name: &str| metrics.iter().filter(|m| m.stage == stage && m.name == name).map(|m| m.value).sum::<f64>();
     for stage in ["baseline", "calibration", "base", "rescue", "groups", "learn", "evaluation"] {

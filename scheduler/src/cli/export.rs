@@ -1,0 +1,68 @@
+//! `harness-s export gguf RUN --out FILE [--step N]`: a run's trained policy as a GGUF for
+//! llama.cpp, Ollama and the like. The tokenizer, chat template and hyper-parameters come
+//! from the GGUF the run started from; the weights (F32) from the checkpoint.
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+
+use super::StoreArg;
+
+#[derive(Debug, Subcommand)]
+pub enum ExportCommand {
+    /// Write a checkpoint's weights as a GGUF file (F32) that llama.cpp loads.
+    Gguf(GgufArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GgufArgs {
+    /// Run id.
+    pub run: String,
+    /// The GGUF file to write.
+    #[arg(long, value_name = "FILE")]
+    pub out: std::path::PathBuf,
+    /// Checkpoint step; default: the latest complete checkpoint.
+    #[arg(long)]
+    pub step: Option<u32>,
+    #[command(flatten)]
+    pub store: StoreArg,
+}
+
+pub async fn run(cmd: ExportCommand) -> anyhow::Result<u8> {
+    match cmd {
+        ExportCommand::Gguf(a) => gguf(a).await,
+    }
+}
+
+async fn gguf(args: GgufArgs) -> anyhow::Result<u8> {
+    let store = args.store.open().await?;
+    let stored = crate::run::inputs::load_stored(store.as_ref(), &args.run).await?;
+    let Some(base) = stored.base_model.as_ref().filter(|p| p.is_file()) else {
+        bail!(
+            "run `{}` did not start from a GGUF file ({}): the export copies the tokenizer and chat template from the starting GGUF",
+            args.run,
+            stored.base_model.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "no starting weights".into())
+        );
+    };
+    let base = native::gguf::GgufFile::open(base).with_context(|| format!("reading the run's starting GGUF {}", base.display()))?;
+    let step = match args.step {
+        Some(s) => s,
+        None => native::checkpoint::latest(store.as_ref(), &args.run)
+            .await?
+            .with_context(|| format!("run `{}` has no checkpoint yet (nothing was trained)", args.run))?
+            .step,
+    };
+    let (model, _, manifest) = native::checkpoint::load_model(store.as_ref(), &args.run, step, tch::Device::Cpu)
+        .await
+        .with_context(|| format!("loading checkpoint step {step} of run `{}`", args.run))?;
+    let bytes = native::export::gguf_bytes(&base, &model)?;
+    std::fs::write(&args.out, &bytes).with_context(|| format!("--out {}", args.out.display()))?;
+    println!(
+        "{}: step {step} of run `{}` (weights of step {}), {} tensors, {} bytes",
+        args.out.display(),
+        args.run,
+        manifest.weights_step.map(|s| s.to_string()).unwrap_or_else(|| "the starting model".into()),
+        base.tensors.len(),
+        bytes.len()
+    );
+    Ok(crate::exit::OK)
+}

@@ -167,9 +167,9 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
 
     // The trained policy leaves for llama.cpp: `export gguf` writes a GGUF that it loads.
     let exported = dir.path().join("trained.gguf");
-    let (code, out, err) = harness_s(&["export", "gguf", "e2e-embedded", "--out", exported.to_str().unwrap(), "--store", &store_url]);
-    assert_eq!(code, 0, "{out}\n{err}");
-    assert!(out.contains("step 1 of run `e2e-embedded`"), "{out}");
+    let (code, said, err) = harness_s(&["export", "gguf", "e2e-embedded", "--out", exported.to_str().unwrap(), "--store", &store_url]);
+    assert_eq!(code, 0, "{said}\n{err}");
+    assert!(said.contains("step 1 of run `e2e-embedded`"), "{said}");
     let load = Command::new("python3")
         .args(["-c", "import sys; from llama_cpp import Llama; m = Llama(model_path=sys.argv[1], n_ctx=128, verbose=False); print(m.n_vocab())"])
         .arg(&exported)

@@ -420,8 +420,9 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
         store.put(&format!("runs/{run_id}/reports/{file}"), Bytes::from(bytes)).await?;
     }
     let mut md = format!("# Run `{run_id}`\n\n");
-    if let Ok(stored) = crate::run::inputs::load_stored(store, run_id).await {
-        md.push_str(&spec_summary(&stored));
+    let stored = crate::run::inputs::load_stored(store, run_id).await.ok();
+    if let Some(stored) = &stored {
+        md.push_str(&spec_summary(stored));
     }
     md.push_str("## Evaluation (test split)\n\n| | Pass@k | Avg@k |\n|---|---:|---:|\n");
     for stage in ["baseline", "evaluation"] {
@@ -460,7 +461,7 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     }
     let updates = s.get("rollouts_base").iter().map(|p| p.0).max().unwrap_or(0);
     if updates > 0 {
-        let stage_updates = crate::run::inputs::load_stored(store, run_id).await.ok().and_then(|r| r.spec.evaluation.stage_updates);
+        let stage_updates = stored.as_ref().and_then(|r| r.spec.evaluation.stage_updates);
         md.push_str("\n## By training stage (Table 2 layout)\n\n");
         md.push_str(&stage_table(&s, updates, stage_updates));
     }

@@ -15,13 +15,15 @@ use std::process::Command;
 
 use native::{loader, sampler};
 
-/// llama.cpp's greedy decoding and first-token logits, as JSON.
+/// llama.cpp's greedy decoding and first-token logits, as JSON: on the file and on its F32
+/// dequantization, or (a fourth argument `as-is`) on the file alone.
 const REFERENCE: &str = r#"
 import json, os, sys, tempfile
 import numpy as np
 import llama_cpp
 from llama_cpp import Llama
 path, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+as_is = sys.argv[4:] == ["as-is"]
 
 def run(model):
     llm = Llama(model_path=model, n_ctx=512, n_threads=2, logits_all=True, verbose=False, seed=0)
@@ -35,6 +37,9 @@ def run(model):
         llm.eval([t])
     return {"prompt_tokens": toks, "tokens": out, "first_logits": first}
 
+if as_is:
+    print(json.dumps(run(path)))
+    sys.exit()
 with tempfile.TemporaryDirectory() as d:
     f32 = os.path.join(d, "f32.gguf")
     p = llama_cpp.llama_model_quantize_default_params()
@@ -110,24 +115,6 @@ fn greedy_decoding_and_logits_match_llama_cpp() {
     assert!(gen.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0));
 }
 
-/// llama.cpp on one GGUF as it is: greedy tokens and first-token logits, as JSON.
-const RUN_ONE: &str = r#"
-import json, sys
-import numpy as np
-from llama_cpp import Llama
-path, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-llm = Llama(model_path=path, n_ctx=512, n_threads=2, logits_all=True, verbose=False, seed=0)
-toks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-llm.eval(toks)
-first = llm.scores[llm.n_tokens - 1].tolist()
-out = []
-for _ in range(n):
-    t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    out.append(t)
-    llm.eval([t])
-print(json.dumps({"prompt_tokens": toks, "tokens": out, "first_logits": first}))
-"#;
-
 /// Weights exported as GGUF (`harness-s export gguf`) run in llama.cpp as the model they
 /// came from: the SmolLM2 weights changed as an update would change them, exported, give
 /// llama.cpp logits equal to ours within the F32 tolerance above and the same greedy
@@ -157,7 +144,7 @@ fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
     let dir = tempfile::tempdir().unwrap();
     let exported = dir.path().join("exported.gguf");
     std::fs::write(&exported, native::export::gguf_bytes(&base, &model).unwrap()).unwrap();
-    let out = Command::new("python3").args(["-c", RUN_ONE, exported.to_str().unwrap(), prompt, &N.to_string()]).output().unwrap();
+    let out = Command::new("python3").args(["-c", REFERENCE, exported.to_str().unwrap(), prompt, &N.to_string(), "as-is"]).output().unwrap();
     assert!(out.status.success(), "llama.cpp could not run the exported GGUF: {}", String::from_utf8_lossy(&out.stderr));
     let theirs: Reference = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(ids, theirs.prompt_tokens, "the exported tokenizer tokenizes as ours");

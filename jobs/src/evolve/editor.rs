@@ -256,9 +256,8 @@ fn change_entries(obj: &mut Map<String, Value>, op: &str, changes: &Value) -> Re
         let Value::Array(items) = items else {
             return Err(format!("`{op}.{component}` must be a list"));
         };
-        let list = entries_mut(obj, component).map(std::mem::take).unwrap_or_default();
+        let mut list = entries_mut(obj, component).map(std::mem::take).unwrap_or_default();
         let have: Vec<String> = list.iter().filter_map(|e| e.get(key).and_then(Value::as_str)).map(str::to_string).collect();
-        let mut list = list;
         for (i, item) in items.iter().enumerate() {
             let name = match op {
                 "remove" => item.as_str(),

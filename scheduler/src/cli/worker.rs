@@ -85,9 +85,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<u8> {
     let queue = infra::queue::open_queue(&args.queue.url)
         .await
         .with_context(|| format!("opening the queue {}", infra::redact_url(&args.queue.url)))?;
-    let store = infra::store::open_store(&args.store.url())
-        .await
-        .with_context(|| format!("opening the store {}", infra::redact_url(&args.store.url)))?;
+    let store = args.store.open().await?;
 
     let mut config = WorkerConfig::new(settings.kinds, args.concurrency);
     config.grace = settings.grace;

@@ -34,6 +34,33 @@ pub struct CpuWeights {
     embed: Tensor,
     inv_freq: Vec<f32>,
     pool: Option<Pool>,
+    /// The buffers of a pass, kept between passes: a prefill pass of several sequences
+    /// needs tens of megabytes, and memory fresh from the OS costs a page clear per 4 KiB
+    /// (a tenth of a prefill's time when every pass allocated anew).
+    scratch: std::sync::Mutex<Scratch>,
+}
+
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    table: Vec<f32>,
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    tmp: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+    logits: Vec<f32>,
+    qa: QActs,
+}
+
+/// The first `len` values of `v`, grown if needed (contents unspecified: every use writes
+/// them all before reading).
+fn buf(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+    &mut v[..len]
 }
 
 fn floats(t: &Tensor, name: &str) -> Result<Vec<f32>, NativeError> {
@@ -78,18 +105,19 @@ impl CpuWeights {
         let theta = c.rope_theta as f32;
         let inv_freq = (0..hd / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / hd as f32)).collect();
         let embed = model.embed.to_kind(Kind::Float).contiguous();
-        Ok(CpuWeights { layers, norm: floats(&model.norm, "model.norm")?, head, embed, inv_freq, pool: Pool::new(threads) })
+        Ok(CpuWeights { layers, norm: floats(&model.norm, "model.norm")?, head, embed, inv_freq, pool: Pool::new(threads), scratch: Default::default() })
     }
 
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.
     pub fn logits(&self, h: &Tensor) -> Tensor {
         let (rows, hidden) = h.size2().expect("hidden states [rows, hidden]");
         let x = Vec::<f32>::try_from(&h.to_kind(Kind::Float).contiguous().view([-1])).expect("float32 hidden states");
-        let mut qa = QActs::default();
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Scratch { qa, logits, .. } = &mut *scratch;
         qa.quantize(&x, rows as usize, hidden as usize, self.pool.as_ref());
-        let mut y = vec![0f32; rows as usize * self.head.rows];
-        kernels::matmul(&self.head, &qa, &mut y, self.pool.as_ref());
-        Tensor::from_slice(&y).view([rows, self.head.rows as i64])
+        let y = buf(logits, rows as usize * self.head.rows);
+        kernels::matmul(&self.head, qa, y, self.pool.as_ref());
+        Tensor::from_slice(y).view([rows, self.head.rows as i64])
     }
 
     fn embed_row(&self, token: u32, out: &mut [f32]) {
@@ -193,25 +221,22 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
         }
     }
     let n = rows.len();
-    let mut x = vec![0f32; n * hidden];
+    let mut scratch = w.scratch.lock().unwrap_or_else(|e| e.into_inner());
+    let Scratch { x, table, h, qkv, att, tmp, gu, act, qa, .. } = &mut *scratch;
+    let x = buf(x, n * hidden);
     for (r, row) in rows.iter().enumerate() {
         w.embed_row(ids[row.row], &mut x[r * hidden..(r + 1) * hidden]);
     }
-    let mut table = vec![0f32; n * hd];
+    let table = buf(table, n * hd);
     let inv_freq = &w.inv_freq;
-    each_row(&mut table, hd, pool, |r, t| rope_row(rows[r].pos, inv_freq, t));
-    let mut h = vec![0f32; n * hidden];
-    let mut qkv = vec![0f32; n * qkv_dim];
-    let mut att = vec![0f32; n * heads * hd];
-    let mut tmp = vec![0f32; n * hidden];
-    let mut gu = vec![0f32; n * 2 * inter];
-    let mut act = vec![0f32; n * inter];
-    let mut qa = QActs::default();
+    each_row(table, hd, pool, |r, t| rope_row(rows[r].pos, inv_freq, t));
+    let (h, qkv, att) = (buf(h, n * hidden), buf(qkv, n * qkv_dim), buf(att, n * heads * hd));
+    let (tmp, gu, act) = (buf(tmp, n * hidden), buf(gu, n * 2 * inter), buf(act, n * inter));
     let scale = 1.0 / (hd as f32).sqrt();
     for (li, l) in w.layers.iter().enumerate() {
-        each_row(&mut h, hidden, pool, |r, out| rms_norm(&x[r * hidden..(r + 1) * hidden], &l.input_norm, eps, out));
-        qa.quantize(&h, n, hidden, pool);
-        kernels::matmul(&l.qkv, &qa, &mut qkv, pool);
+        each_row(h, hidden, pool, |r, out| rms_norm(&x[r * hidden..(r + 1) * hidden], &l.input_norm, eps, out));
+        qa.quantize(h, n, hidden, pool);
+        kernels::matmul(&l.qkv, qa, qkv, pool);
         // bias, rotation, and this position's keys and values into its sequence's cache
         let caches: Vec<(Shared<f32>, Shared<f32>, usize)> = segments
             .iter_mut()
@@ -220,8 +245,8 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
                 (Shared::new(k.as_mut_ptr()), Shared::new(v.as_mut_ptr()), cap)
             })
             .collect();
-        let (rows_ref, caches_ref, table_ref) = (&rows, &caches, &table);
-        each_row(&mut qkv, qkv_dim, pool, |r, v| {
+        let (rows_ref, caches_ref, table_ref) = (&rows, &caches, &*table);
+        each_row(qkv, qkv_dim, pool, |r, v| {
             let row = &rows_ref[r];
             if let Some(b) = &l.qkv_bias {
                 v.iter_mut().zip(b).for_each(|(a, b)| *a += b);
@@ -243,7 +268,7 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
             }
         });
         // the caches are read-only from here on in this layer
-        let (qkv_ref, caches) = (&qkv, &caches);
+        let (qkv_ref, caches) = (&*qkv, &caches);
         let att_out = Shared::new(att.as_mut_ptr());
         kernels::split(n, 1, pool, move |range| {
             let mut scores = vec![];
@@ -264,26 +289,26 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
                 }
             }
         });
-        qa.quantize(&att, n, heads * hd, pool);
-        kernels::matmul(&l.o, &qa, &mut tmp, pool);
-        x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
-        each_row(&mut h, hidden, pool, |r, out| rms_norm(&x[r * hidden..(r + 1) * hidden], &l.post_norm, eps, out));
-        qa.quantize(&h, n, hidden, pool);
-        kernels::matmul(&l.gate_up, &qa, &mut gu, pool);
-        each_row(&mut act, inter, pool, |r, out| {
+        qa.quantize(att, n, heads * hd, pool);
+        kernels::matmul(&l.o, qa, tmp, pool);
+        x.iter_mut().zip(&*tmp).for_each(|(a, b)| *a += b);
+        each_row(h, hidden, pool, |r, out| rms_norm(&x[r * hidden..(r + 1) * hidden], &l.post_norm, eps, out));
+        qa.quantize(h, n, hidden, pool);
+        kernels::matmul(&l.gate_up, qa, gu, pool);
+        each_row(act, inter, pool, |r, out| {
             let (gate, up) = gu[r * 2 * inter..(r + 1) * 2 * inter].split_at(inter);
             for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
                 *o = g / (1.0 + (-g).exp()) * u;
             }
         });
-        qa.quantize(&act, n, inter, pool);
-        kernels::matmul(&l.down, &qa, &mut tmp, pool);
-        x.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
+        qa.quantize(act, n, inter, pool);
+        kernels::matmul(&l.down, qa, tmp, pool);
+        x.iter_mut().zip(&*tmp).for_each(|(a, b)| *a += b);
     }
     for s in segments.iter_mut() {
         s.cache.advance(s.attend);
     }
-    rms_norm(&x, &w.norm, eps, &mut h);
+    rms_norm(x, &w.norm, eps, h);
     let mut out = vec![0f32; ids.len() * hidden];
     for (r, row) in rows.iter().enumerate() {
         out[row.row * hidden..(row.row + 1) * hidden].copy_from_slice(&h[r * hidden..(r + 1) * hidden]);

@@ -11,7 +11,10 @@
 //! `u` unsigned: 4-bit `u ∈ 0..=15` with `d = (max − min)/15, m = min` (GGUF's Q4_1), or
 //! 8-bit `u ∈ 1..=255` with `d = amax/127, m = −128·d` (symmetric, like Q8_0). Activations
 //! ([`QActs`]) are 8-bit per block, `x ≈ dx·q`, `q ∈ −127..=127` (Q8_1). The product of one
-//! block is `Σ w·x ≈ d·dx·Σ u·q + m·dx·Σ q`, so both formats share one kernel.
+//! block is `Σ w·x ≈ d·dx·Σ u·q + m·dx·Σ q`, so both formats share one kernel. The
+//! offset terms `Σ_b m_b·(dx·Σq)_b` of a row pair are one short float dot product over
+//! blocks, added once per output (not once per block pair in the inner loop, where it would
+//! cost as much as the scaled integer dot itself).
 //!
 //! **Layout.** Blocks go in pairs, 64 values, stored in the order that lets one AVX-512
 //! VNNI instruction (`vpdpbusd`: 64 unsigned × signed byte products, summed in fours into
@@ -55,7 +58,7 @@ pub struct QMatrix {
     pairs: usize,
     /// per row, `pairs` × 32 (4-bit) or 64 (8-bit) bytes
     q: Vec<u8>,
-    /// per row and block: scale and offset
+    /// per row and block: scale and offset (8-bit: −128 · scale)
     d: Vec<f32>,
     m: Vec<f32>,
 }
@@ -69,8 +72,7 @@ impl QMatrix {
         let row_bytes = pairs * if bits == Bits::Four { BLOCK } else { PAIR };
         let mut q = vec![0u8; rows * row_bytes];
         let mut d = vec![0f32; rows * blocks];
-        // 8-bit offsets are −128 · scale, computed where used
-        let mut m = vec![0f32; if bits == Bits::Four { rows * blocks } else { 0 }];
+        let mut m = vec![0f32; rows * blocks];
         let mut u = [0u8; PAIR];
         for r in 0..rows {
             let row = &w[r * cols..(r + 1) * cols];
@@ -102,9 +104,7 @@ impl QMatrix {
                         };
                     }
                     d[r * blocks + b] = scale;
-                    if bits == Bits::Four {
-                        m[r * blocks + b] = offset;
-                    }
+                    m[r * blocks + b] = offset;
                 }
                 let out = &mut q[r * row_bytes..];
                 match bits {
@@ -138,18 +138,10 @@ impl QMatrix {
                     }
                     Bits::Eight => base[p * PAIR + j],
                 };
-                w[r * self.cols + c] = self.d[r * blocks + b] * u as f32 + self.offset(r * blocks + b);
+                w[r * self.cols + c] = self.d[r * blocks + b] * u as f32 + self.m[r * blocks + b];
             }
         }
         w
-    }
-
-    /// Block `i`'s offset (`m`).
-    fn offset(&self, i: usize) -> f32 {
-        match self.bits {
-            Bits::Four => self.m[i],
-            Bits::Eight => -128.0 * self.d[i],
-        }
     }
 
     fn row_bytes(&self) -> usize {
@@ -163,9 +155,9 @@ pub struct QActs {
     pub rows: usize,
     pairs: usize,
     q: Vec<i8>,
-    /// per row and block: dx, and dx·Σq / 8 (each of a block's 8 lanes adds an eighth)
+    /// per row and block: dx, and dx·Σq (what the weights' offset multiplies)
     dx: Vec<f32>,
-    sx8: Vec<f32>,
+    sx: Vec<f32>,
 }
 
 impl QActs {
@@ -181,21 +173,21 @@ impl QActs {
         self.q.resize(rows * pairs * PAIR, 0);
         self.dx.clear();
         self.dx.resize(rows * blocks, 0.0);
-        self.sx8.clear();
-        self.sx8.resize(rows * blocks, 0.0);
-        let (q, dx, sx8) = (Shared::new(self.q.as_mut_ptr()), Shared::new(self.dx.as_mut_ptr()), Shared::new(self.sx8.as_mut_ptr()));
+        self.sx.clear();
+        self.sx.resize(rows * blocks, 0.0);
+        let (q, dx, sx) = (Shared::new(self.q.as_mut_ptr()), Shared::new(self.dx.as_mut_ptr()), Shared::new(self.sx.as_mut_ptr()));
         // a few rows are not worth a hand-off
         split(rows, 1, pool.filter(|_| rows * cols >= 4096), |range| {
             for r in range {
                 // SAFETY: row r's slices are written by this part only.
-                let (q, dx, sx8) = unsafe {
+                let (q, dx, sx) = unsafe {
                     (
                         std::slice::from_raw_parts_mut(q.ptr().add(r * pairs * PAIR), pairs * PAIR),
                         std::slice::from_raw_parts_mut(dx.ptr().add(r * blocks), blocks),
-                        std::slice::from_raw_parts_mut(sx8.ptr().add(r * blocks), blocks),
+                        std::slice::from_raw_parts_mut(sx.ptr().add(r * blocks), blocks),
                     )
                 };
-                quantize_row(&x[r * cols..(r + 1) * cols], q, dx, sx8);
+                quantize_row(&x[r * cols..(r + 1) * cols], q, dx, sx);
             }
         });
     }
@@ -204,15 +196,15 @@ impl QActs {
 /// One row of activations: 8-bit values in the block-pair order, and per block its scale
 /// and scaled sum. Whole block pairs take the AVX-512 or AVX2 path where the CPU has it,
 /// with the same operations lane by lane, so every path gives the same bytes.
-fn quantize_row(row: &[f32], q: &mut [i8], dx: &mut [f32], sx8: &mut [f32]) {
+fn quantize_row(row: &[f32], q: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if vnni() {
         let whole = row.len() / PAIR;
         for p in 0..whole {
             // SAFETY: pair p's 64 values, 64 bytes and two scales are in range.
-            unsafe { avx512::quantize_pair(row.as_ptr().add(p * PAIR), q.as_mut_ptr().add(p * PAIR), &mut dx[2 * p..2 * p + 2], &mut sx8[2 * p..2 * p + 2]) };
+            unsafe { avx512::quantize_pair(row.as_ptr().add(p * PAIR), q.as_mut_ptr().add(p * PAIR), &mut dx[2 * p..2 * p + 2], &mut sx[2 * p..2 * p + 2]) };
         }
-        quantize_blocks(row, q, dx, sx8, 2 * whole);
+        quantize_blocks(row, q, dx, sx, 2 * whole);
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -220,16 +212,16 @@ fn quantize_row(row: &[f32], q: &mut [i8], dx: &mut [f32], sx8: &mut [f32]) {
         let whole = row.len() / PAIR;
         for p in 0..whole {
             // SAFETY: as above.
-            unsafe { avx2::quantize_pair(row.as_ptr().add(p * PAIR), q.as_mut_ptr().add(p * PAIR), &mut dx[2 * p..2 * p + 2], &mut sx8[2 * p..2 * p + 2]) };
+            unsafe { avx2::quantize_pair(row.as_ptr().add(p * PAIR), q.as_mut_ptr().add(p * PAIR), &mut dx[2 * p..2 * p + 2], &mut sx[2 * p..2 * p + 2]) };
         }
-        quantize_blocks(row, q, dx, sx8, 2 * whole);
+        quantize_blocks(row, q, dx, sx, 2 * whole);
         return;
     }
-    quantize_blocks(row, q, dx, sx8, 0);
+    quantize_blocks(row, q, dx, sx, 0);
 }
 
 /// [`quantize_row`] from block `first` on, one value at a time.
-fn quantize_blocks(row: &[f32], q: &mut [i8], dx: &mut [f32], sx8: &mut [f32], first: usize) {
+fn quantize_blocks(row: &[f32], q: &mut [i8], dx: &mut [f32], sx: &mut [f32], first: usize) {
     let cols = row.len();
     for b in first..dx.len() {
         let start = (b * BLOCK).min(cols);
@@ -245,7 +237,7 @@ fn quantize_blocks(row: &[f32], q: &mut [i8], dx: &mut [f32], sx8: &mut [f32], f
             sum += v as i32;
         }
         dx[b] = d;
-        sx8[b] = d * sum as f32 / 8.0;
+        sx[b] = d * sum as f32;
     }
 }
 
@@ -350,7 +342,7 @@ unsafe fn portable_rows(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f3
         let wd = &w.d[o * blocks..(o + 1) * blocks];
         for a in 0..x.rows {
             let xq = &x.q[a * w.pairs * PAIR..(a + 1) * w.pairs * PAIR];
-            let (xd, xs) = (&x.dx[a * blocks..(a + 1) * blocks], &x.sx8[a * blocks..(a + 1) * blocks]);
+            let (xd, xs) = (&x.dx[a * blocks..(a + 1) * blocks], &x.sx[a * blocks..(a + 1) * blocks]);
             let mut acc = 0f32;
             for p in 0..w.pairs {
                 match w.bits {
@@ -369,10 +361,11 @@ unsafe fn portable_rows(w: &QMatrix, x: &QActs, o0: usize, o1: usize, y: *mut f3
                 }
                 for (parity, s) in sums.iter().enumerate() {
                     let b = 2 * p + parity;
-                    acc += *s as f32 * (wd[b] * xd[b]) + 8.0 * w.offset(o * blocks + b) * xs[b];
+                    acc += *s as f32 * (wd[b] * xd[b]);
                 }
             }
-            *y.add(a * w.rows + o) = acc;
+            let wm = &w.m[o * blocks..(o + 1) * blocks];
+            *y.add(a * w.rows + o) = acc + wm.iter().zip(xs).map(|(m, s)| m * s).sum::<f32>();
         }
     }
 }
@@ -474,90 +467,93 @@ mod avx512 {
                 wm: w.m.as_ptr(),
                 xq: x.q.as_ptr(),
                 xd: x.dx.as_ptr(),
-                xs: x.sx8.as_ptr(),
+                xs: x.sx.as_ptr(),
                 y,
             }
         }
 
-        /// Input `a`'s block pair `p`: its values, scales and offset sums.
+        /// Input `a`'s block pair `p`: its values and scales.
         #[inline(always)]
-        unsafe fn input(&self, a: usize, p: usize) -> (__m512i, __m512, __m512) {
-            let i = 2 * (a * self.pairs + p);
-            (_mm512_loadu_si512(self.xq.add((a * self.pairs + p) * PAIR) as *const _), pair(self.xd.add(i)), pair(self.xs.add(i)))
+        unsafe fn input(&self, a: usize, p: usize) -> (__m512i, __m512) {
+            (_mm512_loadu_si512(self.xq.add((a * self.pairs + p) * PAIR) as *const _), pair(self.xd.add(2 * (a * self.pairs + p))))
         }
 
-        /// One output's weights `(wv, dw, mw)` times one input's block pair `(xv, dx, sx)`,
-        /// added to the accumulators `acc` (scaled integer dots) and `accm` (offsets): the
-        /// one operation sequence every tile shape uses.
+        /// One output's weights `(wv, dw)` times one input's block pair `(xv, dx)`, added to
+        /// the accumulator of scaled integer dots: the one operation sequence every tile
+        /// shape uses.
         #[inline(always)]
-        unsafe fn step(w: (__m512i, __m512, __m512), x: (__m512i, __m512, __m512), acc: &mut __m512, accm: &mut __m512) {
+        unsafe fn step(w: (__m512i, __m512), x: (__m512i, __m512), acc: &mut __m512) {
             let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.0, x.0));
             *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(w.1, x.1), *acc);
-            *accm = _mm512_fmadd_ps(w.2, x.2, *accm);
         }
 
         #[inline(always)]
-        unsafe fn load(&self, o: usize, p: usize) -> (__m512i, __m512, __m512) {
+        unsafe fn load(&self, o: usize, p: usize) -> (__m512i, __m512) {
             let step = if FOUR { BLOCK } else { PAIR };
-            let b = 2 * (o * self.pairs + p);
-            let dw = pair(self.wd.add(b));
-            // 8-bit offsets are −128 · scale: computed, not stored
-            let mw = if FOUR { pair(self.wm.add(b)) } else { _mm512_mul_ps(dw, _mm512_set1_ps(-128.0)) };
-            (weights::<FOUR>(self.wq.add(o * self.row_bytes + p * step)), dw, mw)
+            (weights::<FOUR>(self.wq.add(o * self.row_bytes + p * step)), pair(self.wd.add(2 * (o * self.pairs + p))))
         }
 
+        /// The accumulated dots of output `o`, input `a`, plus the offset terms: `m` of the
+        /// output's blocks times `dx·Σq` of the input's, 16 blocks at a time.
         #[inline(always)]
-        unsafe fn store(&self, o: usize, a: usize, acc: __m512, accm: __m512) {
-            *self.y.add(a * self.out + o) = _mm512_reduce_add_ps(_mm512_add_ps(acc, accm));
+        unsafe fn store(&self, o: usize, a: usize, acc: __m512) {
+            let blocks = 2 * self.pairs;
+            let (m, s) = (self.wm.add(o * blocks), self.xs.add(a * blocks));
+            let mut v = acc;
+            let mut b = 0;
+            while b + 16 <= blocks {
+                v = _mm512_fmadd_ps(_mm512_loadu_ps(m.add(b)), _mm512_loadu_ps(s.add(b)), v);
+                b += 16;
+            }
+            if b < blocks {
+                let k = ((1u32 << (blocks - b)) - 1) as __mmask16;
+                v = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m.add(b)), _mm512_maskz_loadu_ps(k, s.add(b)), v);
+            }
+            *self.y.add(a * self.out + o) = _mm512_reduce_add_ps(v);
         }
 
         #[inline(always)]
         unsafe fn one_by_one(&self, o: usize, a: usize) {
-            let (mut acc, mut accm) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut acc = _mm512_setzero_ps();
             for p in 0..self.pairs {
-                Self::step(self.load(o, p), self.input(a, p), &mut acc, &mut accm);
+                Self::step(self.load(o, p), self.input(a, p), &mut acc);
             }
-            self.store(o, a, acc, accm);
+            self.store(o, a, acc);
         }
 
         #[inline(always)]
         unsafe fn four_by_one(&self, o: usize, a: usize) {
-            let z = _mm512_setzero_ps();
-            let (mut a0, mut a1, mut a2, mut a3) = (z, z, z, z);
-            let (mut m0, mut m1, mut m2, mut m3) = (z, z, z, z);
+            let mut acc = [_mm512_setzero_ps(); 4];
             for p in 0..self.pairs {
                 let x = self.input(a, p);
-                Self::step(self.load(o, p), x, &mut a0, &mut m0);
-                Self::step(self.load(o + 1, p), x, &mut a1, &mut m1);
-                Self::step(self.load(o + 2, p), x, &mut a2, &mut m2);
-                Self::step(self.load(o + 3, p), x, &mut a3, &mut m3);
+                for t in 0..4 {
+                    Self::step(self.load(o + t, p), x, &mut acc[t]);
+                }
             }
-            self.store(o, a, a0, m0);
-            self.store(o + 1, a, a1, m1);
-            self.store(o + 2, a, a2, m2);
-            self.store(o + 3, a, a3, m3);
+            for t in 0..4 {
+                self.store(o + t, a, acc[t]);
+            }
         }
 
         /// Output `o` of inputs `a..a + N`: one weight load per block pair for `N` inputs.
         #[inline(always)]
         unsafe fn one_by<const N: usize>(&self, o: usize, a: usize) {
-            let z = _mm512_setzero_ps();
-            let (mut acc, mut accm) = ([z; N], [z; N]);
+            let mut acc = [_mm512_setzero_ps(); N];
             for p in 0..self.pairs {
                 let w = self.load(o, p);
                 for t in 0..N {
-                    Self::step(w, self.input(a + t, p), &mut acc[t], &mut accm[t]);
+                    Self::step(w, self.input(a + t, p), &mut acc[t]);
                 }
             }
             for t in 0..N {
-                self.store(o, a + t, acc[t], accm[t]);
+                self.store(o, a + t, acc[t]);
             }
         }
     }
     /// One whole block pair of [`super::quantize_row`]: 64 values at `x`, 64 bytes at `q`
-    /// in the stored order, and the two blocks' `dx` and `sx8`.
+    /// in the stored order, and the two blocks' `dx` and `sx`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn quantize_pair(x: *const f32, q: *mut i8, dx: &mut [f32], sx8: &mut [f32]) {
+    pub(super) unsafe fn quantize_pair(x: *const f32, q: *mut i8, dx: &mut [f32], sx: &mut [f32]) {
         let magic = _mm512_set1_ps(12_582_912.0); // as in super::round
         let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
         let mut bytes = [_mm_setzero_si128(); 4];
@@ -576,7 +572,7 @@ mod avx512 {
             bytes[2 * b] = _mm512_cvtepi32_epi8(q0);
             bytes[2 * b + 1] = _mm512_cvtepi32_epi8(q1);
             dx[b] = d;
-            sx8[b] = d * sum as f32 / 8.0;
+            sx[b] = d * sum as f32;
         }
         // four-byte groups of the two blocks alternate (see super::slot)
         let v = _mm512_inserti32x4(_mm512_castsi128_si512(bytes[0]), bytes[1], 1);
@@ -661,11 +657,10 @@ mod avx2 {
     }
 
     /// One output's block pair: its two 256-bit weight halves (4-bit: unpacked nibbles;
-    /// 8-bit: `u − 128`), scales and offsets.
-    type W = (__m256i, __m256i, __m256, __m256);
-    /// One input's block pair: its two halves, scales and offset sums (twice `sx8`: a block
-    /// has four lanes here, eight in the AVX-512 layout `sx8` is scaled for).
-    type X = (__m256i, __m256i, __m256, __m256);
+    /// 8-bit: `u − 128`) and scales.
+    type W = (__m256i, __m256i, __m256);
+    /// One input's block pair: its two halves and scales.
+    type X = (__m256i, __m256i, __m256);
 
     impl<const FOUR: bool> Kernel<FOUR> {
         #[inline(always)]
@@ -679,7 +674,7 @@ mod avx2 {
                 wm: w.m.as_ptr(),
                 xq: x.q.as_ptr(),
                 xd: x.dx.as_ptr(),
-                xs: x.sx8.as_ptr(),
+                xs: x.sx.as_ptr(),
                 y,
             }
         }
@@ -691,28 +686,26 @@ mod avx2 {
             if FOUR {
                 let v = _mm256_loadu_si256(self.wq.add(o * self.row_bytes + p * BLOCK) as *const __m256i);
                 let nib = _mm256_set1_epi8(0x0F);
-                (_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), dw, pair(self.wm.add(b)))
+                (_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib), dw)
             } else {
                 let flip = _mm256_set1_epi8(-128);
                 let at = self.wq.add(o * self.row_bytes + p * PAIR);
                 let s0 = _mm256_xor_si256(_mm256_loadu_si256(at as *const __m256i), flip);
                 let s1 = _mm256_xor_si256(_mm256_loadu_si256(at.add(32) as *const __m256i), flip);
-                (s0, s1, dw, _mm256_setzero_ps())
+                (s0, s1, dw)
             }
         }
 
         #[inline(always)]
         unsafe fn input(&self, a: usize, p: usize) -> X {
-            let i = 2 * (a * self.pairs + p);
             let at = self.xq.add((a * self.pairs + p) * PAIR);
-            let xs = pair(self.xs.add(i));
-            (_mm256_loadu_si256(at as *const __m256i), _mm256_loadu_si256(at.add(32) as *const __m256i), pair(self.xd.add(i)), _mm256_add_ps(xs, xs))
+            (_mm256_loadu_si256(at as *const __m256i), _mm256_loadu_si256(at.add(32) as *const __m256i), pair(self.xd.add(2 * (a * self.pairs + p))))
         }
 
         /// One output's weights times one input's block pair, added to `acc` (scaled integer
-        /// dots) and `accm` (offsets): the one operation sequence every tile shape uses.
+        /// dots): the one operation sequence every tile shape uses.
         #[inline(always)]
-        unsafe fn step(w: W, x: X, acc: &mut __m256, accm: &mut __m256) {
+        unsafe fn step(w: W, x: X, acc: &mut __m256) {
             let ones = _mm256_set1_epi16(1);
             let (d0, d1) = if FOUR {
                 (_mm256_maddubs_epi16(w.0, x.0), _mm256_maddubs_epi16(w.1, x.1))
@@ -722,37 +715,50 @@ mod avx2 {
             // both halves alternate block 0 and block 1 lane by lane, so their sums add
             let dot = _mm256_add_epi32(_mm256_madd_epi16(d0, ones), _mm256_madd_epi16(d1, ones));
             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(w.2, x.2), *acc);
-            if FOUR {
-                *accm = _mm256_fmadd_ps(w.3, x.3, *accm);
-            }
         }
 
+        /// The accumulated dots of output `o`, input `a`, plus (4-bit) the offset terms, 8
+        /// blocks at a time; signed 8-bit weights have none.
         #[inline(always)]
-        unsafe fn store(&self, o: usize, a: usize, acc: __m256, accm: __m256) {
-            *self.y.add(a * self.out + o) = hsum(_mm256_add_ps(acc, accm));
+        unsafe fn store(&self, o: usize, a: usize, acc: __m256) {
+            let mut v = acc;
+            let mut tail = 0f32;
+            if FOUR {
+                let blocks = 2 * self.pairs;
+                let (m, s) = (self.wm.add(o * blocks), self.xs.add(a * blocks));
+                let mut b = 0;
+                while b + 8 <= blocks {
+                    v = _mm256_fmadd_ps(_mm256_loadu_ps(m.add(b)), _mm256_loadu_ps(s.add(b)), v);
+                    b += 8;
+                }
+                while b < blocks {
+                    tail += *m.add(b) * *s.add(b);
+                    b += 1;
+                }
+            }
+            *self.y.add(a * self.out + o) = hsum(v) + tail;
         }
 
         #[inline(always)]
         unsafe fn one_by_one(&self, o: usize, a: usize) {
-            let (mut acc, mut accm) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut acc = _mm256_setzero_ps();
             for p in 0..self.pairs {
-                Self::step(self.load(o, p), self.input(a, p), &mut acc, &mut accm);
+                Self::step(self.load(o, p), self.input(a, p), &mut acc);
             }
-            self.store(o, a, acc, accm);
+            self.store(o, a, acc);
         }
 
         #[inline(always)]
         unsafe fn four_by_one(&self, o: usize, a: usize) {
-            let z = _mm256_setzero_ps();
-            let (mut acc, mut accm) = ([z; 4], [z; 4]);
+            let mut acc = [_mm256_setzero_ps(); 4];
             for p in 0..self.pairs {
                 let x = self.input(a, p);
                 for t in 0..4 {
-                    Self::step(self.load(o + t, p), x, &mut acc[t], &mut accm[t]);
+                    Self::step(self.load(o + t, p), x, &mut acc[t]);
                 }
             }
             for t in 0..4 {
-                self.store(o + t, a, acc[t], accm[t]);
+                self.store(o + t, a, acc[t]);
             }
         }
 
@@ -760,16 +766,15 @@ mod avx2 {
         /// `N` inputs.
         #[inline(always)]
         unsafe fn one_by<const N: usize>(&self, o: usize, a: usize) {
-            let z = _mm256_setzero_ps();
-            let (mut acc, mut accm) = ([z; N], [z; N]);
+            let mut acc = [_mm256_setzero_ps(); N];
             for p in 0..self.pairs {
                 let w = self.load(o, p);
                 for t in 0..N {
-                    Self::step(w, self.input(a + t, p), &mut acc[t], &mut accm[t]);
+                    Self::step(w, self.input(a + t, p), &mut acc[t]);
                 }
             }
             for t in 0..N {
-                self.store(o, a + t, acc[t], accm[t]);
+                self.store(o, a + t, acc[t]);
             }
         }
     }
@@ -777,7 +782,7 @@ mod avx2 {
     /// One whole block pair of [`super::quantize_row`], as `avx512::quantize_pair`: the same
     /// operations value by value, so the same bytes as the scalar loop.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn quantize_pair(x: *const f32, q: *mut i8, dx: &mut [f32], sx8: &mut [f32]) {
+    pub(super) unsafe fn quantize_pair(x: *const f32, q: *mut i8, dx: &mut [f32], sx: &mut [f32]) {
         let magic = _mm256_set1_ps(12_582_912.0); // as in super::round
         let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
@@ -799,7 +804,7 @@ mod avx2 {
             let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
             let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
             dx[b] = d;
-            sx8[b] = d * sum as f32 / 8.0;
+            sx[b] = d * sum as f32;
             // 32 values in order: the packs work per 128-bit lane, a dword permute restores it
             let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
             packed[b] = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -823,6 +828,10 @@ trait Lanes {
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn sum(v: Self::V) -> f32;
+    /// Whether [`Lanes::sums16`] is worth a block of 16 keys (32 registers: AVX-512).
+    const BLOCKS: bool;
+    /// The 16 sums of `v` into `out[..16]`, in one transposing reduction.
+    unsafe fn sums16(v: &[Self::V; 16], out: *mut f32);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -848,6 +857,22 @@ impl Lanes for Avx512 {
     unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V { std::arch::x86_64::_mm512_fmadd_ps(a, b, c) }
     #[inline(always)]
     unsafe fn sum(v: Self::V) -> f32 { std::arch::x86_64::_mm512_reduce_add_ps(v) }
+    const BLOCKS: bool = true;
+    #[inline(always)]
+    unsafe fn sums16(v: &[Self::V; 16], out: *mut f32) {
+        use std::arch::x86_64::*;
+        // 16 → 8: within each 128-bit lane, [v2i, v2i+1, v2i, v2i+1] partials
+        let a: [__m512; 8] = std::array::from_fn(|i| _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1])));
+        // 8 → 4: within each 128-bit lane, the partials of vectors 4j..4j+4 in order
+        let b: [__m512; 4] = std::array::from_fn(|j| {
+            let (x, y) = (_mm512_castps_pd(a[2 * j]), _mm512_castps_pd(a[2 * j + 1]));
+            _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)))
+        });
+        // the four 128-bit lanes of each, added across
+        let d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+        let d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD)));
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -868,6 +893,13 @@ impl Lanes for Avx2 {
     unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V { std::arch::x86_64::_mm256_fmadd_ps(a, b, c) }
     #[inline(always)]
     unsafe fn sum(v: Self::V) -> f32 { avx2::hsum(v) }
+    const BLOCKS: bool = false;
+    #[inline(always)]
+    unsafe fn sums16(v: &[Self::V; 16], out: *mut f32) {
+        for (i, x) in v.iter().enumerate() {
+            *out.add(i) = Self::sum(*x);
+        }
+    }
 }
 
 /// [`attend`] for a head of `N` vectors of `L::WIDTH` values; inlined into the
@@ -882,7 +914,26 @@ unsafe fn attend_with<L: Lanes, const N: usize>(q: &[f32], keys: &[f32], values:
         qv[c] = L::load(q.as_ptr().add(w * c));
     }
     let mut max = f32::NEG_INFINITY;
-    for t in 0..len {
+    // blocks of 16 keys reduce their 16 dot products together (a position's score is
+    // computed the same way whatever else the engine runs: its block depends on its
+    // position and the row's length only)
+    let blocked = if L::BLOCKS { len / 16 * 16 } else { 0 };
+    for t0 in (0..blocked).step_by(16) {
+        let acc: [L::V; 16] = std::array::from_fn(|i| {
+            let k = keys.as_ptr().add((t0 + i) * hd);
+            let mut acc = L::mul(qv[0], L::load(k));
+            for c in 1..N {
+                acc = L::fmadd(qv[c], L::load(k.add(w * c)), acc);
+            }
+            acc
+        });
+        L::sums16(&acc, scores.as_mut_ptr().add(t0));
+        for s in &mut scores[t0..t0 + 16] {
+            *s *= scale;
+            max = max.max(*s);
+        }
+    }
+    for t in blocked..len {
         let k = keys.as_ptr().add(t * hd);
         let mut acc = L::mul(qv[0], L::load(k));
         for c in 1..N {

@@ -858,9 +858,7 @@ impl Scheduler {
         if spec.policy.backend != "native" && !spec.policy.syncs_weights() {
             bail!("policy.backend = \"{}\" cannot be trained without [policy] weight_sync; use backend = \"native\"", spec.policy.backend);
         }
-        let mut learner = native::learner::LearnerConfig::default();
-        learner.optimizer.lr = spec.algorithm.learning_rate;
-        learner.seed = spec.run.seed;
+        let learner = spec.learner.config(spec.algorithm.learning_rate, spec.run.seed);
         let input = LearnJob {
             run_id: self.run_id().to_string(),
             step: u,

@@ -1,10 +1,12 @@
 //! Checkpoints in the object store: `runs/<run>/checkpoints/step=<n>/` holds
-//! `model.safetensors` (HF tensor names, float32; with `config.json` and, when known,
-//! `tokenizer.json` beside it, so the folder loads in transformers and vLLM as it is),
+//! `model.safetensors` (HF tensor names, in `[checkpoints] dtype`; with `config.json` and,
+//! when known, `tokenizer.json` beside it, so the folder loads in transformers and vLLM as
+//! it is), `master.safetensors` (the float32 weights, only when `dtype` is not float32),
 //! `optimizer.safetensors` (AdamW moments, step in its metadata) and `manifest.json`
 //! ([`CheckpointManifest`]: step, parent, data cursor, RNG state, metrics, file sizes and
 //! SHA-256) — written LAST. A folder without a manifest is half-written: [`latest`] never
-//! takes it, [`load`] refuses it by name.
+//! takes it, [`load`] refuses it by name. Training and sampling load the float32 weights
+//! where the checkpoint still has them; [`crate::retention`] decides which steps keep them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -13,7 +15,7 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
 
-use crate::hf::{read_safetensors, write_safetensors, write_safetensors_with};
+use crate::hf::{read_safetensors, write_safetensors, write_safetensors_as, write_safetensors_with};
 use crate::learner::{AdamW, AdamWConfig, Learner, LearnerConfig};
 use crate::model::{Llama, LlamaConfig};
 use crate::tokenizer::Tokenizer;
@@ -22,6 +24,8 @@ use infra::store::ObjectStore;
 use schemas::{decode_document, encode_document, keys, CheckpointManifest, Document, FileEntry};
 
 pub const MODEL_FILE: &str = "model.safetensors";
+/// Float32 weights beside a `model.safetensors` of lower precision.
+pub const MASTER_FILE: &str = "master.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -36,6 +40,8 @@ pub struct SaveInfo {
     pub parent: Option<String>,
     pub data_cursor: u64,
     pub metrics: BTreeMap<String, f64>,
+    /// Element type of `model.safetensors`.
+    pub dtype: crate::retention::Dtype,
 }
 
 /// Key of a checkpoint's manifest.
@@ -99,12 +105,15 @@ fn restore_optimizer(bytes: &[u8], location: &str, device: Device) -> Result<Ada
 /// Writes a checkpoint of `learner` (files first, manifest last); returns the manifest key.
 pub async fn save(store: &dyn ObjectStore, learner: &Learner, tokenizer: Option<&Tokenizer>, info: &SaveInfo) -> Result<String, NativeError> {
     let dir = keys::checkpoint_dir(&info.run_id, info.step);
-    let mut files: Vec<(&str, Vec<u8>)> = vec![
-        // `format = pt`: what transformers' loader looks for in a safetensors header.
-        (MODEL_FILE, write_safetensors_with(&learner.model.named_tensors(), Some(HashMap::from([("format".to_string(), "pt".to_string())])))?),
-        (OPTIMIZER_FILE, optimizer_bytes(&learner.optim)?),
-        (CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config.to_hf_json()).expect("serialises")),
-    ];
+    // `format = pt`: what transformers' loader looks for in a safetensors header.
+    let pt = || Some(HashMap::from([("format".to_string(), "pt".to_string())]));
+    let tensors = learner.model.named_tensors();
+    let mut files: Vec<(&str, Vec<u8>)> = vec![(MODEL_FILE, write_safetensors_as(&tensors, info.dtype, pt())?)];
+    if info.dtype != crate::retention::Dtype::F32 {
+        files.push((MASTER_FILE, write_safetensors_with(&tensors, pt())?));
+    }
+    drop(tensors);
+    files.extend([(OPTIMIZER_FILE, optimizer_bytes(&learner.optim)?), (CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config.to_hf_json()).expect("serialises"))]);
     if let Some(tok) = tokenizer {
         files.push((TOKENIZER_FILE, tok.to_json()?.into_bytes()));
         files.push(("tokenizer_config.json", serde_json::to_vec_pretty(&tok.hf_config()).expect("serialises")));
@@ -210,7 +219,7 @@ async fn read_manifest(store: &dyn ObjectStore, key: &str) -> Result<CheckpointM
         Err(infra::store::StoreError::NotFound { .. }) => {
             return Err(ckpt_err(
                 store.object_url(key),
-                "manifest.json is absent: the checkpoint is half-written (its manifest is written last) or was never made; load the latest complete checkpoint instead",
+                "manifest.json is absent: the checkpoint is half-written (its manifest is written last), was removed by `[checkpoints]` retention, or was never made; load the latest complete checkpoint instead",
             ))
         }
         Err(e) => return Err(e.into()),
@@ -287,8 +296,10 @@ async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: De
     let missing = |name: &str| ckpt_err(url(name), format!("listed file `{name}` is missing from the manifest"));
     let cfg_bytes = read_file(store, &dir, &manifest, CONFIG_FILE).await?.ok_or_else(|| missing(CONFIG_FILE))?;
     let cfg = LlamaConfig::from_hf_json(&PathBuf::from(url(CONFIG_FILE)), &String::from_utf8_lossy(&cfg_bytes))?;
-    let model_bytes = read_file(store, &dir, &manifest, MODEL_FILE).await?.ok_or_else(|| missing(MODEL_FILE))?;
-    let model_path = PathBuf::from(url(MODEL_FILE));
+    // the float32 weights where this step kept them, else `model.safetensors` (any dtype)
+    let weights = if manifest.files.iter().any(|f| f.name == MASTER_FILE) { MASTER_FILE } else { MODEL_FILE };
+    let model_bytes = read_file(store, &dir, &manifest, weights).await?.ok_or_else(|| missing(weights))?;
+    let model_path = PathBuf::from(url(weights));
     let tensors = read_safetensors(&model_bytes, &model_path)?;
     drop(model_bytes);
     let tensors: HashMap<String, Tensor> = tensors.into_iter().map(|(k, v)| (k, v.to_device(device))).collect();
@@ -364,6 +375,52 @@ mod tests {
             assert!(x.equal(&y), "{n} differs between two resumed runs");
             assert!(x.equal(&z), "{n} differs from the uninterrupted run");
         }
+    }
+
+    #[tokio::test]
+    async fn retention_keeps_weights_in_their_dtype_and_the_resume_state_of_the_newest() {
+        use crate::retention::{prune, Dtype, ResumeState, Retention};
+        let (_d, store) = store();
+        let policy = Retention { dtype: Dtype::Bf16, keep_last: Some(2), every: 0, keep_best: true, optimizer: ResumeState::Latest };
+        let mut a = learner(5);
+        for step in 1..=4 {
+            a.update(&batch()).unwrap();
+            save(&store, &a, None, &SaveInfo { run_id: "r".into(), step, dtype: Dtype::Bf16, ..Default::default() }).await.unwrap();
+            prune(&store, "r", &policy, Some(1)).await.unwrap();
+        }
+        let names = |step: u32| {
+            let store = &store;
+            async move {
+                let dir = keys::checkpoint_dir("r", step);
+                let mut v: Vec<String> = store.list(&dir).await.unwrap().into_iter().map(|m| m.key.strip_prefix(&dir).unwrap().to_string()).collect();
+                v.sort();
+                v
+            }
+        };
+        let weights_only = vec![CONFIG_FILE, MANIFEST_FILE, MODEL_FILE];
+        assert_eq!(names(1).await, weights_only, "step 1 is the best: kept, weights only");
+        assert!(names(2).await.is_empty(), "step 2 is neither of the last two nor the best");
+        assert_eq!(names(3).await, weights_only);
+        assert_eq!(names(4).await, vec![CONFIG_FILE, MANIFEST_FILE, MASTER_FILE, MODEL_FILE, OPTIMIZER_FILE]);
+        // the kept weights are bfloat16; a manifest lists exactly what is stored
+        let model = store.get("runs/r/checkpoints/step=3/model.safetensors").await.unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&model).unwrap();
+        assert!(meta.tensors().values().all(|t| t.dtype == safetensors::Dtype::BF16));
+        assert_eq!(read_manifest(&store, &manifest_key("r", 3)).await.unwrap().files.len(), 2);
+        // the newest resumes bit-identically (float32 weights and moments), an older one loads
+        let cfg = a.config.clone();
+        let mut b = load(&store, "r", 4, Device::Cpu, cfg).await.unwrap().learner;
+        a.update(&batch()).unwrap();
+        b.update(&batch()).unwrap();
+        assert!(logits(&a).equal(&logits(&b)), "resuming from the newest checkpoint is not exact");
+        let (older, _, _) = load_model(&store, "r", 3, Device::Cpu).await.unwrap();
+        assert_eq!(older.named_tensors().len(), a.model.named_tensors().len());
+        // a prune that was interrupted left a stray file: the next one deletes it, and a prune
+        // with nothing to do changes nothing
+        store.put("runs/r/checkpoints/step=2/model.safetensors", Bytes::from_static(b"partial")).await.unwrap();
+        let again = prune(&store, "r", &policy, Some(1)).await.unwrap();
+        assert_eq!((again.objects, again.removed.len(), again.slimmed.len()), (1, 0, 0));
+        assert_eq!(prune(&store, "r", &policy, Some(1)).await.unwrap(), crate::retention::Pruned::default());
     }
 
     #[tokio::test]

@@ -29,20 +29,31 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, Native
 /// [`write_safetensors`] with header metadata (`__metadata__`). Each tensor is copied once
 /// into its little-endian bytes, then once into the file buffer.
 pub fn write_safetensors_with(tensors: &[(String, Tensor)], metadata: Option<std::collections::HashMap<String, String>>) -> Result<Vec<u8>, NativeError> {
+    write_safetensors_as(tensors, crate::retention::Dtype::F32, metadata)
+}
+
+/// [`write_safetensors_with`] in `dtype` (float32, bfloat16 or float16, rounded to nearest).
+pub fn write_safetensors_as(tensors: &[(String, Tensor)], dtype: crate::retention::Dtype, metadata: Option<std::collections::HashMap<String, String>>) -> Result<Vec<u8>, NativeError> {
+    use crate::retention::Dtype;
+    let (kind, st_dtype, size) = match dtype {
+        Dtype::F32 => (Kind::Float, safetensors::Dtype::F32, 4),
+        Dtype::Bf16 => (Kind::BFloat16, safetensors::Dtype::BF16, 2),
+        Dtype::F16 => (Kind::Half, safetensors::Dtype::F16, 2),
+    };
     let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
         .iter()
         .map(|(n, t)| {
-            let t = t.to_kind(Kind::Float).to_device(Device::Cpu).contiguous();
+            let t = t.to_device(Device::Cpu).to_kind(kind).contiguous();
             let numel = t.numel();
-            let mut bytes = vec![0u8; numel * 4];
-            // f32 in native byte order is little-endian on every platform libtorch runs on.
+            let mut bytes = vec![0u8; numel * size];
+            // native byte order is little-endian on every platform libtorch runs on.
             t.copy_data_u8(&mut bytes, numel);
             (n.clone(), bytes, t.size().iter().map(|&d| d as usize).collect())
         })
         .collect();
     let views: Vec<(String, safetensors::tensor::TensorView)> = data
         .iter()
-        .map(|(n, b, s)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?)))
+        .map(|(n, b, s)| Ok((n.clone(), safetensors::tensor::TensorView::new(st_dtype, s.clone(), b)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()
         .map_err(|e| NativeError::Format { path: PathBuf::from("<memory>"), detail: format!("{e:?}") })?;
     safetensors::tensor::serialize(views, &metadata).map_err(|e| NativeError::Format { path: PathBuf::from("<memory>"), detail: format!("{e:?}") })

@@ -6,6 +6,8 @@
 //! 3. Read `groups/step=<n>/` and `trajectories/step=<n>/`, keep the retained groups, and
 //!    turn their trajectories into samples (each policy turn in its own harness context).
 //! 4. Update (Appendix B) and write `checkpoints/step=<n>/` with the manifest last.
+//! 5. Apply `[checkpoints]` retention to the steps before ([`crate::retention`]); a
+//!    redelivered job applies it again, so an interrupted prune finishes.
 
 use std::path::PathBuf;
 
@@ -41,6 +43,12 @@ pub struct LearnInput {
     /// (0: on-policy only); older rows are refused ([`data::check_staleness`]).
     #[serde(default)]
     pub max_off_policy_steps: u32,
+    /// `[checkpoints]`: the weights' dtype and which earlier checkpoints stay.
+    #[serde(default)]
+    pub checkpoints: crate::retention::Retention,
+    /// The step with the best H0 validation success so far (kept by `keep_best`).
+    #[serde(default)]
+    pub best_step: Option<u32>,
 }
 
 fn default_device() -> String {
@@ -83,6 +91,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
     let latest = checkpoint::latest(store, &input.run_id).await?;
     if let Some(m) = &latest {
         if m.step == input.step {
+            crate::retention::prune(store, &input.run_id, &input.checkpoints, input.best_step).await?;
             return Ok(LearnOutput {
                 manifest_key: checkpoint::manifest_key(&input.run_id, m.step),
                 parent: m.parent.clone(),
@@ -125,7 +134,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
     tracing::info!(run = %input.run_id, step = input.step, tasks = batch.tasks.len(), samples = batch.samples.len(), "learn job: training on retained groups");
     let metrics = learner.update(&batch)?;
 
-    let info = SaveInfo { run_id: input.run_id.clone(), step: input.step, parent: parent.clone(), data_cursor: input.data_cursor, metrics: metrics.to_map() };
+    let info = SaveInfo { run_id: input.run_id.clone(), step: input.step, parent: parent.clone(), data_cursor: input.data_cursor, metrics: metrics.to_map(), dtype: input.checkpoints.dtype };
     if metrics.policy_tokens == 0 {
         // Nothing to train: say so, and record the step without copying unchanged weights.
         let weights_step = latest.as_ref().and_then(|m| m.weights_step);
@@ -137,9 +146,11 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
             "learn step trained nothing: no retained group has a policy token; the weights stay as they were"
         );
         let key = checkpoint::save_untrained(store, &info, weights_step, learner.rng_state(), learner.model.config.model_type.clone()).await?;
+        crate::retention::prune(store, &input.run_id, &input.checkpoints, input.best_step).await?;
         return Ok(LearnOutput { manifest_key: key, parent, metrics, already_done: false, trained: false, weights_step });
     }
     let manifest_key = checkpoint::save(store, &learner, Some(&tokenizer), &info).await?;
+    crate::retention::prune(store, &input.run_id, &input.checkpoints, input.best_step).await?;
     Ok(LearnOutput { manifest_key, parent, metrics, already_done: false, trained: true, weights_step: Some(input.step) })
 }
 
@@ -271,6 +282,8 @@ mod tests {
             data_cursor: 4,
             device: "cpu".into(),
             max_off_policy_steps: 0,
+            checkpoints: Default::default(),
+            best_step: None,
         };
         let out = run(&store, &input).await.unwrap();
         assert_eq!(out.manifest_key, "runs/r/checkpoints/step=1/manifest.json");
@@ -321,7 +334,7 @@ mod tests {
             write_records(&store, &format!("runs/r/trajectories/step={step}/kind=base/part-x.parquet"), &t).await.unwrap();
             write_records(&store, &format!("runs/r/groups/step={step}/part-x.parquet"), &[g]).await.unwrap();
         }
-        let input = |step| LearnInput { run_id: "r".into(), step, base_model: base.clone(), learner: LearnerConfig::default(), data_cursor: 0, device: "cpu".into(), max_off_policy_steps: 0 };
+        let input = |step| LearnInput { run_id: "r".into(), step, base_model: base.clone(), learner: LearnerConfig::default(), data_cursor: 0, device: "cpu".into(), max_off_policy_steps: 0, checkpoints: Default::default(), best_step: None };
         let first = run(&store, &input(1)).await.unwrap();
         assert!(!first.trained && first.weights_step.is_none() && first.metrics.policy_tokens == 0, "{first:?}");
         let listed: Vec<String> = store.list("runs/r/checkpoints/").await.unwrap().into_iter().map(|m| m.key).collect();

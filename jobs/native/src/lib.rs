@@ -36,6 +36,7 @@ pub mod loader;
 pub mod model;
 pub mod packed;
 pub mod policy;
+pub mod retention;
 pub mod sampler;
 pub mod threads;
 pub mod tokenizer;

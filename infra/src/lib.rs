@@ -20,6 +20,15 @@ pub mod queue;
 pub mod store;
 pub mod table;
 
+/// Whether an error may pass if the same call (or job) is tried again later: network
+/// trouble, throttling, a restarting server. Every error a job can end with implements it,
+/// and the worker turns it into a retry or a dead letter in one place
+/// (`worker::JobFailure::of`); bad input, corrupt data and wrong settings are never
+/// transient.
+pub trait Transient {
+    fn is_transient(&self) -> bool;
+}
+
 /// Returns a URL safe to print: any password (and a user name that looks like an access
 /// key) is replaced by `***`. Non-URL strings come back unchanged.
 pub fn redact_url(raw: &str) -> String {

@@ -40,10 +40,10 @@ pub enum TableError {
     Decode { url: String, record: String, detail: String },
 }
 
-impl TableError {
+impl crate::Transient for TableError {
     /// Whether retrying may succeed: only store trouble is transient; a corrupt file or a
     /// schema mismatch fails the same way again.
-    pub fn is_transient(&self) -> bool {
+    fn is_transient(&self) -> bool {
         matches!(self, TableError::Store(e) if e.is_transient())
     }
 }

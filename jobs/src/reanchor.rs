@@ -30,7 +30,8 @@ use crate::policy::{Policy, SamplingParams};
 use crate::profile::llm::{LlmProfiler, LlmProfilerConfig};
 use crate::profile::stats::{statistical_profile, ProfileMeta, StatsConfig};
 use crate::profile::{describe_harness, pair_up, validation_stats, HarnessStats, TaskInfo};
-use crate::rollout::{self, EnvironmentFactory, RolloutContext, RolloutError, RolloutInput};
+use crate::env::EnvironmentFactory;
+use crate::rollout::{self, RolloutContext, RolloutError, RolloutInput};
 use crate::router::Evidence;
 use infra::store::{ObjectStore, PutOutcome, StoreError};
 use infra::table::TableError;
@@ -78,7 +79,7 @@ pub fn calibration_id_for_step(step: u32) -> String {
 
 /// `runs/<run>/profiles/calib=<id>/calibration.json`
 pub fn manifest_key(run_id: &str, calibration_id: &str) -> String {
-    format!("runs/{run_id}/profiles/calib={calibration_id}/calibration.json")
+    schemas::keys::calibration(run_id, calibration_id)
 }
 
 /// What one calibration produced; the router's evidence besides the profile rows.
@@ -139,11 +140,11 @@ pub enum ReanchorError {
     Manifest { key: String, detail: String },
 }
 
-impl ReanchorError {
+impl infra::Transient for ReanchorError {
     /// Whether a later delivery of the same job may succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_transient(&self) -> bool {
         match self {
-            ReanchorError::Rollout { source, .. } => source.is_retryable(),
+            ReanchorError::Rollout { source, .. } => source.is_transient(),
             ReanchorError::Store(e) => e.is_transient(),
             ReanchorError::Table(e) => e.is_transient(),
             _ => false,
@@ -335,7 +336,7 @@ async fn read_manifest(store: &dyn ObjectStore, key: &str) -> Result<Calibration
 /// The router's evidence from one stored calibration: its manifest and profile rows.
 pub async fn load_evidence(store: &dyn ObjectStore, run_id: &str, calibration_id: &str) -> Result<Evidence, ReanchorError> {
     let manifest = read_manifest(store, &manifest_key(run_id, calibration_id)).await?;
-    let prefix = format!("runs/{run_id}/profiles/calib={calibration_id}/");
+    let prefix = schemas::keys::calibration_dir(run_id, calibration_id);
     let profiles: Vec<ProfileEntry> = infra::table::read_prefix(store, &prefix).await?;
     Ok(Evidence::new(Some(manifest.calibration_id), manifest.tasks, manifest.stats, profiles, manifest.descriptions))
 }

@@ -16,12 +16,11 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use futures::stream::{self, StreamExt};
 use serde::{Deserialize, Serialize};
 
-use crate::env::{EnvError, Environment};
+use crate::env::{Environment, EnvironmentFactory};
 use crate::harness::{check_spec, Budgets, Next, Problem, Session, ValidateOptions, Verdict};
 use crate::policy::{Policy, PolicyError, SamplingParams};
 use infra::store::{ObjectStore, PutOutcome, StoreError};
@@ -59,13 +58,6 @@ fn one() -> usize {
     1
 }
 
-/// Makes one environment instance per episode (e.g. a DBBench environment with its own
-/// database).
-#[async_trait]
-pub trait EnvironmentFactory: Send + Sync {
-    async fn create(&self) -> Result<Box<dyn Environment>, EnvError>;
-}
-
 /// What a rollout job runs against.
 pub struct RolloutContext<'a> {
     pub store: &'a dyn ObjectStore,
@@ -92,9 +84,9 @@ pub enum RolloutError {
     Marker { key: String, detail: String },
 }
 
-impl RolloutError {
+impl infra::Transient for RolloutError {
     /// Whether a later delivery of the same job may succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_transient(&self) -> bool {
         match self {
             RolloutError::Store(e) => e.is_transient(),
             RolloutError::Table(e) => e.is_transient(),
@@ -427,11 +419,9 @@ pub fn summarize(rows: &[Trajectory]) -> RolloutSummary {
         let e = s.by_task_type.entry(r.task_type.clone()).or_default();
         e.0 += 1;
         e.1 += u32::from(r.success);
-        let name = serde_json::to_value(r.termination).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        *s.terminations.entry(name).or_default() += 1;
+        *s.terminations.entry(r.termination.as_str().to_string()).or_default() += 1;
         if let Some(c) = r.error_class {
-            let name = serde_json::to_value(c).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-            *s.errors.entry(name).or_default() += 1;
+            *s.errors.entry(c.as_str().to_string()).or_default() += 1;
         }
         s.turns += r.turns.len() as u64;
         s.model_calls += u64::from(r.model_calls);
@@ -446,7 +436,8 @@ pub fn summarize(rows: &[Trajectory]) -> RolloutSummary {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::env::{EpisodeStart, Evaluation, Observation, ToolCall, ToolSpec};
+    use crate::env::{EnvError, EpisodeStart, Evaluation, Observation, ToolCall, ToolSpec};
+    use async_trait::async_trait;
     use crate::policy::{FinishReason, Message, PolicyOutput};
     use infra::store::LocalStore;
     use schemas::{Role, TurnSource};

@@ -51,9 +51,9 @@ pub enum SleepError {
     Store(#[from] StoreError),
 }
 
-impl SleepError {
+impl infra::Transient for SleepError {
     /// Whether running the job again may succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_transient(&self) -> bool {
         match self {
             SleepError::Input(_) | SleepError::FatalRequested => false,
             SleepError::RetryableRequested { .. } => true,
@@ -64,7 +64,7 @@ impl SleepError {
 
 /// `runs/<run>/diagnostics/sleep/<job_id>.json`
 pub fn output_key(run_id: &str, job_id: &str) -> String {
-    format!("runs/{run_id}/diagnostics/sleep/{job_id}.json")
+    schemas::keys::sleep_diagnostic(run_id, job_id)
 }
 
 /// The envelope of the `index`-th sleep job of a run. Its id is deterministic
@@ -114,6 +114,7 @@ pub async fn run(store: &dyn ObjectStore, job: &JobEnvelope) -> Result<Vec<Outpu
 mod tests {
     use super::*;
     use infra::store::LocalStore;
+    use infra::Transient;
 
     fn job(payload: serde_json::Value, attempt: u32) -> JobEnvelope {
         JobEnvelope {
@@ -158,11 +159,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path()).unwrap();
         let e = run(&store, &job(serde_json::json!({"millis": 0, "fail": true}), 0)).await.unwrap_err();
-        assert!(!e.is_retryable());
+        assert!(!e.is_transient());
         let e = run(&store, &job(serde_json::json!({"millis": 0, "fail_attempts": 2}), 1)).await.unwrap_err();
-        assert!(e.is_retryable(), "{e}");
+        assert!(e.is_transient(), "{e}");
         assert!(run(&store, &job(serde_json::json!({"millis": 0, "fail_attempts": 2}), 2)).await.is_ok());
         let e = run(&store, &job(serde_json::json!({"milis": 5}), 0)).await.unwrap_err();
-        assert!(!e.is_retryable() && e.to_string().contains("milis"), "{e}");
+        assert!(!e.is_transient() && e.to_string().contains("milis"), "{e}");
     }
 }

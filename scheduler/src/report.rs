@@ -18,7 +18,7 @@ pub struct Series(pub BTreeMap<String, Vec<(u32, f64)>>);
 
 impl Series {
     pub async fn load(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Self> {
-        let rows: Vec<MetricRow> = infra::table::read_prefix(store, &format!("runs/{run_id}/metrics/")).await?;
+        let rows: Vec<MetricRow> = infra::table::read_prefix(store, &schemas::keys::metrics_prefix(run_id)).await?;
         let mut m: BTreeMap<String, Vec<(u32, f64)>> = BTreeMap::new();
         for r in rows {
             let name = match r.stage.as_str() {
@@ -364,7 +364,7 @@ async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Pa
     plot_repairs(&counts, &dir.join("repairs.png"))?;
     plot_overlap(&counts, &dir.join("overlap.png"))?;
     for file in ["repairs.png", "overlap.png"] {
-        store.put(&format!("runs/{run_id}/reports/{file}"), Bytes::from(std::fs::read(dir.join(file))?)).await?;
+        store.put(&schemas::keys::report_file(run_id, file), Bytes::from(std::fs::read(dir.join(file))?)).await?;
     }
     Ok(Some(format!(
         "\n## Sibling pool: repairs relative to H0 on {} validation tasks (Figure 1a, Figure 5)\n\n{}\n![repairs](repairs.png)\n![overlap](overlap.png)\n\n### Mechanisms\n\nPolicy-side siblings change what the policy itself writes, which training keeps; harness-side ones act in its place (`[environment] harness_actions`), and those tokens are never trained on.\n\n{}",
@@ -379,7 +379,7 @@ async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Pa
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
     let s = Series::load(store, run_id).await?;
     let dir = tempfile::tempdir().context("cannot create a temporary folder for plots")?;
-    let rows: Vec<schemas::Trajectory> = infra::table::read_prefix(store, &format!("runs/{run_id}/trajectories/")).await?;
+    let rows: Vec<schemas::Trajectory> = infra::table::read_prefix(store, &schemas::keys::trajectories_prefix(run_id)).await?;
     let t = TrajectorySeries::of(&rows);
     let harness_lines: Vec<(&str, &[(u32, f64)])> = t.success_by_harness.iter().map(|(h, v)| (h.as_str(), v.as_slice())).collect();
     let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 7] = [
@@ -417,7 +417,7 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
         let x = if *file == "validation.png" { "checkpoint step" } else { "update" };
         line_plot_over(&path, title, x, y, series).with_context(|| format!("drawing {file}"))?;
         let bytes = std::fs::read(&path)?;
-        store.put(&format!("runs/{run_id}/reports/{file}"), Bytes::from(bytes)).await?;
+        store.put(&schemas::keys::report_file(run_id, file), Bytes::from(bytes)).await?;
     }
     let mut md = format!("# Run `{run_id}`\n\n");
     let stored = crate::run::inputs::load_stored(store, run_id).await.ok();
@@ -476,7 +476,7 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     if let Some(section) = pool_section(store, run_id, dir.path()).await? {
         md.push_str(&section);
     }
-    let key = format!("runs/{run_id}/reports/report.md");
+    let key = schemas::keys::report_file(run_id, "report.md");
     store.put(&key, Bytes::from(md)).await?;
     Ok(store.object_url(&key))
 }

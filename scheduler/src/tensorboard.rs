@@ -13,7 +13,7 @@ use schemas::MetricRow;
 
 /// Where a run's event files go in the store.
 pub fn events_prefix(run_id: &str) -> String {
-    format!("runs/{run_id}/tensorboard/")
+    schemas::keys::tensorboard_prefix(run_id)
 }
 
 /// The name of an event file written at `ms` for part `part`: TensorBoard reads a

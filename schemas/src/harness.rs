@@ -148,6 +148,18 @@ pub enum HookEvent {
     AfterTool,
 }
 
+impl HookEvent {
+    /// The stored (serde) name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::EpisodeStart => "episode_start",
+            Self::BeforeDecision => "before_decision",
+            Self::BeforeAction => "before_action",
+            Self::AfterTool => "after_tool",
+        }
+    }
+}
+
 /// What a hook does when its condition holds (Harness-S Appendix D, Table 7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -161,6 +173,18 @@ pub enum HookAction {
     RewriteAction,
     /// Take an action chosen by the harness instead of asking the policy.
     ForceAction,
+}
+
+impl HookAction {
+    /// The stored (serde) name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Warn => "warn",
+            Self::BlockAndPrompt => "block_and_prompt",
+            Self::RewriteAction => "rewrite_action",
+            Self::ForceAction => "force_action",
+        }
+    }
 }
 
 /// A hook condition: a named predicate, or a safe expression over the episode state.

@@ -69,7 +69,76 @@ pub fn pool_harness(run_id: &str, harness_id: &str) -> String {
     format!("runs/{run_id}/pool/{harness_id}.json")
 }
 
-/// Folder of a side-by-side comparison of two runs (`harness-s compare A B`).
-pub fn comparison_dir(run_a: &str, run_b: &str) -> String {
-    format!("comparisons/{run_a}-vs-{run_b}/")
+/// Folder of a side-by-side comparison of runs (`harness-s compare A B [C ...]`):
+/// `comparisons/<A>-vs-<B>[-vs-<C>...]/`.
+pub fn comparison_dir(runs: &[&str]) -> String {
+    format!("comparisons/{}/", runs.join("-vs-"))
+}
+
+/// `runs/<run>/trajectories/`: every trajectory part of a run.
+pub fn trajectories_prefix(run_id: &str) -> String {
+    format!("runs/{run_id}/trajectories/")
+}
+
+/// `runs/<run>/trajectories/step=<n>/`, or with `kind` `…/kind=<kind>/`.
+pub fn trajectories_of_step(run_id: &str, step: u32, kind: Option<RolloutKind>) -> String {
+    match kind {
+        Some(kind) => format!("runs/{run_id}/trajectories/step={step}/kind={kind}/"),
+        None => format!("runs/{run_id}/trajectories/step={step}/"),
+    }
+}
+
+/// `runs/<run>/groups/step=<n>/`
+pub fn groups_of_step(run_id: &str, step: u32) -> String {
+    format!("runs/{run_id}/groups/step={step}/")
+}
+
+/// `runs/<run>/profiles/calib=<id>/`: a calibration's profile parts and its document.
+pub fn calibration_dir(run_id: &str, calibration_id: &str) -> String {
+    format!("runs/{run_id}/profiles/calib={calibration_id}/")
+}
+
+/// `runs/<run>/profiles/calib=<id>/calibration.json`
+pub fn calibration(run_id: &str, calibration_id: &str) -> String {
+    format!("{}calibration.json", calibration_dir(run_id, calibration_id))
+}
+
+/// `runs/<run>/checkpoints/`: every checkpoint folder of a run.
+pub fn checkpoints_prefix(run_id: &str) -> String {
+    format!("runs/{run_id}/checkpoints/")
+}
+
+/// `runs/<run>/pool/manifest.json`
+pub fn pool_manifest(run_id: &str) -> String {
+    format!("runs/{run_id}/pool/manifest.json")
+}
+
+/// `runs/<run>/diagnostics/sleep/<job>.json` (the queue's test job)
+pub fn sleep_diagnostic(run_id: &str, job_id: &str) -> String {
+    format!("runs/{run_id}/diagnostics/sleep/{job_id}.json")
+}
+
+/// `runs/<run>/tensorboard/`: the run's TensorBoard event files.
+pub fn tensorboard_prefix(run_id: &str) -> String {
+    format!("runs/{run_id}/tensorboard/")
+}
+
+/// `runs/<run>/reports/<file>` (`report.md` and its figures)
+pub fn report_file(run_id: &str, file: &str) -> String {
+    format!("runs/{run_id}/reports/{file}")
+}
+
+/// `runs/<run>/inputs/run.json`: what the run was started with.
+pub fn run_inputs(run_id: &str) -> String {
+    format!("runs/{run_id}/inputs/run.json")
+}
+
+/// `runs/<run>/inputs/tasks/<name>.jsonl`
+pub fn task_file(run_id: &str, name: &str) -> String {
+    format!("runs/{run_id}/inputs/tasks/{name}.jsonl")
+}
+
+/// `runs/<run>/cancel`: a cancel request.
+pub fn cancel(run_id: &str) -> String {
+    format!("runs/{run_id}/cancel")
 }

@@ -86,6 +86,20 @@ pub enum ErrorClass {
     InvalidOutput,
 }
 
+impl ErrorClass {
+    /// The stored (serde) name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Infra => "infra",
+            Self::Env => "env",
+            Self::Policy => "policy",
+            Self::Timeout => "timeout",
+            Self::ContextLength => "context_length",
+            Self::InvalidOutput => "invalid_output",
+        }
+    }
+}
+
 /// Chat role of a turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -210,6 +224,17 @@ mod termination_tests {
     fn as_str_is_the_stored_value() {
         for t in [Termination::Committed, Termination::RoundLimit, Termination::BudgetExhausted, Termination::ContextLimit, Termination::Error] {
             assert_eq!(serde_json::to_value(t).unwrap(), t.as_str());
+        }
+        use super::ErrorClass as E;
+        for c in [E::Infra, E::Env, E::Policy, E::Timeout, E::ContextLength, E::InvalidOutput] {
+            assert_eq!(serde_json::to_value(c).unwrap(), c.as_str());
+        }
+        use crate::{HookAction as A, HookEvent as H};
+        for h in [H::EpisodeStart, H::BeforeDecision, H::BeforeAction, H::AfterTool] {
+            assert_eq!(serde_json::to_value(h).unwrap(), h.as_str());
+        }
+        for a in [A::Warn, A::BlockAndPrompt, A::RewriteAction, A::ForceAction] {
+            assert_eq!(serde_json::to_value(a).unwrap(), a.as_str());
         }
     }
 }

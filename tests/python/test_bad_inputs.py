@@ -501,6 +501,8 @@ for cmd in (["status"], ["report"], ["verify"], ["resume"], ["cancel"]):
     case("store URL", f"{cmd[0]} of an unknown run", [*cmd, "no-such-run", "--store", f"file://{STORE}"], ["no-such-run"])
     case("store URL", f"{cmd[0]} in a missing store", [*cmd, "no-such-run", "--store", f"file://{MISSING}"], ["does-not-exist"])
 case("store URL", "compare unknown runs", ["compare", "a", "b", "--store", f"file://{STORE}"], ["`a`"])
+case("store URL", "compare one run", ["compare", "a", "--store", f"file://{STORE}"], ["RUNS"])
+case("store URL", "export gguf of an unknown type", ["export", "gguf", "a", "--out", str(WS / "x.gguf"), "--type", "q9", "--store", f"file://{STORE}"], ["q9", "q8_0"])
 case("store URL", "pool ls of an unknown run", ["pool", "ls", "no-such-run", "--store", f"file://{STORE}"], ["no-such-run"])
 case("store URL", "run with a store URL of unknown scheme", ["run", write_spec(B, "store-scheme"), "--store", "gopher://x"], ["gopher"])
 case("store URL", "submit with s3 password", ["submit", write_spec(B, "store-secret"), "--store", f"s3://u:{SECRET}@b?endpoint=http://127.0.0.1:1"], ["s3://"], secret=SECRET, timeout=120)

@@ -43,6 +43,16 @@ impl JobFailure {
     pub fn is_retryable(&self) -> bool {
         matches!(self, JobFailure::Retryable(_))
     }
+
+    /// The one conversion of a job's error: retried if it is transient, dead-lettered if
+    /// not.
+    pub fn of<E: infra::Transient + std::fmt::Display>(e: E) -> JobFailure {
+        if e.is_transient() {
+            JobFailure::Retryable(e.to_string())
+        } else {
+            JobFailure::Fatal(e.to_string())
+        }
+    }
 }
 
 /// Runs jobs of one kind. Outputs are written through `ctx.store` under keys derived
@@ -102,8 +112,7 @@ impl Handler for SleepHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
         match jobs::sleep::run(ctx.store.as_ref(), job).await {
             Ok(outputs) => Ok(JobOutput { outputs, result: serde_json::json!({"diagnostic": "sleep"}), committed: false }),
-            Err(e) if e.is_retryable() => Err(JobFailure::Retryable(e.to_string())),
-            Err(e) => Err(JobFailure::Fatal(e.to_string())),
+            Err(e) => Err(JobFailure::of(e)),
         }
     }
 }

@@ -16,6 +16,7 @@
 //! whatever is still running after it is abandoned unsettled, so the queue delivers it
 //! again elsewhere. Nothing is lost either way.
 
+use infra::Transient;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

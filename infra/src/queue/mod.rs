@@ -210,9 +210,9 @@ pub enum QueueError {
     Broker { url: String, detail: String },
 }
 
-impl QueueError {
+impl crate::Transient for QueueError {
     /// Whether trying the same call again later may succeed.
-    pub fn is_transient(&self) -> bool {
+    fn is_transient(&self) -> bool {
         matches!(
             self,
             QueueError::Unreachable { .. }

@@ -60,9 +60,9 @@ pub enum StoreError {
     Backend { url: String, detail: String },
 }
 
-impl StoreError {
+impl crate::Transient for StoreError {
     /// Whether retrying the same call later may succeed (network trouble, throttling).
-    pub fn is_transient(&self) -> bool {
+    fn is_transient(&self) -> bool {
         matches!(self, StoreError::Unreachable { .. } | StoreError::Backend { .. })
     }
 }

@@ -188,7 +188,7 @@ async fn is_complete(store: &dyn ObjectStore, run_id: &str, manifest: &Checkpoin
 /// The newest complete checkpoint of a run: the highest step whose manifest exists, parses
 /// and lists files that are all present with their recorded sizes.
 pub async fn latest(store: &dyn ObjectStore, run_id: &str) -> Result<Option<CheckpointManifest>, NativeError> {
-    let prefix = format!("{}/checkpoints/", keys::run_prefix(run_id));
+    let prefix = keys::checkpoints_prefix(run_id);
     let mut steps: Vec<u32> = store
         .list(&prefix)
         .await?

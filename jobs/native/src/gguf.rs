@@ -91,7 +91,7 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
-    fn from_id(id: u32) -> Self {
+    pub(crate) fn from_id(id: u32) -> Self {
         match id {
             0 => GgmlType::F32,
             1 => GgmlType::F16,

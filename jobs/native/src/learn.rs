@@ -125,8 +125,8 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
         }
     };
 
-    let groups: Vec<Group> = read_prefix(store, &format!("runs/{}/groups/step={}/", input.run_id, input.step)).await?;
-    let trajectories: Vec<Trajectory> = read_prefix(store, &format!("runs/{}/trajectories/step={}/", input.run_id, input.step)).await?;
+    let groups: Vec<Group> = read_prefix(store, &schemas::keys::groups_of_step(&input.run_id, input.step)).await?;
+    let trajectories: Vec<Trajectory> = read_prefix(store, &schemas::keys::trajectories_of_step(&input.run_id, input.step, None)).await?;
     let retained: std::collections::BTreeSet<&str> = groups.iter().filter(|g| g.retained).flat_map(|g| g.trajectory_ids.iter().map(String::as_str)).collect();
     let start = latest.as_ref().and_then(|m| m.weights_step);
     data::check_staleness(&input.run_id, start, input.max_off_policy_steps, trajectories.iter().filter(|t| retained.contains(t.trajectory_id.as_str())))?;

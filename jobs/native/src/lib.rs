@@ -81,18 +81,20 @@ pub enum NativeError {
 }
 
 impl NativeError {
+    pub(crate) fn io(path: &Path, error: std::io::Error) -> Self {
+        NativeError::Io { path: path.to_path_buf(), error }
+    }
+}
+
+impl infra::Transient for NativeError {
     /// Whether a later attempt may succeed: only store trouble (network, throttling) is
     /// transient; bad models, settings, inputs and libtorch failures fail the same way again.
-    pub fn is_retryable(&self) -> bool {
+    fn is_transient(&self) -> bool {
         match self {
             NativeError::Store(e) => e.is_transient(),
             NativeError::Table(e) => e.is_transient(),
             _ => false,
         }
-    }
-
-    pub(crate) fn io(path: &Path, error: std::io::Error) -> Self {
-        NativeError::Io { path: path.to_path_buf(), error }
     }
 }
 pub mod learn;
@@ -100,14 +102,15 @@ pub mod learn;
 #[cfg(test)]
 mod error_tests {
     use super::*;
+    use infra::Transient;
 
     #[test]
     fn only_transient_store_trouble_is_retryable() {
         let unreachable = infra::store::StoreError::Unreachable { endpoint: "http://127.0.0.1:1".into(), detail: "refused".into() };
-        assert!(NativeError::Store(unreachable).is_retryable());
+        assert!(NativeError::Store(unreachable).is_transient());
         let gone = infra::store::StoreError::NotFound { url: "file:///x".into() };
-        assert!(!NativeError::Store(gone).is_retryable());
-        assert!(!NativeError::Input("stale rows".into()).is_retryable());
-        assert!(!NativeError::Config { field: "device".into(), detail: "no".into() }.is_retryable());
+        assert!(!NativeError::Store(gone).is_transient());
+        assert!(!NativeError::Input("stale rows".into()).is_transient());
+        assert!(!NativeError::Config { field: "device".into(), detail: "no".into() }.is_transient());
     }
 }

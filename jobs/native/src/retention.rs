@@ -141,7 +141,7 @@ pub struct Pruned {
 /// Applies [`plan`] to a run's stored checkpoints. Only steps before the newest are
 /// touched, so a prune never races the writer of the newest checkpoint.
 pub async fn prune(store: &dyn ObjectStore, run_id: &str, policy: &Retention, best: Option<u32>) -> Result<Pruned, NativeError> {
-    let prefix = format!("{}/checkpoints/", keys::run_prefix(run_id));
+    let prefix = keys::checkpoints_prefix(run_id);
     // every object, by step folder
     let mut folders: BTreeMap<u32, Vec<(String, u64)>> = BTreeMap::new();
     for meta in store.list(&prefix).await? {

@@ -13,6 +13,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use native::export::TensorType;
 use native::{loader, sampler};
 
 /// llama.cpp's greedy decoding and first-token logits, as JSON: on the file and on its F32
@@ -118,7 +119,8 @@ fn greedy_decoding_and_logits_match_llama_cpp() {
 /// Weights exported as GGUF (`harness-s export gguf`) run in llama.cpp as the model they
 /// came from: the SmolLM2 weights changed as an update would change them, exported, give
 /// llama.cpp logits equal to ours within the F32 tolerance above and the same greedy
-/// tokens, while the change itself moves the logits far more than that.
+/// tokens, while the change itself moves the logits far more than that. A Q8_0 export is a
+/// third of the size and stays well within the change too.
 #[test]
 fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
     tch::set_num_threads(2);
@@ -142,16 +144,23 @@ fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
 
     let base = native::gguf::GgufFile::open(&gguf).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let exported = dir.path().join("exported.gguf");
-    std::fs::write(&exported, native::export::gguf_bytes(&base, &model).unwrap()).unwrap();
-    let out = Command::new("python3").args(["-c", REFERENCE, exported.to_str().unwrap(), prompt, &N.to_string(), "as-is"]).output().unwrap();
-    assert!(out.status.success(), "llama.cpp could not run the exported GGUF: {}", String::from_utf8_lossy(&out.stderr));
-    let theirs: Reference = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(ids, theirs.prompt_tokens, "the exported tokenizer tokenizes as ours");
-    let rel = relative_error(&ours, &theirs.first_logits);
-    eprintln!("exported GGUF: first-token logits relative L2 error {rel:.2e}; the change itself moved them by {moved:.2e}");
-    assert!(rel < 1e-2 && rel * 10.0 < moved, "llama.cpp on the exported GGUF: error {rel:.3e}, change {moved:.3e}");
     let gen = sampler::generate(&model, &ids, &sampler::GenerateOptions::greedy(N), &[]).unwrap();
-    let agree = gen.tokens.iter().zip(&theirs.tokens).take_while(|(a, b)| a == b).count();
-    assert!(agree >= 20, "greedy tokens agree for only {agree} of {N}: ours {:?}, llama.cpp {:?}", gen.tokens, theirs.tokens);
+    let mut sizes = vec![];
+    // (type, logits tolerance, error at most this share of the change, greedy tokens that agree)
+    for (ty, tol, share, tokens) in [(TensorType::F32, 1e-2, 0.1, 20), (TensorType::Q8_0, 3e-2, 0.34, 16)] {
+        let exported = dir.path().join(format!("exported-{ty:?}.gguf"));
+        let bytes = native::export::gguf_bytes_as(&base, &model, ty).unwrap();
+        sizes.push(bytes.len());
+        std::fs::write(&exported, bytes).unwrap();
+        let out = Command::new("python3").args(["-c", REFERENCE, exported.to_str().unwrap(), prompt, &N.to_string(), "as-is"]).output().unwrap();
+        assert!(out.status.success(), "llama.cpp could not run the exported {ty:?} GGUF: {}", String::from_utf8_lossy(&out.stderr));
+        let theirs: Reference = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(ids, theirs.prompt_tokens, "the exported tokenizer tokenizes as ours");
+        let rel = relative_error(&ours, &theirs.first_logits);
+        let agree = gen.tokens.iter().zip(&theirs.tokens).take_while(|(a, b)| a == b).count();
+        eprintln!("exported {ty:?} GGUF: first-token logits relative L2 error {rel:.2e} (the change itself moved them by {moved:.2e}); greedy tokens agree for {agree} of {N}");
+        assert!(rel < tol && rel < share * moved, "llama.cpp on the exported {ty:?} GGUF: error {rel:.3e}, change {moved:.3e}");
+        assert!(agree >= tokens, "{ty:?}: greedy tokens agree for only {agree} of {N}: ours {:?}, llama.cpp {:?}", gen.tokens, theirs.tokens);
+    }
+    assert!(sizes[1] * 3 < sizes[0], "Q8_0 export is not a third of F32's size: {sizes:?}");
 }

@@ -89,11 +89,20 @@ impl EnvError {
             _ => ErrorClass::Env,
         }
     }
+}
 
+impl infra::Transient for EnvError {
     /// Whether the same episode may succeed if run again.
-    pub fn is_retryable(&self) -> bool {
+    fn is_transient(&self) -> bool {
         matches!(self, EnvError::Backend { .. })
     }
+}
+
+/// Makes one environment instance per episode (e.g. a DBBench environment with its own
+/// database): the seam a worker holds, one factory per environment kind.
+#[async_trait]
+pub trait EnvironmentFactory: Send + Sync {
+    async fn create(&self) -> Result<Box<dyn Environment>, EnvError>;
 }
 
 /// An environment that runs one episode at a time.

@@ -31,7 +31,8 @@ use super::pool::{load_pool, put_member, save_manifest, seed_pool, LocalResult, 
 use super::select::{select_parents, Candidate};
 use crate::harness::{check_spec, Budgets, ValidateOptions};
 use crate::policy::{Policy, SamplingParams};
-use crate::rollout::{self, EnvironmentFactory, RolloutContext, RolloutError, RolloutInput};
+use crate::env::EnvironmentFactory;
+use crate::rollout::{self, RolloutContext, RolloutError, RolloutInput};
 use infra::store::ObjectStore;
 use schemas::{job_id, keys, ErrorClass, HarnessSpec, JobIdParts, RolloutKind, Split, Termination, Trajectory};
 
@@ -149,6 +150,14 @@ pub enum EvolveError {
     NoEpisodes { stage: String, harness: String, class: Option<ErrorClass>, detail: String },
     #[error("reading evolve rollouts {key}: {detail}")]
     Rows { key: String, detail: String },
+}
+
+impl infra::Transient for EvolveError {
+    /// Everything but bad input may pass on a later delivery: rollout, store and endpoint
+    /// trouble (batches already done are kept, so a retry resumes).
+    fn is_transient(&self) -> bool {
+        !matches!(self, EvolveError::InvalidInput { .. })
+    }
 }
 
 /// Deterministic id of one batch of evolve episodes (docs/ARCHITECTURE.md, "Durability contract").

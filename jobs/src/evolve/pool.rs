@@ -17,7 +17,7 @@ use schemas::{decode_document, encode_document, keys, Document, HarnessSpec, Sch
 
 /// `runs/<run>/pool/manifest.json`
 pub fn manifest_key(run_id: &str) -> String {
-    format!("runs/{run_id}/pool/manifest.json")
+    schemas::keys::pool_manifest(run_id)
 }
 
 /// How a child did in local evaluation (Table 8: ≤ 30 tasks, ≤ 10 successful controls).

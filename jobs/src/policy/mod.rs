@@ -116,9 +116,11 @@ impl PolicyError {
             _ => ErrorClass::Policy,
         }
     }
+}
 
+impl infra::Transient for PolicyError {
     /// Whether retrying the same call (with backoff) may succeed.
-    pub fn is_retryable(&self) -> bool {
+    fn is_transient(&self) -> bool {
         match self {
             PolicyError::Timeout { .. } | PolicyError::Unreachable { .. } | PolicyError::InvalidOutput { .. } | PolicyError::StaleWeights { .. } => true,
             PolicyError::Http { status, .. } => *status == 429 || *status >= 500,

@@ -49,6 +49,7 @@
 //! # Ok(()) }
 //! ```
 
+use infra::Transient;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -487,7 +488,7 @@ impl Policy for OpenAiPolicy {
         })
         .retry(backoff)
         .sleep(tokio::time::sleep)
-        .when(PolicyError::is_retryable)
+        .when(<PolicyError as Transient>::is_transient)
         // The budget is wall-clock: no retry starts if its backoff would end past it.
         .adjust(|_, delay| delay.filter(|d| started.elapsed() + *d < budget))
         .notify(|err, delay| {
@@ -503,7 +504,7 @@ impl Policy for OpenAiPolicy {
         .await;
         let mut completion = match completion {
             Ok(c) => c,
-            Err(e) if e.is_retryable() => {
+            Err(e) if e.is_transient() => {
                 return Err(PolicyError::RetriesExhausted {
                     attempts: attempts.load(Ordering::Relaxed),
                     elapsed_s: started.elapsed().as_secs_f64(),

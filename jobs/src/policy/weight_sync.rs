@@ -44,9 +44,9 @@ pub enum SyncError {
     Protocol { endpoint: String, detail: String },
 }
 
-impl SyncError {
+impl infra::Transient for SyncError {
     /// Whether trying again later may succeed (the server is restarting or overloaded).
-    pub fn is_retryable(&self) -> bool {
+    fn is_transient(&self) -> bool {
         matches!(self, SyncError::Unreachable { .. })
     }
 }
@@ -140,7 +140,7 @@ impl Endpoint {
         })
         .retry(backoff)
         .sleep(tokio::time::sleep)
-        .when(SyncError::is_retryable)
+        .when(<SyncError as infra::Transient>::is_transient)
         .adjust(|_, delay| delay.filter(|d| started.elapsed() + *d < budget))
         .notify(|e, delay| tracing::warn!(endpoint = %self.root, error = %e, retry_in_ms = delay.as_millis() as u64, "weight sync: endpoint not ready; retrying"))
         .await

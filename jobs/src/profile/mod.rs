@@ -371,9 +371,7 @@ pub fn describe_harness(spec: &HarnessSpec) -> String {
             schemas::Condition::Named(n) => n.clone(),
             schemas::Condition::Expr(_) => "expression".into(),
         };
-        let event = serde_json::to_value(h.event).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        let action = serde_json::to_value(h.action).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        parts.push(format!("hook {event}/{cond} -> {action}: {}", clip(&h.message, 100)));
+        parts.push(format!("hook {}/{cond} -> {}: {}", h.event.as_str(), h.action.as_str(), clip(&h.message, 100)));
     }
     if spec.tool_view.is_some() {
         parts.push("changes the tool view".into());

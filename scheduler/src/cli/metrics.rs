@@ -35,7 +35,7 @@ pub async fn run(args: MetricsArgs) -> anyhow::Result<u8> {
     }
     let store = args.store.open().await?;
     crate::run::inputs::load_stored(store.as_ref(), &args.run).await?;
-    let mut rows: Vec<MetricRow> = infra::table::read_prefix(store.as_ref(), &format!("runs/{}/metrics/", args.run)).await?;
+    let mut rows: Vec<MetricRow> = infra::table::read_prefix(store.as_ref(), &schemas::keys::metrics_prefix(&args.run)).await?;
     rows.sort_by(|a, b| (a.step, a.recorded_at_ms, &a.stage, &a.name).cmp(&(b.step, b.recorded_at_ms, &b.stage, &b.name)));
     match (args.format.as_str(), &args.out) {
         ("csv", None) => std::io::stdout().lock().write_all(wide_csv(&rows).as_bytes())?,

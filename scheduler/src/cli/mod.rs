@@ -59,7 +59,7 @@ pub enum Command {
     Verify(run::RunRefArgs),
     /// Export a run's metrics: wide CSV, one Parquet file or a TensorBoard event file.
     Metrics(metrics::MetricsArgs),
-    /// Compare two runs side by side (e.g. Harness-S against plain GRPO): Markdown and plots in the store.
+    /// Compare runs side by side (e.g. Harness-S against plain GRPO, or several seeds): Markdown and plots in the store.
     Compare(run::CompareArgs),
     /// Inspect an object store: list objects, print Parquet rows as JSON lines.
     #[command(subcommand)]

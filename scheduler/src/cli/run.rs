@@ -70,10 +70,10 @@ pub struct RunRefArgs {
 
 #[derive(Debug, Args)]
 pub struct CompareArgs {
-    /// The run to compare (e.g. the Harness-S run).
-    pub run_a: String,
-    /// The run to compare it with (e.g. plain GRPO with the same model, seed and tasks).
-    pub run_b: String,
+    /// The runs to compare, two or more (e.g. the Harness-S run, then plain GRPO with the
+    /// same model, seed and tasks, then other seeds or variants).
+    #[arg(required = true, num_args = 2..)]
+    pub runs: Vec<String>,
     #[command(flatten)]
     pub store: StoreArg,
 }
@@ -129,7 +129,7 @@ async fn print_summary(store: &dyn infra::store::ObjectStore, run_id: &str) -> a
     if let Some((id, validation, p, a)) = series.h_best() {
         println!("{:>10}: Pass@k {p:.3}  Avg@k {a:.3} (H_best = {id}, the best harness on validation: {validation:.3})", "evaluation");
     }
-    let report = format!("runs/{run_id}/reports/report.md");
+    let report = schemas::keys::report_file(run_id, "report.md");
     if store.head(&report).await?.is_some() {
         println!("report: {}", store.object_url(&report));
     }
@@ -244,10 +244,11 @@ pub async fn verify(args: RunRefArgs) -> anyhow::Result<u8> {
 
 pub async fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     let store = args.store.open().await?;
-    for run in [&args.run_a, &args.run_b] {
+    for run in &args.runs {
         run::inputs::load_stored(store.as_ref(), run).await?;
     }
-    let url = crate::compare::write(store.as_ref(), &args.run_a, &args.run_b).await?;
+    let ids: Vec<&str> = args.runs.iter().map(String::as_str).collect();
+    let url = crate::compare::write(store.as_ref(), &ids).await?;
     println!("comparison: {url}");
     Ok(crate::exit::OK)
 }

@@ -144,15 +144,6 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
     }
 }
 
-/// A job failure that a later delivery may or may not get past.
-fn failure(retryable: bool, e: impl std::fmt::Display) -> JobFailure {
-    if retryable {
-        JobFailure::Retryable(e.to_string())
-    } else {
-        JobFailure::Fatal(e.to_string())
-    }
-}
-
 /// An endpoint model asked for text only (profiler, diagnoser, editor): no log-probabilities.
 fn text_model(endpoint: &super::spec::EndpointSection, field: &str) -> Result<Arc<dyn Policy>, JobFailure> {
     let mut config = endpoint.openai_config();
@@ -182,7 +173,7 @@ impl Handler for RolloutHandler {
             job_id: &job.job_id,
             delivery_attempt: job.attempt,
         };
-        let out = jobs::rollout::run(&rctx, &payload.input).await.map_err(|e| failure(e.is_retryable(), e))?;
+        let out = jobs::rollout::run(&rctx, &payload.input).await.map_err(JobFailure::of)?;
         Ok(JobOutput { outputs: out.outputs, result: serde_json::to_value(&out.summary).unwrap_or_default(), committed: true })
     }
 }
@@ -214,7 +205,7 @@ impl Handler for ReanchorHandler {
             job_id: &job.job_id,
             delivery_attempt: job.attempt,
         };
-        let out = jobs::reanchor::run(&rctx, &payload.input).await.map_err(|e| failure(e.is_retryable(), e))?;
+        let out = jobs::reanchor::run(&rctx, &payload.input).await.map_err(JobFailure::of)?;
         let outputs = if out.already_done { vec![] } else { vec![out.manifest.profile_part.clone()] };
         Ok(JobOutput { outputs, result: serde_json::json!({ "calibration_id": out.manifest.calibration_id }), committed: true })
     }
@@ -267,11 +258,9 @@ impl Handler for EvolveHandler {
         };
         let validate = inputs.spec().environment.validate_options();
         let ectx = jobs::evolve::EvolveContext { store, policy: &policy, envs: &envs, diagnoser, editor, validate };
-        let out = jobs::evolve::run(&ectx, &payload.input).await.map_err(|e| match &e {
-            jobs::evolve::EvolveError::InvalidInput { .. } => JobFailure::Fatal(e.to_string()),
-            // Rollout, store and endpoint trouble may pass; batches already done are kept.
-            _ => JobFailure::Retryable(e.to_string()),
-        })?;
+        // Rollout, store and endpoint trouble may pass (batches already done are kept); bad
+        // input fails the same way again.
+        let out = jobs::evolve::run(&ectx, &payload.input).await.map_err(JobFailure::of)?;
         let members: Vec<&str> = out.manifest.members.iter().map(|m| m.id.as_str()).collect();
         // What this delivery spent (a redelivered job counts only its own calls).
         let usage = LlmSpend::from([
@@ -303,7 +292,7 @@ impl Handler for LearnHandler {
             .await
             .map_err(|e| JobFailure::Fatal(format!("the learner panicked: {e}")))?
             // A store that fails for a moment retries the job; bad input dead-letters it.
-            .map_err(|e| failure(e.is_retryable(), e))?;
+            .map_err(JobFailure::of)?;
         Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out).unwrap_or_default(), committed: false })
     }
 }

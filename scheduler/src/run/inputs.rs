@@ -49,7 +49,7 @@ impl StoredRun {
 }
 
 pub fn run_json_key(run_id: &str) -> String {
-    format!("runs/{run_id}/inputs/run.json")
+    schemas::keys::run_inputs(run_id)
 }
 
 pub fn tasks_key(run_id: &str, split: Split) -> String {
@@ -58,7 +58,7 @@ pub fn tasks_key(run_id: &str, split: Split) -> String {
         Split::Validation => "validation",
         Split::Test => "test",
     };
-    format!("runs/{run_id}/inputs/tasks/{name}.jsonl")
+    schemas::keys::task_file(run_id, name)
 }
 
 pub const SPLITS: [Split; 3] = [Split::Train, Split::Validation, Split::Test];

@@ -380,8 +380,7 @@ impl Scheduler {
             }
             st.tokens += r.prompt_tokens + r.completion_tokens;
             if let Some(class) = r.error_class {
-                let name = serde_json::to_value(class)?.as_str().unwrap_or("unknown").to_string();
-                *st.failures.entry(name).or_default() += 1;
+                *st.failures.entry(class.as_str().to_string()).or_default() += 1;
             }
         }
         let budgets = &self.spec().budgets;
@@ -700,7 +699,7 @@ impl Scheduler {
     }
 
     async fn stage_rows(&self, u: u32, kind: RolloutKind) -> anyhow::Result<Vec<Trajectory>> {
-        let prefix = format!("runs/{}/trajectories/step={u}/kind={}/", self.run_id(), kind.as_str());
+        let prefix = keys::trajectories_of_step(self.run_id(), u, Some(kind));
         Ok(infra::table::read_prefix(self.store.as_ref(), &prefix).await?)
     }
 
@@ -859,18 +858,8 @@ impl Scheduler {
         if spec.policy.backend != "native" && !spec.policy.syncs_weights() {
             bail!("policy.backend = \"{}\" cannot be trained without [policy] weight_sync; use backend = \"native\"", spec.policy.backend);
         }
-        let learner = spec.learner.config(spec.algorithm.learning_rate, spec.run.seed);
-        let input = LearnJob {
-            run_id: self.run_id().to_string(),
-            step: u,
-            base_model: self.inputs.stored.base_model.clone().context("the run names no starting weights for the learner (policy.model, or policy.weights behind an endpoint)")?,
-            learner,
-            data_cursor: st.data_cursor,
-            device: spec.policy.device.clone(),
-            max_off_policy_steps: spec.algorithm.max_off_policy_steps,
-            checkpoints: spec.checkpoints.clone(),
-            best_step: st.best_checkpoint.map(|(s, _)| s),
-        };
+        let base_model = self.inputs.stored.base_model.clone().context("the run names no starting weights for the learner (policy.model, or policy.weights behind an endpoint)")?;
+        let input = learn_job(spec, self.run_id(), u, st, base_model);
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
         let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);
         let markers = self.exec.run(self.run_id(), &format!("update:{u}:learn"), vec![job]).await?;
@@ -927,6 +916,22 @@ fn group_by_task(rows: &[Trajectory]) -> BTreeMap<String, Vec<&Trajectory>> {
     m
 }
 
+/// The learn job of update `u`: the spec's `[learner]`, `[checkpoints]` and staleness keys,
+/// the run's data cursor and best checkpoint so far.
+fn learn_job(spec: &super::spec::RunSpec, run_id: &str, u: u32, st: &RunState, base_model: std::path::PathBuf) -> LearnJob {
+    LearnJob {
+        run_id: run_id.to_string(),
+        step: u,
+        base_model,
+        learner: spec.learner.config(spec.algorithm.learning_rate, spec.run.seed),
+        data_cursor: st.data_cursor,
+        device: spec.policy.device.clone(),
+        max_off_policy_steps: spec.algorithm.max_off_policy_steps,
+        checkpoints: spec.checkpoints.clone(),
+        best_step: st.best_checkpoint.map(|(s, _)| s),
+    }
+}
+
 /// The best-validating checkpoint after a calibration of `current` (None: the starting
 /// model, which is no checkpoint) that measured `success`; ties keep the earlier step.
 fn best_checkpoint(best: Option<(u32, f64)>, current: Option<u32>, success: f64) -> Option<(u32, f64)> {
@@ -939,7 +944,26 @@ fn best_checkpoint(best: Option<(u32, f64)>, current: Option<u32>, success: f64)
 
 #[cfg(test)]
 mod tests {
-    use super::best_checkpoint;
+    use super::{best_checkpoint, learn_job};
+    use crate::run::state::RunState;
+
+    #[test]
+    fn the_learn_job_carries_the_learner_and_checkpoint_keys_of_the_spec() {
+        let text = format!(
+            "{}\n[learner]\nweight_decay = 0.05\nmicro_batch_tokens = 2048\nupdates_per_batch = 2\n[checkpoints]\ndtype = \"bf16\"\nkeep_last = 2\n",
+            include_str!("../../../examples/quickstart.toml")
+        );
+        let spec = crate::run::spec::parse(&text, "quickstart.toml", std::path::Path::new("../examples"), "quickstart").unwrap().spec;
+        let mut st = RunState::new("quickstart", String::new());
+        st.data_cursor = 10;
+        st.best_checkpoint = Some((1, 0.5));
+        let job = learn_job(&spec, "quickstart", 2, &st, "base.gguf".into());
+        let l = &job.learner;
+        assert_eq!((l.optimizer.weight_decay, l.micro_batch_tokens, l.updates_per_batch), (0.05, 2048, 2));
+        assert_eq!((l.optimizer.lr, l.seed), (1e-4, 7), "learning rate and seed come from [algorithm] and [run]");
+        assert_eq!((job.checkpoints.dtype, job.checkpoints.keep_last), (native::retention::Dtype::Bf16, Some(2)));
+        assert_eq!((job.step, job.data_cursor, job.best_step), (2, 10, Some(1)));
+    }
 
     #[test]
     fn the_best_checkpoint_is_the_first_step_with_the_highest_validation_success() {

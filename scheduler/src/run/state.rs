@@ -131,5 +131,5 @@ pub async fn save(store: &dyn ObjectStore, state: &mut RunState) -> anyhow::Resu
 
 /// `runs/<run>/cancel`: asks the scheduler to stop at the next check.
 pub fn cancel_key(run_id: &str) -> String {
-    format!("runs/{run_id}/cancel")
+    schemas::keys::cancel(run_id)
 }

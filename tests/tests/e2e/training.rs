@@ -734,6 +734,18 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
     let (code, _, err) = harness_s(&["resume", "resume-killed", "--store", &store_url]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("already finished"), "{err}");
+
+    // `compare`: the two runs side by side give the same figures in both columns
+    let (code, md, err) = harness_s(&["compare", "resume-whole", "resume-killed", "--store", &store_url]);
+    assert_eq!(code, 0, "{err}");
+    let row = md.lines().find(|l| l.starts_with("| policy tokens trained")).unwrap_or_else(|| panic!("{md}"));
+    let cells: Vec<&str> = row.split('|').map(str::trim).filter(|c| !c.is_empty()).collect();
+    assert!(cells.len() == 3 && cells[1] == cells[2] && cells[1] != "–", "{row}");
+    for file in ["compare.md", "signal.png", "validation.png"] {
+        assert!(store.head(&format!("comparisons/resume-whole-vs-resume-killed/{file}")).await.unwrap().is_some(), "{file}");
+    }
+    let (code, _, err) = harness_s(&["compare", "resume-whole", "--store", &store_url]);
+    assert_eq!(code, 2, "compare of one run is a usage error: {err}");
 }
 
 /// One of two workers is SIGKILLed while rescue rollouts run: the broker redelivers its

@@ -453,7 +453,7 @@ pub struct DbBenchFactory {
 }
 
 #[async_trait]
-impl crate::rollout::EnvironmentFactory for DbBenchFactory {
+impl crate::env::EnvironmentFactory for DbBenchFactory {
     async fn create(&self) -> Result<Box<dyn Environment>, EnvError> {
         Ok(Box::new(DbBenchEnv::new(Arc::clone(&self.tasks), self.config.clone())))
     }
@@ -462,6 +462,7 @@ impl crate::rollout::EnvironmentFactory for DbBenchFactory {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use infra::Transient;
 
     const TASKS: &str = r#"{"id": "count", "description": "How many people are older than 30?", "label": ["2"], "table": {"table_name": "people", "table_info": {"columns": [{"name": "name", "type": "TEXT"}, {"name": "age", "type": "INT"}], "rows": [["Ann", "31"], ["Bob", "45"], ["Cy", "12"]]}}, "add_description": "The name of this table is people, and the headers of this table are name,age.", "type": ["counting"]}
 {"id": "insert", "description": "Add Dee, 50.", "label": ["INSERT INTO people (name, age) VALUES ('Dee', '50')"], "table": {"table_name": "people", "table_info": {"columns": [{"name": "name", "type": "TEXT"}, {"name": "age", "type": "INT"}], "rows": [["Ann", "31"]]}}, "type": ["INSERT"], "answer_md5": ""}
@@ -583,7 +584,7 @@ mod tests {
         // Nothing listens on port 1.
         let mut e = DbBenchEnv::new(Arc::new(loaded.tasks), DbBenchConfig::mysql("mysql://root@127.0.0.1:1").unwrap());
         let err = e.reset("count", 0).await.unwrap_err();
-        assert!(matches!(err, EnvError::Backend { .. }) && err.is_retryable(), "{err}");
+        assert!(matches!(err, EnvError::Backend { .. }) && err.is_transient(), "{err}");
         assert!(err.to_string().contains("cannot connect"), "{err}");
     }
 

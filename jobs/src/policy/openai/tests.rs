@@ -3,6 +3,8 @@
 //! llama.cpp server is exercised by the end-to-end tests (`tests/tests/e2e/rollout.rs`).
 
 use std::sync::{Arc, Mutex};
+
+use infra::Transient;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -204,7 +206,7 @@ async fn invalid_json_is_retried_then_typed() {
         other => panic!("expected RetriesExhausted, got {other:?}"),
     }
     assert_eq!(err.class(), schemas::ErrorClass::InvalidOutput);
-    assert!(!err.is_retryable(), "the budget is spent; callers must not retry again");
+    assert!(!err.is_transient(), "the budget is spent; callers must not retry again");
     assert!(err.to_string().contains("proxy error"), "{err}");
     assert_eq!(server.chat_requests().len(), 3);
 }
@@ -528,5 +530,5 @@ async fn a_reply_from_other_weights_than_the_synced_ones_is_retried_after_a_relo
     assert_eq!(server.chat_requests().len(), 2, "the stale reply was retried");
     assert!(server.seen.lock().unwrap().iter().any(|s| s.path == "/get_model_info"), "the client asked what the server serves");
     assert_eq!(policy.checkpoint(), "/s/runs/r/checkpoints/step=1");
-    assert!(PolicyError::StaleWeights { expected: "a".into(), served: "b".into() }.is_retryable());
+    assert!(PolicyError::StaleWeights { expected: "a".into(), served: "b".into() }.is_transient());
 }

@@ -213,7 +213,7 @@ pub async fn latest(store: &dyn ObjectStore, run_id: &str) -> Result<Option<Chec
     Ok(None)
 }
 
-async fn read_manifest(store: &dyn ObjectStore, key: &str) -> Result<CheckpointManifest, NativeError> {
+pub(crate) async fn read_manifest(store: &dyn ObjectStore, key: &str) -> Result<CheckpointManifest, NativeError> {
     let bytes = match store.get(key).await {
         Ok(b) => b,
         Err(infra::store::StoreError::NotFound { .. }) => {

@@ -19,10 +19,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{manifest_key, MANIFEST_FILE, MASTER_FILE, OPTIMIZER_FILE};
+use crate::checkpoint::{manifest_key, read_manifest, MANIFEST_FILE, MASTER_FILE, OPTIMIZER_FILE};
 use crate::NativeError;
 use infra::store::ObjectStore;
-use schemas::{decode_document, encode_document, keys, CheckpointManifest};
+use schemas::{encode_document, keys};
 
 /// Element type of a checkpoint's `model.safetensors`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -154,10 +154,11 @@ pub async fn prune(store: &dyn ObjectStore, run_id: &str, policy: &Retention, be
         if !objects.iter().any(|(k, _)| *k == key) {
             continue;
         }
-        match decode_document::<CheckpointManifest>(&store.object_url(&key), &store.get(&key).await?) {
+        match read_manifest(store, &key).await {
             Ok(m) => {
                 manifests.insert(step, m);
             }
+            Err(e @ NativeError::Store(_)) => return Err(e),
             // not ours to judge: leave an unreadable manifest's folder alone
             Err(e) => tracing::warn!(key = %key, error = %e, "checkpoint retention skips an unreadable manifest"),
         }

@@ -261,7 +261,27 @@ pub async fn read_records<R: Record>(store: &dyn ObjectStore, key: &str) -> Resu
     ParquetFile::open(store, key).await?.records::<R>()
 }
 
-/// Reads every `*.parquet` object under a prefix, in key order.
+/// Reads the parts under `prefix` that a done-marker of run `run_id` commits, in key order
+/// (durability rule 4): `…/part-<job>.parquet` counts only when
+/// `runs/<run>/jobs/<job>.done.json` exists, so a part of an attempt that never committed
+/// is left out. One extra listing (the run's markers), no marker is read.
+pub async fn read_committed<R: Record>(store: &dyn ObjectStore, run_id: &str, prefix: &str) -> Result<Vec<R>> {
+    let markers: std::collections::BTreeSet<String> =
+        store.list(&schemas::keys::jobs_prefix(run_id)).await?.into_iter().map(|m| m.key).collect();
+    let mut out = Vec::new();
+    for obj in store.list(prefix).await? {
+        let committed = schemas::keys::job_of_part(&obj.key).is_some_and(|job| markers.contains(&schemas::keys::done_marker(run_id, job)));
+        if committed {
+            out.extend(read_records::<R>(store, &obj.key).await?);
+        } else if obj.key.ends_with(".parquet") {
+            tracing::debug!(key = %obj.key, "part without a done-marker left out (an unfinished attempt)");
+        }
+    }
+    Ok(out)
+}
+
+/// Reads every `*.parquet` object under a prefix, in key order (parts the scheduler writes
+/// itself, such as metrics and groups, and analysis of a finished run).
 pub async fn read_prefix<R: Record>(store: &dyn ObjectStore, prefix: &str) -> Result<Vec<R>> {
     let mut out = Vec::new();
     for obj in store.list(prefix).await? {

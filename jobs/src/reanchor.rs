@@ -23,7 +23,6 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use crate::harness::Budgets;
 use crate::policy::{Policy, SamplingParams};
@@ -33,7 +32,7 @@ use crate::profile::{describe_harness, pair_up, validation_stats, HarnessStats, 
 use crate::env::EnvironmentFactory;
 use crate::rollout::{self, RolloutContext, RolloutError, RolloutInput};
 use crate::router::Evidence;
-use infra::store::{ObjectStore, PutOutcome, StoreError};
+use infra::store::{ObjectStore, StoreError};
 use infra::table::TableError;
 use schemas::{
     decode_document, encode_document, job_id, keys, now_unix_ms, Document, DoneMarker, HarnessSpec, JobIdParts, JobKind,
@@ -265,26 +264,16 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
         finished_at_ms: now_unix_ms(),
     };
     let bytes = encode_document(&manifest);
-    let manifest_entry = OutputEntry { key: manifest_key.clone(), size: bytes.len() as u64, sha256: hex::encode(Sha256::digest(&bytes)) };
+    let manifest_entry = OutputEntry::of(manifest_key.clone(), &bytes);
     ctx.store.put(&manifest_key, Bytes::from(bytes)).await?;
     let summary: BTreeMap<&str, f64> = manifest.stats.iter().map(|(h, s)| (h.as_str(), s.success_rate())).collect();
-    let marker = DoneMarker {
-        schema_version: DoneMarker::VERSION,
-        job_id: ctx.job_id.to_string(),
-        run_id: input.run_id.clone(),
-        kind: JobKind::Reanchor,
-        attempt: ctx.delivery_attempt,
-        outputs: vec![profile_part, manifest_entry],
-        result: serde_json::json!({
-            "calibration_id": input.calibration_id,
-            "validation_success": summary,
-            "llm_usage": { "profiler": metered.as_ref().map(|m| m.usage()).unwrap_or_default() },
-        }),
-        finished_at_ms: now_unix_ms(),
-    };
-    if ctx.store.put_if_absent(&marker_key, Bytes::from(encode_document(&marker))).await? == PutOutcome::AlreadyExists {
-        tracing::info!(job = ctx.job_id, "another delivery committed this re-anchoring first");
-    }
+    let result = serde_json::json!({
+        "calibration_id": input.calibration_id,
+        "validation_success": summary,
+        "llm_usage": { "profiler": metered.as_ref().map(|m| m.usage()).unwrap_or_default() },
+    });
+    let marker = DoneMarker::new(ctx.job_id, &input.run_id, JobKind::Reanchor, ctx.delivery_attempt, vec![profile_part, manifest_entry], result);
+    infra::store::commit(ctx.store, &marker_key, &marker).await?;
     tracing::info!(calibration = %input.calibration_id, entries = entries.len(), ?summary, "re-anchoring done");
     Ok(ReanchorOutput { manifest, already_done: false })
 }
@@ -336,8 +325,8 @@ async fn read_manifest(store: &dyn ObjectStore, key: &str) -> Result<Calibration
 /// The router's evidence from one stored calibration: its manifest and profile rows.
 pub async fn load_evidence(store: &dyn ObjectStore, run_id: &str, calibration_id: &str) -> Result<Evidence, ReanchorError> {
     let manifest = read_manifest(store, &manifest_key(run_id, calibration_id)).await?;
-    let prefix = schemas::keys::calibration_dir(run_id, calibration_id);
-    let profiles: Vec<ProfileEntry> = infra::table::read_prefix(store, &prefix).await?;
+    // The profile part the manifest lists, never a stray part beside it.
+    let profiles: Vec<ProfileEntry> = infra::table::read_records(store, &manifest.profile_part.key).await?;
     Ok(Evidence::new(Some(manifest.calibration_id), manifest.tasks, manifest.stats, profiles, manifest.descriptions))
 }
 

@@ -16,17 +16,16 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use bytes::Bytes;
 use futures::stream::{self, StreamExt};
 use serde::{Deserialize, Serialize};
 
 use crate::env::{Environment, EnvironmentFactory};
 use crate::harness::{check_spec, Budgets, Next, Problem, Session, ValidateOptions, Verdict};
 use crate::policy::{Policy, PolicyError, SamplingParams};
-use infra::store::{ObjectStore, PutOutcome, StoreError};
+use infra::store::{ObjectStore, StoreError};
 use infra::table::{PartWriter, TableError};
 use schemas::{
-    decode_document, encode_document, job_id, Document, keys, now_unix_ms, DoneMarker, ErrorClass, HarnessSpec, JobIdParts, JobKind,
+    decode_document, job_id, keys, now_unix_ms, DoneMarker, ErrorClass, HarnessSpec, JobIdParts, JobKind,
     OutputEntry, RolloutKind, Split, Termination, Trajectory, Turn,
 };
 
@@ -167,20 +166,10 @@ pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Rollo
     let part = writer.finish().await?;
 
     let summary = summarize(&rows);
-    let marker = DoneMarker {
-        schema_version: DoneMarker::VERSION,
-        job_id: ctx.job_id.to_string(),
-        run_id: input.run_id.clone(),
-        kind: JobKind::Rollout,
-        attempt: ctx.delivery_attempt,
-        outputs: vec![part.clone()],
-        result: serde_json::to_value(&summary).expect("summaries serialise"),
-        finished_at_ms: now_unix_ms(),
-    };
+    let result = serde_json::to_value(&summary).expect("summaries serialise");
+    let marker = DoneMarker::new(ctx.job_id, &input.run_id, JobKind::Rollout, ctx.delivery_attempt, vec![part.clone()], result);
     // Written last: its presence means every output above is complete.
-    if ctx.store.put_if_absent(&marker_key, Bytes::from(encode_document(&marker))).await? == PutOutcome::AlreadyExists {
-        tracing::info!(job = ctx.job_id, "another delivery committed this job first; its outputs are identical");
-    }
+    infra::store::commit(ctx.store, &marker_key, &marker).await?;
     tracing::info!(
         job = ctx.job_id, episodes = total, successes = summary.successes,
         seconds = started.elapsed().as_secs_f64(), "rollout job done"

@@ -13,7 +13,6 @@ use bytes::Bytes;
 use infra::store::{ObjectStore, StoreError};
 use schemas::{Document, JobEnvelope, JobIdParts, JobKind, OutputEntry};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 /// Input of a diagnostic sleep job (the envelope's payload).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -105,7 +104,7 @@ pub async fn run(store: &dyn ObjectStore, job: &JobEnvelope) -> Result<Vec<Outpu
     let out = SleepOutput { job_id: job.job_id.clone(), run_id: job.run_id.clone(), slept_ms: input.millis };
     let bytes = serde_json::to_vec(&out).expect("plain struct serialises");
     let key = output_key(&job.run_id, &job.job_id);
-    let entry = OutputEntry { key: key.clone(), size: bytes.len() as u64, sha256: hex::encode(Sha256::digest(&bytes)) };
+    let entry = OutputEntry::of(key.clone(), &bytes);
     store.put(&key, Bytes::from(bytes)).await?;
     Ok(vec![entry])
 }
@@ -141,7 +140,7 @@ mod tests {
         assert_eq!(first[0].key, "runs/r1/diagnostics/sleep/j1.json");
         let bytes = store.get(&first[0].key).await.unwrap();
         assert_eq!(bytes.len() as u64, first[0].size);
-        assert_eq!(hex::encode(Sha256::digest(&bytes)), first[0].sha256);
+        assert_eq!(schemas::OutputEntry::of(first[0].key.clone(), &bytes), first[0]);
     }
 
     #[test]

@@ -379,7 +379,7 @@ async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Pa
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
     let s = Series::load(store, run_id).await?;
     let dir = tempfile::tempdir().context("cannot create a temporary folder for plots")?;
-    let rows: Vec<schemas::Trajectory> = infra::table::read_prefix(store, &schemas::keys::trajectories_prefix(run_id)).await?;
+    let rows: Vec<schemas::Trajectory> = infra::table::read_committed(store, run_id, &schemas::keys::trajectories_prefix(run_id)).await?;
     let t = TrajectorySeries::of(&rows);
     let harness_lines: Vec<(&str, &[(u32, f64)])> = t.success_by_harness.iter().map(|(h, v)| (h.as_str(), v.as_slice())).collect();
     let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 7] = [

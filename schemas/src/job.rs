@@ -108,6 +108,14 @@ pub struct OutputEntry {
     pub sha256: String,
 }
 
+impl OutputEntry {
+    /// The entry of an object holding `bytes` at `key`: its size and SHA-256.
+    pub fn of(key: impl Into<String>, bytes: &[u8]) -> Self {
+        use sha2::Digest;
+        OutputEntry { key: key.into(), size: bytes.len() as u64, sha256: hex::encode(sha2::Sha256::digest(bytes)) }
+    }
+}
+
 impl From<OutputEntry> for FileEntry {
     fn from(o: OutputEntry) -> Self {
         FileEntry { name: o.key, size: o.size, sha256: o.sha256 }
@@ -127,6 +135,22 @@ pub struct DoneMarker {
     /// Small kind-specific result summary (counts, metrics) for the scheduler.
     pub result: serde_json::Value,
     pub finished_at_ms: i64,
+}
+
+impl DoneMarker {
+    /// The marker of delivery `attempt` of job `job_id`, finished now.
+    pub fn new(job_id: &str, run_id: &str, kind: JobKind, attempt: u32, outputs: Vec<OutputEntry>, result: serde_json::Value) -> Self {
+        DoneMarker {
+            schema_version: Self::VERSION,
+            job_id: job_id.to_string(),
+            run_id: run_id.to_string(),
+            kind,
+            attempt,
+            outputs,
+            result,
+            finished_at_ms: crate::now_unix_ms(),
+        }
+    }
 }
 
 impl Document for DoneMarker {

@@ -138,7 +138,27 @@ pub fn task_file(run_id: &str, name: &str) -> String {
     format!("runs/{run_id}/inputs/tasks/{name}.jsonl")
 }
 
+/// The job whose part `key` is (`…/part-<job>.parquet` → `<job>`), or `None` for a key
+/// that is not a part.
+pub fn job_of_part(key: &str) -> Option<&str> {
+    let file = key.rsplit('/').next()?;
+    file.strip_prefix("part-")?.strip_suffix(".parquet").filter(|id| !id.is_empty())
+}
+
 /// `runs/<run>/cancel`: a cancel request.
 pub fn cancel(run_id: &str) -> String {
     format!("runs/{run_id}/cancel")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_name_their_job() {
+        assert_eq!(job_of_part(&trajectory_part("r", 2, RolloutKind::Base, "abc")), Some("abc"));
+        assert_eq!(job_of_part(&profile_part("r", "c0", "f00")), Some("f00"));
+        assert_eq!(job_of_part("runs/r/jobs/abc.done.json"), None);
+        assert_eq!(job_of_part("runs/r/x/part-.parquet"), None);
+    }
 }

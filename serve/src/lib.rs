@@ -59,7 +59,7 @@ pub struct AppState {
     /// The name clients send as `model`.
     served_name: String,
     current: RwLock<Arc<Loaded>>,
-    device: tch::Device,
+    device: native::device::Device,
     engine: EngineConfig,
     /// One weight update at a time.
     updating: tokio::sync::Mutex<()>,
@@ -68,7 +68,7 @@ pub struct AppState {
 
 impl AppState {
     /// Loads `model` (a GGUF file or a safetensors folder) and starts its engine.
-    pub fn load(model: &Path, served_name: String, device: tch::Device, engine: EngineConfig) -> Result<Arc<AppState>, ServeError> {
+    pub fn load(model: &Path, served_name: String, device: native::device::Device, engine: EngineConfig) -> Result<Arc<AppState>, ServeError> {
         let policy = NativePolicy::load(model, device, engine.clone())?;
         let loaded = Loaded { policy, checkpoint: model.display().to_string() };
         Ok(Arc::new(AppState { served_name, current: RwLock::new(Arc::new(loaded)), device, engine, updating: Default::default(), counter: AtomicU64::new(0) }))

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use native::checkpoint::{CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE};
 use native::{Llama, LlamaConfig};
 use serde_json::{json, Value};
-use tch::Device;
+use native::device::Device;
 
 const WORDS: [&str; 8] = ["user", "assistant", "count", "rows", "yes", "no", "maybe", "ten"];
 

@@ -9,6 +9,11 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The repository's root folder (examples, shared data and scripts are found from it).
+pub fn repo_root() -> PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
+}
+
 /// S3 endpoint of the test server, from `HARNESS_S_TEST_S3_ENDPOINT`.
 pub fn s3_endpoint() -> String {
     std::env::var("HARNESS_S_TEST_S3_ENDPOINT").unwrap_or_else(|_| {

@@ -56,7 +56,9 @@ impl JobFailure {
 }
 
 /// Runs jobs of one kind. Outputs are written through `ctx.store` under keys derived
-/// from the job id; the worker writes the done-marker and acks afterwards.
+/// from the job id. The done-marker is written by `infra::store::commit`: by the worker
+/// with the returned outputs, or by the handler itself when it returns `committed` (then
+/// the worker only acknowledges).
 #[async_trait]
 pub trait Handler: Send + Sync + 'static {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure>;

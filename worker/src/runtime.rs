@@ -21,10 +21,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use infra::queue::{Delivery, Queue, QueueError, RetryOutcome};
-use infra::store::{ObjectStore, PutOutcome};
-use schemas::{keys, DoneMarker, Document, JobEnvelope, JobKind};
+use infra::store::ObjectStore;
+use schemas::{keys, DoneMarker, JobEnvelope, JobKind};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 use tracing::Instrument;
@@ -363,32 +362,14 @@ impl Worker {
                 self.ack(delivery, Outcome::Succeeded).await
             }
             Ok(output) => {
-                let marker = DoneMarker {
-                    schema_version: DoneMarker::VERSION,
-                    job_id: job.job_id.clone(),
-                    run_id: job.run_id.clone(),
-                    kind,
-                    attempt: job.attempt,
-                    outputs: output.outputs,
-                    result: output.result,
-                    finished_at_ms: schemas::now_unix_ms(),
-                };
-                let bytes = Bytes::from(schemas::encode_document(&marker));
-                match self.store.put_if_absent(&marker_key, bytes).await {
-                    Ok(PutOutcome::Created) => {}
-                    Ok(PutOutcome::AlreadyExists) => {
-                        // A redelivered copy finished first; outputs are deterministic per
-                        // job id, so its marker describes ours too.
-                        tracing::info!("done-marker already written by another run of this job");
-                    }
-                    Err(e) => {
-                        let reason = format!("cannot write the done-marker {}: {e}", self.store.object_url(&marker_key));
-                        return if e.is_transient() {
-                            self.retry(delivery, job, &reason).await
-                        } else {
-                            self.dead_letter(delivery, kind, &reason).await
-                        };
-                    }
+                let marker = DoneMarker::new(&job.job_id, &job.run_id, kind, job.attempt, output.outputs, output.result);
+                if let Err(e) = infra::store::commit(self.store.as_ref(), &marker_key, &marker).await {
+                    let reason = format!("cannot write the done-marker {}: {e}", self.store.object_url(&marker_key));
+                    return if e.is_transient() {
+                        self.retry(delivery, job, &reason).await
+                    } else {
+                        self.dead_letter(delivery, kind, &reason).await
+                    };
                 }
                 tracing::info!(secs = elapsed.as_secs_f64(), "job committed");
                 self.metrics.succeeded(kind);

@@ -161,6 +161,21 @@ pub(crate) fn check_prefix(prefix: &str) -> Result<()> {
     Ok(())
 }
 
+/// The one commit protocol: a job's done-marker is written last, after every output it
+/// lists, with `put_if_absent`, so its presence means the job's outputs are complete and
+/// of several deliveries of one job exactly one marker stands. Outputs are deterministic
+/// per job id, so a delivery that finds the marker written by another commits nothing and
+/// reports [`PutOutcome::AlreadyExists`]. Used by the worker for handlers that return
+/// their outputs, and by the jobs that commit themselves (rollout, re-anchoring: they are
+/// also run outside a worker, by `harness-s rollout`).
+pub async fn commit(store: &dyn ObjectStore, marker_key: &str, marker: &schemas::DoneMarker) -> Result<PutOutcome> {
+    let outcome = store.put_if_absent(marker_key, Bytes::from(schemas::encode_document(marker))).await?;
+    if outcome == PutOutcome::AlreadyExists {
+        tracing::info!(job = %marker.job_id, "another delivery of this job committed first; its outputs are identical");
+    }
+    Ok(outcome)
+}
+
 /// Opens the store a URL names: `file:///abs/dir` (or a plain path) → [`LocalStore`],
 /// `s3://bucket/prefix[?endpoint=URL&region=R&path_style=true]` → [`S3Store`].
 pub async fn open_store(url: &str) -> Result<Arc<dyn ObjectStore>> {

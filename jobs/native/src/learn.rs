@@ -18,7 +18,7 @@ use crate::checkpoint::{self, SaveInfo};
 use crate::learner::{data, Learner, LearnerConfig, StepMetrics};
 use crate::NativeError;
 use infra::store::ObjectStore;
-use infra::table::read_prefix;
+use infra::table::{read_committed, read_prefix};
 use schemas::{Group, Trajectory};
 
 /// Input of a learn job.
@@ -71,20 +71,8 @@ pub struct LearnOutput {
     pub weights_step: Option<u32>,
 }
 
-/// Parses `cpu`, `cuda` or `cuda:N`.
-pub fn parse_device(s: &str) -> Result<Device, NativeError> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::Cuda(0)),
-        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
-            Some(n) => Ok(Device::Cuda(n)),
-            None => Err(NativeError::Config { field: "device".into(), detail: format!("`{other}` is not `cpu`, `cuda` or `cuda:N`") }),
-        },
-    }
-}
-
 pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOutput, NativeError> {
-    let device = parse_device(&input.device)?;
+    let device = crate::device::parse(&input.device)?;
     if device.is_cuda() && !tch::Cuda::is_available() {
         return Err(NativeError::Config { field: "device".into(), detail: "CUDA is not available to libtorch; build with `--features cuda` against a CUDA libtorch, or use `cpu`".into() });
     }
@@ -126,7 +114,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
     };
 
     let groups: Vec<Group> = read_prefix(store, &schemas::keys::groups_of_step(&input.run_id, input.step)).await?;
-    let trajectories: Vec<Trajectory> = read_prefix(store, &schemas::keys::trajectories_of_step(&input.run_id, input.step, None)).await?;
+    let trajectories: Vec<Trajectory> = read_committed(store, &input.run_id, &schemas::keys::trajectories_of_step(&input.run_id, input.step, None)).await?;
     let retained: std::collections::BTreeSet<&str> = groups.iter().filter(|g| g.retained).flat_map(|g| g.trajectory_ids.iter().map(String::as_str)).collect();
     let start = latest.as_ref().and_then(|m| m.weights_step);
     data::check_staleness(&input.run_id, start, input.max_off_policy_steps, trajectories.iter().filter(|t| retained.contains(t.trajectory_id.as_str())))?;
@@ -164,6 +152,14 @@ mod tests {
     use schemas::{RetainedKind, Role, RolloutKind, Split, Termination, Turn, TurnSource};
 
     const WORDS: [&str; 8] = ["user", "assistant", "system", "count", "rows", "answer", "yes", "no"];
+
+    /// Writes rollout rows of run `r` as the job `x` would: the part, then its done-marker.
+    async fn write_committed(store: &LocalStore, key: &str, rows: &[Trajectory]) {
+        use infra::store::ObjectStore;
+        let part = write_records(store, key, rows).await.unwrap();
+        let marker = schemas::DoneMarker::new("x", "r", schemas::JobKind::Rollout, 0, vec![part], serde_json::json!({}));
+        infra::store::commit(store as &dyn ObjectStore, &schemas::keys::done_marker("r", "x"), &marker).await.unwrap();
+    }
 
     fn turn(index: u32, role: Role, source: TurnSource, text: &str, ids: Vec<u32>) -> Turn {
         let n = ids.len();
@@ -249,7 +245,7 @@ mod tests {
         for t in &mut trajs {
             data::fingerprint(t, &tok).unwrap();
         }
-        write_records(&store, "runs/r/trajectories/step=1/kind=rescue/part-x.parquet", &trajs).await.unwrap();
+        write_committed(&store, "runs/r/trajectories/step=1/kind=rescue/part-x.parquet", &trajs).await;
         let group = |id: &str, retained: bool, ids: Vec<&str>| Group {
             run_id: "r".into(),
             step: 1,
@@ -331,7 +327,7 @@ mod tests {
         let (t1, g1) = group(1, false, &["a1", "b1"]);
         let (t2, g2) = group(2, true, &["a2", "b2"]);
         for (step, t, g) in [(1, t1, g1), (2, t2, g2)] {
-            write_records(&store, &format!("runs/r/trajectories/step={step}/kind=base/part-x.parquet"), &t).await.unwrap();
+            write_committed(&store, &format!("runs/r/trajectories/step={step}/kind=base/part-x.parquet"), &t).await;
             write_records(&store, &format!("runs/r/groups/step={step}/part-x.parquet"), &[g]).await.unwrap();
         }
         let input = |step| LearnInput { run_id: "r".into(), step, base_model: base.clone(), learner: LearnerConfig::default(), data_cursor: 0, device: "cpu".into(), max_off_policy_steps: 0, checkpoints: Default::default(), best_step: None };

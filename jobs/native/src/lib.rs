@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 
 pub mod checkpoint;
 pub mod cpu;
+pub mod device;
 pub mod engine;
 pub mod export;
 pub mod gguf;

@@ -47,10 +47,10 @@ pub async fn run(args: LearnerArgs) -> anyhow::Result<u8> {
 }
 
 fn run_blocking(args: &LearnerArgs) -> anyhow::Result<u8> {
-    tch::set_num_threads(args.threads);
+    native::device::set_cpu_threads(args.threads);
     let model = match &args.model {
-        Some(p) => native::loader::load(p, tch::Device::Cpu)?.0,
-        None => Llama::new(LlamaConfig::tiny(args.vocab, args.width, args.layers), tch::Device::Cpu, 0)?,
+        Some(p) => native::loader::load(p, native::device::Device::Cpu)?.0,
+        None => Llama::new(LlamaConfig::tiny(args.vocab, args.width, args.layers), native::device::Device::Cpu, 0)?,
     };
     let vocab = model.config.vocab_size as u32;
     let params: i64 = model.named_tensors().iter().map(|(_, t)| t.numel() as i64).sum();

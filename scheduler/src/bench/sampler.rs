@@ -304,7 +304,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
         Some(p) => p.clone(),
         None => smollm2_gguf()?,
     };
-    tch::set_num_threads(args.threads);
+    native::device::set_cpu_threads(args.threads);
 
     eprintln!("llama.cpp in process ...");
     let reference = llama_in_process(&model_path, &args)?;
@@ -312,7 +312,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     let path = model_path.clone();
     let a = SamplerArgs { model: None, server_url: None, streams: args.streams.clone(), weights: args.weights.clone(), ..args };
     let (native_rows, reuse, prompt_text) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let (model, tok) = native::loader::load(&path, tch::Device::Cpu)?;
+        let (model, tok) = native::loader::load(&path, native::device::Device::Cpu)?;
         let ids = prompt_ids(&tok, a.prompt_tokens, 0)?;
         let prompt_text = tok.decode(&ids)?;
         let mut rows = vec![];

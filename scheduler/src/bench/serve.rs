@@ -102,13 +102,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
         Some(p) => p.clone(),
         None => smollm2_gguf()?,
     };
-    tch::set_num_threads(args.threads);
+    native::device::set_cpu_threads(args.threads);
     let most = *args.clients.iter().max().unwrap_or(&1);
 
     eprintln!("harness-s serve ({}) ...", weights.name());
     let engine = EngineConfig { max_batch: most, weights, threads: Some(args.threads as usize), ..Default::default() };
     let path = model.clone();
-    let state = tokio::task::spawn_blocking(move || serve::AppState::load(&path, "bench".into(), tch::Device::Cpu, engine)).await??;
+    let state = tokio::task::spawn_blocking(move || serve::AppState::load(&path, "bench".into(), native::device::Device::Cpu, engine)).await??;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let ours = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -74,7 +74,7 @@ async fn gguf(args: GgufArgs) -> anyhow::Result<u8> {
             .with_context(|| format!("run `{}` has no checkpoint yet (nothing was trained)", args.run))?
             .step,
     };
-    let (model, _, manifest) = native::checkpoint::load_model(store.as_ref(), &args.run, step, tch::Device::Cpu)
+    let (model, _, manifest) = native::checkpoint::load_model(store.as_ref(), &args.run, step, native::device::Device::Cpu)
         .await
         .with_context(|| format!("loading checkpoint step {step} of run `{}`", args.run))?;
     let bytes = native::export::gguf_bytes_as(&base, &model, args.ty.into())?;

@@ -56,9 +56,9 @@ pub async fn run(args: GenerateArgs) -> anyhow::Result<u8> {
 fn run_blocking(args: &GenerateArgs) -> anyhow::Result<u8> {
     if let Some(n) = args.threads {
         anyhow::ensure!(n > 0, "--threads must be at least 1");
-        tch::set_num_threads(n);
+        native::device::set_cpu_threads(n);
     }
-    let device = native::learn::parse_device(&args.device)?;
+    let device = native::device::parse(&args.device)?;
     let started = Instant::now();
     let path = native::loader::resolve_model(&args.model, std::path::Path::new("."))?;
     let (model, tok) = native::loader::load(&path, device).with_context(|| format!("cannot load the model {}", path.display()))?;

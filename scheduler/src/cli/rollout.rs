@@ -161,11 +161,11 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
         Some(reference) => {
             let path = native::loader::resolve_model(reference, &std::env::current_dir()?).with_context(|| format!("--native {reference}"))?;
             if let Some(n) = args.threads {
-                tch::set_num_threads(n);
+                native::device::set_cpu_threads(n);
             }
             let threads = args.threads.and_then(|n| usize::try_from(n).ok()).filter(|&n| n > 0);
             let engine = native::engine::EngineConfig { weights: native::packed::WeightFormat::parse(&args.rollout_weights)?, threads, ..Default::default() };
-            Box::new(native::policy::NativePolicy::load(&path, tch::Device::Cpu, engine).with_context(|| format!("--native {}", path.display()))?)
+            Box::new(native::policy::NativePolicy::load(&path, native::device::Device::Cpu, engine).with_context(|| format!("--native {}", path.display()))?)
         }
         None => {
             let (Some(url), Some(model)) = (&args.policy, &args.model) else { bail!("--policy and --model are required unless --native is given") };

@@ -38,9 +38,9 @@ pub struct ServeArgs {
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     let device = match args.device.as_str() {
-        "cuda" if !tch::Cuda::is_available() => anyhow::bail!("--device cuda: CUDA is not available in this build or on this machine; use --device cpu"),
-        "cuda" => tch::Device::Cuda(0),
-        _ => tch::Device::Cpu,
+        "cuda" if !native::device::cuda_available() => anyhow::bail!("--device cuda: CUDA is not available in this build or on this machine; use --device cpu"),
+        "cuda" => native::device::Device::Cuda(0),
+        _ => native::device::Device::Cpu,
     };
     let path = native::loader::resolve_model(&args.model, std::path::Path::new(".")).with_context(|| format!("--model {}", args.model))?;
     let name = args.served_model_name.clone().unwrap_or_else(|| {
@@ -48,7 +48,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     });
     let weights = native::packed::WeightFormat::parse(&args.weights).map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
     let engine = native::engine::EngineConfig { max_batch: args.max_concurrent_sequences, weights, threads: Some(args.threads), ..Default::default() };
-    tch::set_num_threads(args.threads as i32);
+    native::device::set_cpu_threads(args.threads as i32);
     let addr = SocketAddr::new(args.host, args.port);
     // Bind before loading, so that a taken port fails at once.
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;

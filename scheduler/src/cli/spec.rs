@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 
 use crate::run::spec::{LoadedSpec, RunSpec};
+use crate::run::stage::Stage;
 
 #[derive(Debug, Subcommand)]
 pub enum SpecCommand {
@@ -80,18 +81,19 @@ fn plan(loaded: &LoadedSpec) -> anyhow::Result<Vec<String>> {
     let pool = pool_size(loaded)?;
     let a = &spec.algorithm;
     let calibration_tasks = spec.calibration.tasks.map(|n| n as usize).unwrap_or(validation).min(validation);
-    let calibrations = stages.iter().filter(|s| s.starts_with("calibration")).count();
+    let calibrations = stages.iter().filter(|s| matches!(s, Stage::Calibration(_) | Stage::FinalCalibration(_))).count();
     let harnesses = pool.map(|p| (p + 1).to_string()).unwrap_or_else(|| "1 + the pool's".into());
     let per_calibration = pool.map(|p| ((p + 1) * calibration_tasks).to_string()).unwrap_or_else(|| format!("{calibration_tasks} per harness"));
     let per_update = a.tasks_per_update as usize * a.k as usize;
     let eval_harnesses = 1 + spec.eval_ranks() as usize + usize::from(spec.has_pool());
-    let mut lines = vec![format!("stages ({}): {}", stages.len(), stages.join(" → "))];
+    let labels: Vec<String> = stages.iter().map(Stage::to_string).collect();
+    let mut lines = vec![format!("stages ({}): {}", stages.len(), labels.join(" → "))];
     lines.push(format!("router: {}; rescue: {}; learn: {}", spec.router.variant_name(), a.rescue.as_str(), a.learn));
     lines.push("rollouts, at most:".into());
     if let Some(e) = &spec.evolution {
         lines.push(format!("  evolve: {} round(s), {} proposal(s) in all", e.proposal_budgets.len(), e.proposal_budgets.iter().sum::<u32>()));
     }
-    if stages.iter().any(|s| s == "baseline") {
+    if stages.contains(&Stage::Baseline) {
         lines.push(format!("  baseline: {} (test tasks {test} × k {}, under H0)", test * spec.evaluation.k as usize, spec.evaluation.k));
     }
     lines.push(format!("  calibration: {calibrations} × {per_calibration} ({harnesses} harness(es) × {calibration_tasks} validation task(s))"));

@@ -11,34 +11,11 @@ use schemas::{LlmUsage, RoutingDecision, Trajectory};
 /// Metric stage prefix of cost rows: `cost:base`, `cost:learn`, ...
 pub const STAGE_PREFIX: &str = "cost:";
 
-/// Stage kinds in run order, as [`stage_kind`] names them.
+/// Stage kinds in run order, as [`super::stage::Stage::kind`] names them.
 pub const KINDS: [&str; 9] = ["evolve", "baseline", "calibration", "base", "rescue", "groups", "learn", "evaluation", "report"];
 
 /// LLM components besides the policy, in report order.
 pub const COMPONENTS: [&str; 4] = ["voter", "profiler", "diagnoser", "editor"];
-
-/// The kind of a stage label: `update:3:base` → `base`, `calibration:final:3` and
-/// `calibration:2` → `calibration`, `evolve` → `evolve`.
-pub fn stage_kind(label: &str) -> &str {
-    let parts: Vec<&str> = label.split(':').collect();
-    match parts.as_slice() {
-        ["update", _, part] => part,
-        [first, ..] => first,
-        [] => label,
-    }
-}
-
-/// The step a stage's costs are recorded at: its update (`update:3:*`, `calibration:3`,
-/// `calibration:final:3`), the run's last update for the final evaluation and report (as
-/// the evaluation's own metrics are), 0 for evolution and the baseline.
-pub fn stage_step(label: &str, updates: u32) -> u32 {
-    let parts: Vec<&str> = label.split(':').collect();
-    match parts.as_slice() {
-        ["update", u, _] | ["calibration", "final", u] | ["calibration", u] => u.parse().unwrap_or(0),
-        ["evaluation"] | ["report"] => updates,
-        _ => 0,
-    }
-}
 
 /// The costs of one stage while it runs.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -108,24 +85,6 @@ impl StageCost {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stage_labels_map_to_kinds_and_steps() {
-        assert_eq!(stage_kind("update:3:base"), "base");
-        assert_eq!(stage_kind("update:12:learn"), "learn");
-        assert_eq!(stage_kind("calibration:final:3"), "calibration");
-        assert_eq!(stage_kind("calibration:0"), "calibration");
-        assert_eq!(stage_kind("evolve"), "evolve");
-        assert_eq!(stage_step("update:3:rescue", 9), 3);
-        assert_eq!(stage_step("calibration:final:4", 9), 4);
-        assert_eq!(stage_step("calibration:2", 9), 2);
-        assert_eq!(stage_step("evaluation", 9), 9);
-        assert_eq!(stage_step("baseline", 9), 0);
-        assert_eq!(stage_step("evolve", 9), 0);
-        for label in ["evolve", "baseline", "calibration:0", "update:1:base", "update:1:rescue", "update:1:groups", "update:1:learn", "evaluation", "report"] {
-            assert!(KINDS.contains(&stage_kind(label)), "{label}");
-        }
-    }
 
     #[test]
     fn components_add_up_and_only_llm_ballots_cost() {

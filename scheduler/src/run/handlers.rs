@@ -96,7 +96,7 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
     let spec = inputs.spec();
     match spec.policy.backend.as_str() {
         "native" => {
-            let device = native::learn::parse_device(&spec.policy.device).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+            let device = native::device::parse(&spec.policy.device).map_err(|e| JobFailure::Fatal(e.to_string()))?;
             match step {
                 None => {
                     let path = inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("native policy without a model path".into()))?;
@@ -116,7 +116,7 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                         Some(t) => t,
                         None => {
                             let path = inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("checkpoint without tokenizer and no base model".into()))?;
-                            native::loader::load(&path, tch::Device::Cpu).map_err(|e| JobFailure::Fatal(e.to_string()))?.1
+                            native::loader::load(&path, native::device::Device::Cpu).map_err(|e| JobFailure::Fatal(e.to_string()))?.1
                         }
                     };
                     let key = native::checkpoint::manifest_key(run_id, s);

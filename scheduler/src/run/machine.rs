@@ -32,6 +32,7 @@ use schemas::{
 use super::executor::{output_keys, Executor, StageError};
 use super::handlers::{LearnJob, ReanchorJob, RolloutJob};
 use super::inputs::RunInputs;
+use super::stage::{Stage, UpdatePart};
 use super::state::{self, RunState, RunStatus};
 
 /// Seconds an endpoint may take to load a checkpoint (and to come back when restarting).
@@ -71,34 +72,34 @@ fn unit_seed(run_seed: u64, parts: &[&str]) -> u64 {
 
 /// The stages of a run of `spec`, in order (Algorithm 1): evolve, baseline, calibrations,
 /// update stages, final calibration, evaluation, report.
-pub fn stages(spec: &super::spec::RunSpec) -> Vec<String> {
+pub fn stages(spec: &super::spec::RunSpec) -> Vec<Stage> {
     let mut s = vec![];
     if spec.evolution.is_some() {
-        s.push("evolve".to_string());
+        s.push(Stage::Evolve);
     }
     // `updates = 0` (HE-only): the starting policy under H0, H_best and the router's
     // ranks, with no training; the final evaluation is then the baseline itself.
     if spec.evaluation.baseline && spec.algorithm.updates > 0 {
-        s.push("baseline".to_string());
+        s.push(Stage::Baseline);
     }
-    s.push("calibration:0".into());
+    s.push(Stage::Calibration(0));
     for u in 1..=spec.algorithm.updates {
-        for part in ["base", "rescue", "groups"] {
-            s.push(format!("update:{u}:{part}"));
+        for part in [UpdatePart::Base, UpdatePart::Rescue, UpdatePart::Groups] {
+            s.push(Stage::Update(u, part));
         }
         if spec.algorithm.learn {
-            s.push(format!("update:{u}:learn"));
+            s.push(Stage::Update(u, UpdatePart::Learn));
         }
         let interval = spec.calibration.interval;
         if interval > 0 && u % interval == 0 && u < spec.algorithm.updates {
-            s.push(format!("calibration:{u}"));
+            s.push(Stage::Calibration(u));
         }
     }
     if spec.algorithm.updates > 0 {
-        s.push(format!("calibration:final:{}", spec.algorithm.updates));
+        s.push(Stage::FinalCalibration(spec.algorithm.updates));
     }
-    s.push("evaluation".into());
-    s.push("report".into());
+    s.push(Stage::Evaluation);
+    s.push(Stage::Report);
     s
 }
 
@@ -130,7 +131,7 @@ impl Scheduler {
     }
 
     /// The stages of this run, in order.
-    pub fn stages(&self) -> Vec<String> {
+    pub fn stages(&self) -> Vec<Stage> {
         stages(self.spec())
     }
 
@@ -140,16 +141,17 @@ impl Scheduler {
         st.message = None;
         state::save(self.store.as_ref(), st).await?;
         for stage in self.stages() {
-            if st.is_done(&stage) {
+            let label = stage.to_string();
+            if st.is_done(&label) {
                 continue;
             }
-            st.stage = stage.clone();
+            st.stage = label.clone();
             state::save(self.store.as_ref(), st).await?;
             *self.cost_mut() = Default::default();
             let started = std::time::Instant::now();
-            match self.run_stage(&stage, st).await {
+            match self.run_stage(stage, st).await {
                 // The report stage writes the report: its own few seconds are not in it.
-                Ok(()) if stage != "report" => self.write_cost(&stage, started.elapsed().as_secs_f64(), st).await?,
+                Ok(()) if stage != Stage::Report => self.write_cost(stage, started.elapsed().as_secs_f64(), st).await?,
                 Ok(()) => {}
                 Err(e) => {
                     let cancelled = matches!(e.downcast_ref::<StageError>(), Some(StageError::Cancelled));
@@ -159,7 +161,7 @@ impl Scheduler {
                     return Err(e.context(format!("stage `{stage}`")));
                 }
             }
-            st.completed.push(stage.clone());
+            st.completed.push(label);
             state::save(self.store.as_ref(), st).await?;
             self.metrics.set_run(worker::metrics::RunProgress {
                 updates_done: st.step,
@@ -167,7 +169,7 @@ impl Scheduler {
                 rollouts: st.rollouts_base + st.rollouts_rescue + st.rollouts_other,
                 tokens: st.tokens,
             });
-            if stage == "evolve" {
+            if stage == Stage::Evolve {
                 return Ok(Drive::PoolChanged);
             }
         }
@@ -178,32 +180,27 @@ impl Scheduler {
         Ok(Drive::Finished(if degraded { Finish::Degraded } else { Finish::Completed }))
     }
 
-    async fn run_stage(&self, stage: &str, st: &mut RunState) -> anyhow::Result<()> {
-        let parts: Vec<&str> = stage.split(':').collect();
+    async fn run_stage(&self, stage: Stage, st: &mut RunState) -> anyhow::Result<()> {
         // A stage that samples the policy first brings its endpoint to the weights it samples.
-        let samples_with = match parts.as_slice() {
-            ["evolve"] | ["baseline"] => Some(None),
-            ["calibration", ..] | ["update", _, "base" | "rescue"] | ["evaluation"] => Some(st.latest_checkpoint),
-            _ => None,
-        };
-        if let Some(step) = samples_with {
+        if stage.samples_policy() {
+            let step = if matches!(stage, Stage::Evolve | Stage::Baseline) { None } else { st.latest_checkpoint };
             self.sync_endpoint(step).await?;
         }
-        match parts.as_slice() {
-            ["evolve"] => self.evolve().await,
-            ["baseline"] => self.evaluate("baseline", 0, None, st).await,
-            ["calibration", "final", n] | ["calibration", n] => self.calibrate(n.parse()?, stage, st).await,
-            ["update", u, "base"] => self.base_rollouts(u.parse()?, st).await,
-            ["update", u, "rescue"] => self.rescue_rollouts(u.parse()?, st).await,
-            ["update", u, "groups"] => self.form_groups(u.parse()?, st).await,
-            ["update", u, "learn"] => self.learn(u.parse()?, st).await,
-            ["evaluation"] => self.evaluate("evaluation", self.spec().algorithm.updates, st.latest_checkpoint, st).await,
-            ["report"] => {
+        let label = stage.to_string();
+        match stage {
+            Stage::Evolve => self.evolve().await,
+            Stage::Baseline => self.evaluate("baseline", 0, None, st).await,
+            Stage::Calibration(n) | Stage::FinalCalibration(n) => self.calibrate(n, &label, st).await,
+            Stage::Update(u, UpdatePart::Base) => self.base_rollouts(u, st).await,
+            Stage::Update(u, UpdatePart::Rescue) => self.rescue_rollouts(u, st).await,
+            Stage::Update(u, UpdatePart::Groups) => self.form_groups(u, st).await,
+            Stage::Update(u, UpdatePart::Learn) => self.learn(u, st).await,
+            Stage::Evaluation => self.evaluate("evaluation", self.spec().algorithm.updates, st.latest_checkpoint, st).await,
+            Stage::Report => {
                 let path = crate::report::write(self.store.as_ref(), self.run_id()).await?;
                 tracing::info!(report = %path, "report written");
                 Ok(())
             }
-            _ => bail!("unknown stage `{stage}`"),
         }
     }
 
@@ -421,12 +418,12 @@ impl Scheduler {
 
     /// Stores what stage `label` cost (Table 9) as metrics of stage `cost:<kind>`: the wall
     /// time of the drive that finished it, and what [`Scheduler::cost`] collected.
-    async fn write_cost(&self, label: &str, wall_seconds: f64, st: &RunState) -> anyhow::Result<()> {
+    async fn write_cost(&self, stage: Stage, wall_seconds: f64, st: &RunState) -> anyhow::Result<()> {
         let values = self.cost_mut().metrics(wall_seconds);
         let refs: Vec<(&str, f64)> = values.iter().map(|(n, v)| (n.as_str(), *v)).collect();
-        let stage = format!("{}{}", super::cost::STAGE_PREFIX, super::cost::stage_kind(label));
-        let step = super::cost::stage_step(label, self.spec().algorithm.updates);
-        self.write_metric_part(step, &stage, &format!("cost:{label}"), &refs, st).await
+        let kind = format!("{}{}", super::cost::STAGE_PREFIX, stage.kind());
+        let step = stage.step(self.spec().algorithm.updates);
+        self.write_metric_part(step, &kind, &format!("cost:{stage}"), &refs, st).await
     }
 
     async fn write_metrics(&self, step: u32, stage: &str, values: &[(&str, f64)], st: &RunState) -> anyhow::Result<()> {
@@ -668,7 +665,7 @@ impl Scheduler {
     async fn base_rollouts(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
         let k = spec.algorithm.k;
-        let stage = format!("update:{u}:base");
+        let stage = Stage::Update(u, UpdatePart::Base).to_string();
         let mut jobs = Vec::new();
         for task in self.batch(u) {
             let seed = unit_seed(spec.run.seed, &["base", &u.to_string(), &task]);
@@ -700,7 +697,7 @@ impl Scheduler {
 
     async fn stage_rows(&self, u: u32, kind: RolloutKind) -> anyhow::Result<Vec<Trajectory>> {
         let prefix = keys::trajectories_of_step(self.run_id(), u, Some(kind));
-        Ok(infra::table::read_prefix(self.store.as_ref(), &prefix).await?)
+        Ok(infra::table::read_committed(self.store.as_ref(), self.run_id(), &prefix).await?)
     }
 
     /// Algorithm 1, lines 6–8: for every all-fail base group, K rollouts from the task's
@@ -711,7 +708,7 @@ impl Scheduler {
         let strategy = spec.algorithm.rescue;
         let base = self.stage_rows(u, RolloutKind::Base).await?;
         let by_task = group_by_task(&base);
-        let stage = format!("update:{u}:rescue");
+        let stage = Stage::Update(u, UpdatePart::Rescue).to_string();
         let mut jobs = Vec::new();
         let mut decisions: Vec<RoutingDecision> = Vec::new();
         let routing = if strategy == RescueStrategy::Router {
@@ -862,7 +859,7 @@ impl Scheduler {
         let input = learn_job(spec, self.run_id(), u, st, base_model);
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
         let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);
-        let markers = self.exec.run(self.run_id(), &format!("update:{u}:learn"), vec![job]).await?;
+        let markers = self.exec.run(self.run_id(), &Stage::Update(u, UpdatePart::Learn).to_string(), vec![job]).await?;
         let out: native::learn::LearnOutput = serde_json::from_value(markers[0].result.clone()).context("reading the learn job's result")?;
         let m = &out.metrics;
         self.cost_mut().learner_forward_tokens += m.forward_tokens;

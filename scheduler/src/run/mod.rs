@@ -10,6 +10,7 @@ pub mod inputs;
 pub mod machine;
 pub mod preflight;
 pub mod spec;
+pub mod stage;
 pub mod state;
 pub mod verify;
 

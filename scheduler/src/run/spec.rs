@@ -824,7 +824,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
             check_model_path(&p.model, base_dir, "policy.model", &mut bad);
             match p.device.as_str() {
                 "cpu" => {}
-                "cuda" if !tch::Cuda::is_available() => bad(
+                "cuda" if !native::device::cuda_available() => bad(
                     "policy.device",
                     "`cuda` is not available: this build has no CUDA support or this machine no GPU (build with `--features cuda` against a CUDA libtorch, on a GPU machine), or use `cpu`".into(),
                 ),
@@ -1115,7 +1115,7 @@ rescue = "h0"
             (format!("{GOOD}[pool]\ndir = \"{}\"\n", h0_pool.display()), "is the base harness and carries no edits"),
         ];
         for (text, key) in cases {
-            if key == "policy.device" && tch::Cuda::is_available() {
+            if key == "policy.device" && native::device::cuda_available() {
                 continue;
             }
             match parse(&text, "bad.toml", dir.path(), "bad") {

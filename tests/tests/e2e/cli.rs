@@ -2,14 +2,11 @@
 //! resolved with `--set` overrides, one `--store` everywhere, and `pypi:` models resolved
 //! without running code from the current folder.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use harness_s_tests::{harness_s, harness_s_bin};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repository root").to_path_buf()
-}
+use harness_s_tests::repo_root;
 
 #[test]
 fn completions_are_printed_for_each_shell() {
@@ -25,7 +22,7 @@ fn completions_are_printed_for_each_shell() {
 
 #[test]
 fn spec_show_fills_in_defaults_and_applies_overrides() {
-    let spec = repo().join("examples/quickstart.toml");
+    let spec = repo_root().join("examples/quickstart.toml");
     let spec = spec.to_str().unwrap();
     let (code, out, err) = harness_s(&["spec", "show", spec, "--set", "algorithm.updates=5", "--set", "learner.weight_decay=0.05", "--set", "router.variant=random"]);
     assert_eq!(code, 0, "{err}");

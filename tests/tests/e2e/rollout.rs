@@ -17,9 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// aggregation and a comparison.
 const TASKS: &str = "dev-24,dev-18,dev-10";
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
-}
+use harness_s_tests::repo_root;
 
 fn dev_tasks() -> PathBuf {
     let path = repo_root().join("../shared/data/dbbench/dev.jsonl");

@@ -5,7 +5,6 @@
 //! profiler answers are recorded with their reasons instead of failing anything.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use harness_s_tests::{openai_model, openai_url, unique};
@@ -20,9 +19,7 @@ use jobs::router::vote::rank_weight;
 use jobs::router::{write_decisions, LlmVoter, RouteRequest, Router, RouterConfig, Variant, Voter};
 use schemas::{HarnessSpec, RoutePurpose, RoutingDecision};
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
-}
+use harness_s_tests::repo_root;
 
 fn pool() -> Vec<HarnessSpec> {
     let mut pool = vec![HarnessSpec::h0()];

@@ -10,9 +10,7 @@ use infra::store::open_store;
 use infra::table::read_prefix;
 use schemas::{Group, MetricRow, RetainedKind, RolloutKind, Trajectory};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repository root").to_path_buf()
-}
+use harness_s_tests::repo_root;
 
 /// A small but complete run: 1 update, K = 2, two train tasks, rescue by the rule router.
 fn tiny_spec(dir: &Path, id: &str, rescue: &str) -> PathBuf {
@@ -57,7 +55,7 @@ k = 1
 [budgets]
 episode_model_calls = 3
 "#,
-        pool = repo().join("examples/pool").display()
+        pool = repo_root().join("examples/pool").display()
     );
     let path = dir.join(format!("{id}.toml"));
     std::fs::write(&path, spec).unwrap();
@@ -524,7 +522,7 @@ async fn distributed_run_completes_over_rabbitmq_and_s3() {
 fn small_pool(dir: &Path, n: usize) -> PathBuf {
     let pool = dir.join("pool");
     std::fs::create_dir_all(&pool).unwrap();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(repo().join("examples/pool"))
+    let mut files: Vec<PathBuf> = std::fs::read_dir(repo_root().join("examples/pool"))
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with('s'))

@@ -12,9 +12,7 @@ use infra::store::open_store;
 use infra::table::read_prefix;
 use schemas::{Group, MetricRow, ProfileEntry, RoutePurpose, RoutingDecision};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("repository root").to_path_buf()
-}
+use harness_s_tests::repo_root;
 
 fn variant_spec(dir: &Path, id: &str, variant: &str) -> PathBuf {
     let url = openai_url();
@@ -70,7 +68,7 @@ ranks = {ranks}
 episode_model_calls = 2
 episode_context_tokens = 2048
 "#,
-        pool = repo().join("examples/pool").display()
+        pool = repo_root().join("examples/pool").display()
     );
     let path = dir.join(format!("{id}.toml"));
     std::fs::write(&path, spec).unwrap();

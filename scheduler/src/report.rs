@@ -233,7 +233,7 @@ impl TrajectorySeries {
 pub fn spec_summary(stored: &crate::run::inputs::StoredRun) -> String {
     let s = &stored.spec;
     let a = &s.algorithm;
-    let model = if s.policy.backend == "native" { s.policy.model.clone() } else { format!("{} at {}", s.policy.model, s.policy.base_url.clone().unwrap_or_default()) };
+    let model = if s.policy.backend == crate::run::spec::Backend::Native { s.policy.model.clone() } else { format!("{} at {}", s.policy.model, s.policy.base_url.clone().unwrap_or_default()) };
     format!(
         "Policy `{model}` ({} backend, temperature {}); K = {}, {} task(s) per update, {} update(s), learning rate {:e}; rescue `{}` with the `{}` router over {} sibling(s){}; seed {}.\n\n",
         s.policy.backend,

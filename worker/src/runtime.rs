@@ -28,7 +28,7 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-use crate::handler::{JobContext, JobFailure, Registry};
+use crate::handler::{Handler, JobContext, JobFailure, JobOutput, Registry};
 use crate::metrics::Metrics;
 
 /// Settings of one worker.
@@ -297,50 +297,58 @@ impl Worker {
         outcome
     }
 
+    /// One delivery, in the order of the durability contract: check the marker → run the
+    /// handler within the deadline → commit → settle the message (ack, retry or
+    /// dead-letter).
     async fn run_job(&self, delivery: Delivery, job: &JobEnvelope) -> Outcome {
-        let kind = job.kind;
         let marker_key = keys::done_marker(&job.run_id, &job.job_id);
-        match self.store.head(&marker_key).await {
+        let next = match self.prepare(job, &marker_key, delivery.redelivered()).await {
+            Ok(handler) => {
+                let result = self.execute(handler, job, delivery.redelivered()).await;
+                self.commit(job, &marker_key, result).await
+            }
+            Err(next) => next,
+        };
+        match next {
+            Next::Ack(outcome) => self.ack(delivery, outcome).await,
+            Next::Retry(reason) => self.retry(delivery, job, &reason).await,
+            Next::DeadLetter(reason) => self.dead_letter(delivery, job.kind, &reason).await,
+        }
+    }
+
+    /// The handler to run, or what to do instead: skip a job whose marker exists, refuse
+    /// one past its deadline or without a handler. Waits out `not_before`.
+    async fn prepare(&self, job: &JobEnvelope, marker_key: &str, redelivered: bool) -> Result<Arc<dyn Handler>, Next> {
+        match self.store.head(marker_key).await {
             Ok(Some(_)) => {
-                tracing::info!(redelivered = delivery.redelivered(), "already done (marker present); acking without running");
-                self.metrics.skipped(kind);
-                return self.ack(delivery, Outcome::Skipped).await;
+                tracing::info!(redelivered, "already done (marker present); acking without running");
+                self.metrics.skipped(job.kind);
+                return Err(Next::Ack(Outcome::Skipped));
             }
             Ok(None) => {}
-            Err(e) => {
-                let reason = format!("cannot check the done-marker {}: {e}", self.store.object_url(&marker_key));
-                return if e.is_transient() {
-                    self.retry(delivery, job, &reason).await
-                } else {
-                    self.dead_letter(delivery, kind, &reason).await
-                };
-            }
+            Err(e) => return Err(Next::of_store_error(format!("cannot check the done-marker {}: {e}", self.store.object_url(marker_key)), &e)),
         }
         let now = schemas::now_unix_ms();
-        if let Some(deadline) = job.deadline_ms {
-            if now >= deadline {
-                let reason = format!("deadline passed {} ms before the job could start", now - deadline);
-                return self.dead_letter(delivery, kind, &reason).await;
-            }
+        if let Some(deadline) = job.deadline_ms.filter(|d| now >= *d) {
+            return Err(Next::DeadLetter(format!("deadline passed {} ms before the job could start", now - deadline)));
         }
-        if let Some(not_before) = job.not_before_ms {
-            if not_before > now {
-                // Retries arrive after their delay already; this covers clock skew and
-                // publishers that schedule ahead.
-                tokio::time::sleep(Duration::from_millis((not_before - now) as u64)).await;
-            }
+        if let Some(not_before) = job.not_before_ms.filter(|t| *t > now) {
+            // Retries arrive after their delay already; this covers clock skew and
+            // publishers that schedule ahead.
+            tokio::time::sleep(Duration::from_millis((not_before - now) as u64)).await;
         }
-        let Some(handler) = self.registry.get(kind) else {
-            return self.dead_letter(delivery, kind, &format!("no handler for job kind `{kind}`")).await;
-        };
+        self.registry.get(job.kind).ok_or_else(|| Next::DeadLetter(format!("no handler for job kind `{}`", job.kind)))
+    }
 
-        tracing::info!(redelivered = delivery.redelivered(), "job started");
-        self.metrics.started(kind);
+    /// Runs the handler in its own task (a panic becomes a fatal failure instead of taking
+    /// the worker down; the guard aborts it if this task is aborted at shutdown), within
+    /// the job's deadline.
+    async fn execute(&self, handler: Arc<dyn Handler>, job: &JobEnvelope, redelivered: bool) -> Result<JobOutput, JobFailure> {
+        tracing::info!(redelivered, "job started");
+        self.metrics.started(job.kind);
         let started = Instant::now();
         let ctx = JobContext { store: self.store.clone(), worker_id: self.config.worker_id.clone() };
         let owned = job.clone();
-        // Its own task: a panicking handler becomes a fatal failure instead of taking the
-        // worker down, and the guard aborts it if this task is aborted at shutdown.
         let task = AbortOnDrop(tokio::spawn(async move { handler.run(&ctx, &owned).await }));
         let result = match job.deadline_ms {
             Some(deadline) => {
@@ -352,38 +360,37 @@ impl Worker {
             }
             None => task.await,
         };
-        let elapsed = started.elapsed();
-        self.metrics.finished_running(kind, elapsed.as_secs_f64());
+        let secs = started.elapsed().as_secs_f64();
+        self.metrics.finished_running(job.kind, secs);
+        tracing::info!(secs, ok = result.is_ok(), "job ran");
+        result
+    }
 
+    /// Writes the done-marker of a handler's outputs (unless the handler committed itself)
+    /// and decides what happens to the message.
+    async fn commit(&self, job: &JobEnvelope, marker_key: &str, result: Result<JobOutput, JobFailure>) -> Next {
         match result {
             Ok(output) if output.committed => {
-                tracing::info!(secs = elapsed.as_secs_f64(), "job committed by its handler");
-                self.metrics.succeeded(kind);
-                self.ack(delivery, Outcome::Succeeded).await
+                tracing::info!("job committed by its handler");
             }
             Ok(output) => {
-                let marker = DoneMarker::new(&job.job_id, &job.run_id, kind, job.attempt, output.outputs, output.result);
-                if let Err(e) = infra::store::commit(self.store.as_ref(), &marker_key, &marker).await {
-                    let reason = format!("cannot write the done-marker {}: {e}", self.store.object_url(&marker_key));
-                    return if e.is_transient() {
-                        self.retry(delivery, job, &reason).await
-                    } else {
-                        self.dead_letter(delivery, kind, &reason).await
-                    };
+                let marker = DoneMarker::new(&job.job_id, &job.run_id, job.kind, job.attempt, output.outputs, output.result);
+                if let Err(e) = infra::store::commit(self.store.as_ref(), marker_key, &marker).await {
+                    return Next::of_store_error(format!("cannot write the done-marker {}: {e}", self.store.object_url(marker_key)), &e);
                 }
-                tracing::info!(secs = elapsed.as_secs_f64(), "job committed");
-                self.metrics.succeeded(kind);
-                self.ack(delivery, Outcome::Succeeded).await
+                tracing::info!("job committed");
             }
             Err(JobFailure::Retryable(reason)) => {
                 tracing::warn!(%reason, "job failed (retryable)");
-                self.retry(delivery, job, &reason).await
+                return Next::Retry(reason);
             }
             Err(JobFailure::Fatal(reason)) => {
                 tracing::error!(%reason, "job failed (fatal)");
-                self.dead_letter(delivery, kind, &reason).await
+                return Next::DeadLetter(reason);
             }
         }
+        self.metrics.succeeded(job.kind);
+        Next::Ack(Outcome::Succeeded)
     }
 
     async fn ack(&self, delivery: Delivery, outcome: Outcome) -> Outcome {
@@ -443,6 +450,24 @@ fn joined(done: Result<Outcome, tokio::task::JoinError>) -> Outcome {
         Ok(o) => o,
         Err(e) if e.is_cancelled() => Outcome::Unsettled { reason: "stopped before it finished".into() },
         Err(e) => Outcome::Unsettled { reason: format!("job task failed: {e}") },
+    }
+}
+
+/// What happens to a delivery's message once its job ran (or could not).
+enum Next {
+    Ack(Outcome),
+    Retry(String),
+    DeadLetter(String),
+}
+
+impl Next {
+    /// A store failure: retried if it is transient, dead-lettered if not.
+    fn of_store_error(reason: String, e: &infra::store::StoreError) -> Next {
+        if e.is_transient() {
+            Next::Retry(reason)
+        } else {
+            Next::DeadLetter(reason)
+        }
     }
 }
 

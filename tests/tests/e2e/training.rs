@@ -985,3 +985,68 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     server.kill().unwrap();
     server.wait().unwrap();
 }
+
+/// An object store that fails the first read of the update's groups (which only the learn
+/// job reads) with a transient error, as a dropped S3 connection would.
+#[derive(Debug)]
+struct FlakyStore {
+    inner: std::sync::Arc<dyn infra::store::ObjectStore>,
+    failing: String,
+    failures: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl infra::store::ObjectStore for FlakyStore {
+    fn url(&self) -> String {
+        self.inner.url()
+    }
+    fn folder_url(&self, prefix: &str) -> String {
+        self.inner.folder_url(prefix)
+    }
+    async fn put(&self, key: &str, bytes: bytes::Bytes) -> infra::store::Result<()> {
+        self.inner.put(key, bytes).await
+    }
+    async fn put_if_absent(&self, key: &str, bytes: bytes::Bytes) -> infra::store::Result<infra::store::PutOutcome> {
+        self.inner.put_if_absent(key, bytes).await
+    }
+    async fn get(&self, key: &str) -> infra::store::Result<bytes::Bytes> {
+        if key.starts_with(&self.failing) && self.failures.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            return Err(infra::store::StoreError::Unreachable { endpoint: self.url(), detail: "connection reset (injected)".into() });
+        }
+        self.inner.get(key).await
+    }
+    async fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> infra::store::Result<bytes::Bytes> {
+        self.inner.get_range(key, range).await
+    }
+    async fn head(&self, key: &str) -> infra::store::Result<Option<infra::store::ObjectMeta>> {
+        self.inner.head(key).await
+    }
+    async fn list(&self, prefix: &str) -> infra::store::Result<Vec<infra::store::ObjectMeta>> {
+        self.inner.list(prefix).await
+    }
+    async fn delete(&self, key: &str) -> infra::store::Result<()> {
+        self.inner.delete(key).await
+    }
+    async fn put_multipart(&self, key: &str) -> infra::store::Result<Box<dyn infra::store::MultipartUpload>> {
+        self.inner.put_multipart(key).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learn_job_whose_store_fails_transiently_is_retried_and_the_run_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = tiny_spec(dir.path(), "flaky-learn", "router");
+    let loaded = scheduler::run::spec::load(&spec).unwrap();
+    let local = open_store(&format!("file://{}", dir.path().join("store").display())).await.unwrap();
+    let flaky = std::sync::Arc::new(FlakyStore { inner: local.clone(), failing: "runs/flaky-learn/groups/step=1/".into(), failures: Default::default() });
+    scheduler::run::submit(flaky.as_ref(), &loaded).await.unwrap();
+    let finish = scheduler::run::drive_embedded(flaky.clone(), "flaky-learn", 1, false, worker::Metrics::default()).await.unwrap();
+    assert!(matches!(finish, scheduler::run::machine::Finish::Completed | scheduler::run::machine::Finish::Degraded), "{finish:?}");
+    let reads = flaky.failures.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(reads >= 2, "the learn job read the groups, failed once and read them again on its retry ({reads} reads)");
+    let state: serde_json::Value = serde_json::from_slice(&local.get("runs/flaky-learn/state.json").await.unwrap()).unwrap();
+    let completed: Vec<&str> = state["completed"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+    assert!(completed.contains(&"update:1:learn") && completed.contains(&"report"), "{state}");
+    let learn: Vec<MetricRow> = read_prefix(local.as_ref(), "runs/flaky-learn/metrics/").await.unwrap();
+    assert!(learn.iter().any(|m| m.stage == "learn"), "the learn step recorded its metrics");
+}

@@ -1313,6 +1313,44 @@ rescue = "h0"
         assert!(e.len() < 2_000 && e.matches("unknown key").count() == 1 && e.contains("1000010 characters)"), "{} characters: {}", e.len(), &e[..e.len().min(300)]);
     }
 
+    /// `kind = "http"`: an environment server and sample indices instead of task files.
+    #[test]
+    fn an_http_environment_is_checked_by_key() {
+        let http = |env: &str| {
+            GOOD.replace("kind = \"dbbench\"\n[tasks.generate]\nseed = 1\ntrain = 4\nvalidation = 2\ntest = 2", &format!("kind = \"http\"\n{env}"))
+        };
+        let good = http("url = \"http://127.0.0.1:5000\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6,7\"\nrequest_timeout = 5\njob_retries = 1");
+        let s = parse(&good, "good.toml", Path::new("."), "good").unwrap();
+        let env = &s.spec.environment;
+        assert_eq!(env.http_task_ids(schemas::Split::Test).unwrap(), vec!["6", "7"]);
+        let c = env.http_config().unwrap();
+        assert_eq!((c.task_set.as_str(), c.request_timeout, c.job_retries, c.concurrency), ("dbbench", std::time::Duration::from_secs(5), 1, 64));
+        assert_eq!(env.validate_options().tools, None, "the server names its tools at start");
+        let cases: Vec<(String, &str)> = vec![
+            (http("train = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\""), "environment.url"),
+            (http("url = \"ftp://x\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\""), "environment.url"),
+            (http("url = \"http://h:1\"\nvalidation = \"4-5\"\ntest = \"6\""), "environment.train"),
+            (http("url = \"http://h:1\"\ntrain = \"3-0\"\nvalidation = \"4-5\"\ntest = \"6\""), "environment.train"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"3-5\"\ntest = \"6\""), "environment.validation"),
+            (http("url = \"http://h:1\"\ntrain = \"0\"\nvalidation = \"4-5\"\ntest = \"6\""), "algorithm.tasks_per_update"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\nrequest_timeout = 0"), "environment.request_timeout"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\nconcurrency = 0"), "environment.concurrency"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\ndb_url = \"mysql://root@h:1\""), "environment.db_url"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\n[tasks.generate]\ntrain = 1\nvalidation = 1\ntest = 1"), "tasks"),
+            (GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\nurl = \"http://h:1\""), "environment.url"),
+            (GOOD.replace("kind = \"dbbench\"", "kind = \"appworld\""), "environment.kind"),
+        ];
+        // The example spec parses as it is.
+        let example = parse(include_str!("../../../examples/http/run.toml"), "run.toml", Path::new("../examples/http"), "run").unwrap();
+        assert_eq!(example.spec.environment.http_task_ids(schemas::Split::Train).unwrap().len(), 15);
+        for (text, key) in cases {
+            match parse(&text, "bad.toml", Path::new("."), "bad") {
+                Ok(_) => panic!("accepted a bad `{key}`:\n{text}"),
+                Err(e) => assert!(e.to_string().contains(key), "`{key}` not named: {e}"),
+            }
+        }
+    }
+
     #[test]
     fn a_good_spec_parses_with_defaults() {
         let s = parse(GOOD, "good.toml", Path::new("."), "good").unwrap();

@@ -231,7 +231,7 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
         if path == "." {
             refuse(StatusCode::BAD_REQUEST, None, format!("not a valid request: {inner}"))
         } else {
-            refuse(StatusCode::BAD_REQUEST, Some(&path), format!("{path}: {inner}"))
+            refuse(StatusCode::BAD_REQUEST, Some(path.as_str()), format!("{path}: {inner}"))
         }
     })
 }
@@ -337,7 +337,7 @@ fn calls_of(req: &InteractRequest) -> Result<Vec<(String, ToolCall)>, Response> 
     if msg.tool_calls.is_empty() {
         return Err(refuse(
             StatusCode::BAD_REQUEST,
-            Some(&format!("messages[{i}].tool_calls")),
+            Some(format!("messages[{i}].tool_calls").as_str()),
             format!("messages[{i}].tool_calls is empty: send the tool call to run ({} or {})", dbbench::EXECUTE_SQL, dbbench::COMMIT_FINAL_ANSWER),
         ));
     }

@@ -759,7 +759,7 @@ impl Environment for HttpEnv {
                 detail: format!(
                     "sample {} ended before the server finished it (status `{}`): not graded, reward 0",
                     ep.index,
-                    if ep.status.is_empty() { "running" } else { &ep.status }
+                    if ep.status.is_empty() { "running" } else { ep.status.as_str() }
                 ),
             });
         }

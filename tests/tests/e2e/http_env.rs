@@ -158,13 +158,26 @@ impl Oracle {
             .expect("the conversation holds a task's prompt")
     }
 
+    /// The index the oracle acts as on task `i` (generated tasks may repeat a prompt: the
+    /// oracle then acts as the last task with it).
+    fn acts_as(&self, i: usize) -> usize {
+        let shown = Message { role: Role::User, content: self.tasks[i].prompt(), tool_calls: vec![] };
+        self.task_of(&[shown]).0
+    }
+
     /// The reward the oracle earns on task `i`.
-    fn expected_reward(i: usize) -> f64 {
-        if i % 4 == 3 || i % 2 == 1 {
+    fn expected_reward(&self, i: usize) -> f64 {
+        let j = self.acts_as(i);
+        if j % 4 == 3 || j % 2 == 1 {
             0.0
         } else {
             1.0
         }
+    }
+
+    /// Whether the oracle only talks on task `i` (the budget ends it unfinished).
+    fn only_talks(&self, i: usize) -> bool {
+        self.acts_as(i) % 4 == 3
     }
 }
 
@@ -297,21 +310,23 @@ async fn an_http_environment_gives_the_episodes_and_rewards_of_the_in_process_on
         assert_eq!(b.task_id, task.to_string());
         assert_eq!(b.error_class, None, "{:?}", b.error_message);
         assert_eq!((a.reward, a.success, a.termination), (b.reward, b.success, b.termination), "task {task} ({})", a.task_type);
-        assert_eq!(a.reward, Oracle::expected_reward(task), "task {task} ({}): the oracle's reward", a.task_type);
+        assert_eq!(a.reward, policy.expected_reward(task), "task {task} ({}): the oracle's reward", a.task_type);
         assert_eq!(a.task_type, b.task_type);
         assert_eq!(a.tool_view, b.tool_view, "the server's tools are DBBench's");
         let turns = |t: &Trajectory| t.turns.iter().map(|t| (t.role, t.source, t.text.clone())).collect::<Vec<_>>();
         assert_eq!(turns(a), turns(b), "task {task}: the same conversation, turn by turn");
-        let expected = if task % 4 == 3 { Termination::BudgetExhausted } else { Termination::Committed };
+        let expected = if policy.only_talks(task) { Termination::BudgetExhausted } else { Termination::Committed };
         assert_eq!(b.termination, expected, "task {task}");
     }
     assert!(remote.iter().any(|r| r.success) && remote.iter().any(|r| !r.success), "rewards of both kinds");
 
     // Every session ended: the committed ones when the server finished them, the budget's
     // when the client cancelled them.
+    let talks = (0..tasks.len()).filter(|i| policy.only_talks(*i)).count() as u64 * 2;
     let report = settled(&server).await;
     assert_eq!(report.open, 0, "{report:?}");
-    assert_eq!((report.started, report.finished, report.cancelled, report.expired), (24, 18, 6, 0), "{report:?}");
+    assert_eq!((report.started, report.finished, report.cancelled, report.expired), (24, 24 - talks, talks, 0), "{report:?}");
+    assert!(talks > 0, "some episodes end unfinished on the server");
     assert_eq!(jobs::env::http::open_sessions(), 0);
 }
 
@@ -331,11 +346,13 @@ async fn sixty_four_concurrent_sessions_all_complete_and_none_leaks() {
     assert_eq!(rows.len(), 64);
     for (i, r) in rows.iter().enumerate() {
         assert_eq!(r.error_class, None, "task {i}: {:?}", r.error_message);
-        assert_eq!(r.reward, Oracle::expected_reward(i), "task {i} ({})", r.task_type);
+        assert_eq!(r.reward, policy.expected_reward(i), "task {i} ({})", r.task_type);
     }
+    let talks = (0..64).filter(|i| policy.only_talks(*i)).count() as u64;
+    assert!(talks >= 10, "the budget ends some episodes unfinished: {talks}");
     let report = settled(&server).await;
     assert_eq!(report.open, 0, "no session leaks: {report:?}");
-    assert_eq!((report.started, report.finished, report.cancelled, report.expired), (64, 48, 16, 0), "{report:?}");
+    assert_eq!((report.started, report.finished, report.cancelled, report.expired), (64, 64 - talks, talks, 0), "{report:?}");
     assert_eq!(jobs::env::http::open_sessions(), 0);
 }
 
@@ -411,6 +428,7 @@ async fn a_server_killed_mid_episode_retries_the_job_fresh_and_stores_it_once() 
     //    gone). The delivery fails with the typed, retryable error and writes nothing; the
     //    queue runs the job again, every episode from the start, on the new server.
     let mut oracle = Oracle::new(&tasks);
+    let expected: Vec<f64> = (0..tasks.len()).map(|i| oracle.expected_reward(i)).collect();
     oracle.sabotage = Sabotage::KillAndRestart;
     oracle.server = Some(Arc::clone(&server));
     let input = rollout_input(&run, indices(tasks.len()), 1, 1);
@@ -421,7 +439,7 @@ async fn a_server_killed_mid_episode_retries_the_job_fresh_and_stores_it_once() 
     assert_eq!(rows.len(), tasks.len(), "each episode stored once");
     for (i, r) in rows.iter().enumerate() {
         assert_eq!(r.error_class, None, "task {i}: {:?}", r.error_message);
-        assert_eq!(r.reward, Oracle::expected_reward(i), "task {i}");
+        assert_eq!(r.reward, expected[i], "task {i}");
     }
     let parts = store.list(&format!("runs/{run}/trajectories/")).await.unwrap();
     assert_eq!(parts.len(), 1, "one part: {parts:?}");

@@ -107,7 +107,7 @@ fn load_tasks(args: &EnvServeArgs) -> anyhow::Result<TaskSet> {
                 bail!("no tasks to serve: give --tasks FILE (DBBench JSONL) or --generate N");
             }
             for file in &args.tasks {
-                let loaded = TaskSet::load(file).with_context(|| format!("--tasks {}", file.display()))?;
+                let loaded = TaskSet::load(file).map_err(|e| anyhow::anyhow!("--tasks: {e}"))?;
                 if !loaded.problems.is_empty() {
                     let lines: Vec<String> = loaded.problems.iter().map(|p| p.to_string()).collect();
                     bail!("--tasks {}: {} bad line(s):\n  {}", file.display(), lines.len(), lines.join("\n  "));

@@ -58,6 +58,9 @@ pub struct EnvServeArgs {
     /// Server URL for --engine mariadb, e.g. mysql://root@127.0.0.1:3306.
     #[arg(long, value_name = "URL", env = "HARNESS_S_DB_URL", hide_env_values = true)]
     pub db_url: Option<String>,
+    /// Prefix of the per-session database names on --db-url (letters, digits, `_`).
+    #[arg(long, default_value = "hs_envserve")]
+    pub db_prefix: String,
     /// The task set name clients send (`[environment] task_set`).
     #[arg(long, default_value = "dbbench")]
     pub name: String,
@@ -127,7 +130,7 @@ async fn serve(args: EnvServeArgs) -> anyhow::Result<u8> {
     let db = DbBenchConfig::from_engine_name(&args.engine, args.db_url.as_deref())
         .map_err(|e| anyhow::anyhow!("--engine {}: {e}", args.engine))?
         .with_max_rounds(args.max_rounds)?
-        .with_db_prefix("hs_envserve");
+        .with_db_prefix(&args.db_prefix);
     if let jobs::env::dbbench::Engine::Mysql { url } = &db.engine {
         jobs::env::dbbench::check_server(url, Duration::from_secs(10)).await.with_context(|| format!("--db-url {}", infra::redact_url(url)))?;
     }

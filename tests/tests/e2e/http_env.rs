@@ -567,3 +567,54 @@ async fn the_server_refuses_bad_requests_expires_idle_sessions_and_clients_cance
     assert_eq!((report.open, report.cancelled), (0, 2), "{report:?}");
     held.close().await.unwrap();
 }
+
+/// Databases on the MariaDB server whose name starts with `prefix`.
+async fn databases_with_prefix(prefix: &str) -> Vec<String> {
+    use mysql_async::prelude::Queryable;
+    let url = std::env::var("HARNESS_S_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".to_string());
+    let mut conn = mysql_async::Conn::from_url(url).await.expect("MariaDB reachable at 127.0.0.1:3306 (infra/deploy/test.sh starts it)");
+    let names: Vec<String> = conn.query("SHOW DATABASES").await.unwrap();
+    conn.disconnect().await.unwrap();
+    names.into_iter().filter(|n| n.starts_with(prefix)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_environment_on_mariadb_gives_the_rewards_of_sqlite_in_process_and_drops_its_databases() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (file, tasks) = task_file(dir.path(), 5, 8);
+    let url = std::env::var("HARNESS_S_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".to_string());
+    let prefix = unique("hs_t_envserve").replace('-', "_");
+    let args = serve_args(&file, &["--engine", "mariadb", "--db-url", &url, "--db-prefix", &prefix]);
+    let mut server = EnvServer::start(free_port(), &args, &dir.path().join("serve.log")).await;
+    let store = LocalStore::new(dir.path().join("store")).unwrap();
+    let policy = Oracle::new(&tasks);
+    let run = unique("http-mariadb");
+
+    let local = DbBenchFactory { tasks: Arc::new(TaskSet::from_tasks(tasks.iter().map(|t| t.as_ref().clone()).collect()).unwrap()), config: DbBenchConfig::sqlite() };
+    let ids: Vec<String> = tasks.iter().map(|t| t.id.clone()).collect();
+    let in_process = rollout(&store, &policy, &local, &rollout_input(&run, ids, 1, 4), "sqlite").await;
+    let factory = http_factory(&server.url(), 8);
+    let remote = rollout(&store, &policy, &factory, &rollout_input(&run, indices(tasks.len()), 1, 4), "mariadb").await;
+    for (i, (a, b)) in in_process.iter().zip(&remote).enumerate() {
+        assert_eq!(b.error_class, None, "task {i}: {:?}", b.error_message);
+        assert_eq!((a.reward, a.success, a.termination), (b.reward, b.success, b.termination), "task {i} ({})", a.task_type);
+    }
+    assert_eq!(settled(&server).await.open, 0);
+    assert!(databases_with_prefix(&prefix).await.is_empty(), "every session's database is dropped when it ends");
+
+    // SIGTERM with a session open: the server drops its database before it exits.
+    let mut held = factory.env();
+    held.reset("0", 0).await.unwrap();
+    assert_eq!(databases_with_prefix(&prefix).await.len(), 1);
+    let status = Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    let start = Instant::now();
+    while server.child.try_wait().unwrap().is_none() && start.elapsed() < Duration::from_secs(20) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(server.child.try_wait().unwrap().is_some_and(|s| s.success()), "env serve exits 0 on SIGTERM");
+    assert!(databases_with_prefix(&prefix).await.is_empty(), "the open session's database went with the server");
+    held.close().await.unwrap();
+    server.kill();
+}

@@ -11,7 +11,11 @@
 //! Failures inside an episode (policy timeouts, invalid output, environment backend
 //! errors) never abort the job: they are recorded on the row as `error_class`,
 //! `error_message` and `termination = error`, and the scheduler applies its policy per
-//! class. Only store failures and invalid input fail the job.
+//! class. Only store failures and invalid input fail the job — and, for environments
+//! that ask for it ([`EnvironmentFactory::job_retries`]: a remote server that was restarted
+//! loses its sessions), episodes that lost their backend: such a delivery writes nothing
+//! and fails retryably ([`RolloutError::EnvUnavailable`]), so the queue runs the job again,
+//! every episode started fresh; the delivery after the last retry records them as failed.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -81,6 +85,9 @@ pub enum RolloutError {
     Table(#[from] TableError),
     #[error("{key}: existing done-marker cannot be read: {detail}")]
     Marker { key: String, detail: String },
+    /// Episodes lost their environment backend; the job runs again (nothing was written).
+    #[error("{failed} of {episodes} episodes lost their environment backend (delivery {delivery} of a job retried up to {retries} times before they are recorded as failed); first: {first}")]
+    EnvUnavailable { failed: usize, episodes: usize, delivery: u32, retries: u32, first: String },
 }
 
 impl infra::Transient for RolloutError {
@@ -89,6 +96,7 @@ impl infra::Transient for RolloutError {
         match self {
             RolloutError::Store(e) => e.is_transient(),
             RolloutError::Table(e) => e.is_transient(),
+            RolloutError::EnvUnavailable { .. } => true,
             _ => false,
         }
     }
@@ -143,13 +151,13 @@ pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Rollo
         .collect();
     let total = plan.len();
     tracing::info!(job = ctx.job_id, harness = %input.harness.id, episodes = total, "rollout job started");
-    let mut rows: Vec<(usize, u32, Trajectory)> = stream::iter(plan)
+    let mut rows: Vec<(usize, u32, Trajectory, bool)> = stream::iter(plan)
         .map(|(ti, task, attempt)| async move {
-            let row = rollout_one(ctx, input, &task, attempt).await;
-            (ti, attempt, row)
+            let (row, lost_backend) = rollout_one(ctx, input, &task, attempt).await;
+            (ti, attempt, row, lost_backend)
         })
         .buffer_unordered(input.concurrency)
-        .inspect(|(_, _, row)| {
+        .inspect(|(_, _, row, _)| {
             tracing::info!(
                 task = %row.task_id, attempt = row.attempt, success = row.success,
                 termination = ?row.termination, turns = row.turns.len(), "episode finished"
@@ -157,8 +165,22 @@ pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Rollo
         })
         .collect()
         .await;
-    rows.sort_by_key(|(ti, attempt, _)| (*ti, *attempt));
-    let rows: Vec<Trajectory> = rows.into_iter().map(|(_, _, r)| r).collect();
+    rows.sort_by_key(|(ti, attempt, _, _)| (*ti, *attempt));
+    let lost: Vec<&Trajectory> = rows.iter().filter(|(_, _, _, lost)| *lost).map(|(_, _, r, _)| r).collect();
+    let retries = ctx.envs.job_retries();
+    if !lost.is_empty() && ctx.delivery_attempt < retries {
+        let first = lost[0];
+        let err = RolloutError::EnvUnavailable {
+            failed: lost.len(),
+            episodes: total,
+            delivery: ctx.delivery_attempt,
+            retries,
+            first: format!("task `{}`: {}", first.task_id, first.error_message.as_deref().unwrap_or("")),
+        };
+        tracing::warn!(job = ctx.job_id, error = %err, "rollout job retried: its environment backend was lost");
+        return Err(err);
+    }
+    let rows: Vec<Trajectory> = rows.into_iter().map(|(_, _, r, _)| r).collect();
 
     let part_key = keys::trajectory_part(&input.run_id, input.step, input.kind, ctx.job_id);
     let mut writer = PartWriter::<Trajectory>::create(ctx.store, &part_key).await?;
@@ -209,8 +231,9 @@ async fn existing_marker(store: &dyn ObjectStore, key: &str) -> Result<Option<Ro
     Ok(Some(summary))
 }
 
-/// One (task, attempt): a fresh environment, one episode, one row.
-async fn rollout_one(ctx: &RolloutContext<'_>, input: &RolloutInput, task_id: &str, attempt: u32) -> Trajectory {
+/// One (task, attempt): a fresh environment, one episode, one row; and whether the
+/// episode ended on a transient backend error.
+async fn rollout_one(ctx: &RolloutContext<'_>, input: &RolloutInput, task_id: &str, attempt: u32) -> (Trajectory, bool) {
     let seed = input.seed.wrapping_add(u64::from(attempt));
     let started_at_ms = now_unix_ms();
     let clock = Instant::now();
@@ -223,12 +246,13 @@ async fn rollout_one(ctx: &RolloutContext<'_>, input: &RolloutInput, task_id: &s
             }
             ep
         }
-        Err(e) => Episode::failed(e.class(), format!("creating the environment: {e}")),
+        Err(e) => Episode { env_transient: infra::Transient::is_transient(&e), ..Episode::failed(e.class(), format!("creating the environment: {e}")) },
     };
+    let lost_backend = episode.env_transient;
     let ids = |stage: &str, harness: &str, attempt_index: u32, seed: u64| {
         job_id(&JobIdParts { run_id: &input.run_id, stage, step: input.step, task_id, harness_id: harness, attempt_index, seed })
     };
-    Trajectory {
+    let row = Trajectory {
         trajectory_id: ids(input.kind.as_str(), &input.harness.id, attempt, seed),
         run_id: input.run_id.clone(),
         job_id: ctx.job_id.to_string(),
@@ -262,7 +286,8 @@ async fn rollout_one(ctx: &RolloutContext<'_>, input: &RolloutInput, task_id: &s
         temperature: input.sampling.temperature,
         tool_view: serde_json::to_string(&episode.tools).expect("tool specs serialise"),
         turns: episode.turns,
-    }
+    };
+    (row, lost_backend)
 }
 
 /// The outcome of one episode.
@@ -282,6 +307,8 @@ pub struct Episode {
     pub env_ms: u64,
     /// The tools the policy was shown (after the harness's tool view).
     pub tools: Vec<crate::env::ToolSpec>,
+    /// The episode ended on a transient environment error (its backend was lost).
+    pub env_transient: bool,
 }
 
 impl Episode {
@@ -299,6 +326,7 @@ impl Episode {
             policy_ms: 0,
             env_ms: 0,
             tools: vec![],
+            env_transient: false,
         }
     }
 }
@@ -320,7 +348,10 @@ pub async fn run_episode(
     let t = Instant::now();
     let start = match env.reset(task_id, seed).await {
         Ok(s) => s,
-        Err(e) => return Episode::failed(e.class(), format!("reset of task `{task_id}`: {e}")),
+        Err(e) => {
+            let env_transient = infra::Transient::is_transient(&e);
+            return Episode { env_transient, ..Episode::failed(e.class(), format!("reset of task `{task_id}`: {e}")) };
+        }
     };
     env_ms += t.elapsed().as_millis() as u64;
     let task_type = start.task_type.clone();
@@ -330,6 +361,7 @@ pub async fn run_episode(
     };
 
     let mut error: Option<(ErrorClass, String)> = None;
+    let mut env_transient = false;
     let termination = 'episode: loop {
         let call = match session.next_step() {
             Next::Stop(t) => break t,
@@ -368,6 +400,7 @@ pub async fn run_episode(
                 }
             }
             Err(e) => {
+                env_transient = infra::Transient::is_transient(&e);
                 error = Some((e.class(), format!("step `{}`: {e}", call.name)));
                 break Termination::Error;
             }
@@ -384,6 +417,7 @@ pub async fn run_episode(
         match graded {
             Ok(ev) => (ev.reward, ev.success, ev.detail),
             Err(e) => {
+                env_transient = infra::Transient::is_transient(&e);
                 error = Some((e.class(), format!("evaluate: {e}")));
                 (0.0, false, String::new())
             }
@@ -396,7 +430,7 @@ pub async fn run_episode(
         Some((c, m)) => (Some(c), Some(m)),
         None => (None, None),
     };
-    Episode { task_type, turns, usage, termination, error_class, error_message, reward, success, detail, policy_ms, env_ms, tools }
+    Episode { task_type, turns, usage, termination, error_class, error_message, reward, success, detail, policy_ms, env_ms, tools, env_transient }
 }
 
 /// Counts of a batch of rows, by task type, termination and error class.
@@ -701,6 +735,40 @@ mod tests {
         assert!(again.already_done);
         assert_eq!(again.summary, out.summary);
         assert_eq!(policy.seen.lock().unwrap().len(), 6, "3 calls for each successful episode, none on redelivery");
+    }
+
+    /// An environment whose backend is lost on every step, retried by the job twice.
+    struct LostBackend;
+
+    #[async_trait]
+    impl EnvironmentFactory for LostBackend {
+        async fn create(&self) -> Result<Box<dyn Environment>, EnvError> {
+            Ok(Box::new(Counting { rounds: 0, max_rounds: 5, answer: None, fail_step: true }))
+        }
+        fn job_retries(&self) -> u32 {
+            2
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lost_backend_fails_the_delivery_until_the_retries_are_used_then_is_recorded() {
+        use infra::Transient;
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(dir.path()).unwrap();
+        let policy = prose_policy();
+        for delivery in 0..2 {
+            let ctx = RolloutContext { store: &store, policy: &policy, envs: &LostBackend, job_id: "job3", delivery_attempt: delivery };
+            let err = run(&ctx, &input(HarnessSpec::h0(), &["t1"], 2)).await.unwrap_err();
+            assert!(err.is_transient(), "{err}");
+            assert!(err.to_string().contains("2 of 2 episodes lost their environment backend"), "{err}");
+            assert!(store.list("runs/").await.unwrap().is_empty(), "a retried delivery writes nothing");
+        }
+        let ctx = RolloutContext { store: &store, policy: &policy, envs: &LostBackend, job_id: "job3", delivery_attempt: 2 };
+        let out = run(&ctx, &input(HarnessSpec::h0(), &["t1"], 2)).await.unwrap();
+        assert_eq!(out.summary.errors["infra"], 2);
+        let rows: Vec<Trajectory> = infra::table::read_records(&store, &out.outputs[0].key).await.unwrap();
+        assert_eq!(rows.len(), 2);
+        assert!(rows.iter().all(|r| r.termination == Termination::Error && r.error_message.as_deref().unwrap().contains("connection lost")));
     }
 
     #[tokio::test]

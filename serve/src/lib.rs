@@ -18,7 +18,11 @@
 //!   ones. `/v1/models` and the `x-harness-s-checkpoint` header (and each response's
 //!   `system_fingerprint`) name the loaded checkpoint.
 //! - Bad requests get HTTP 400 with the OpenAI error body naming the field, never a crash.
+//!
+//! [`env`] is the other server of this crate: `harness-s env serve`, the DBBench
+//! environment over AgentBench's controller protocol (same HTTP stack, no model).
 
+pub mod env;
 pub mod openai;
 
 use std::path::{Path, PathBuf};

@@ -2,8 +2,12 @@
 //! episode at a time: `reset` (task + seed → first observation and tools), `step` (a tool
 //! call → observation), `evaluate` (→ reward and success), `close` (release resources,
 //! e.g. drop the per-episode database).
+//!
+//! Backends: [`dbbench`] (in process, SQLite or MariaDB) and [`http`] (any server that
+//! speaks AgentBench's controller protocol, e.g. `harness-s env serve`).
 
 pub mod dbbench;
+pub mod http;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
@@ -79,6 +83,10 @@ pub enum EnvError {
     /// The backing service (database server, ...) failed; retrying may help.
     #[error("environment backend `{backend}` failed: {detail}")]
     Backend { backend: String, detail: String },
+    /// The environment server refused a request or answered outside its protocol; running
+    /// the episode again fails the same way.
+    #[error("environment backend `{backend}` refused the episode: {detail}")]
+    Protocol { backend: String, detail: String },
 }
 
 impl EnvError {
@@ -103,6 +111,14 @@ impl infra::Transient for EnvError {
 #[async_trait]
 pub trait EnvironmentFactory: Send + Sync {
     async fn create(&self) -> Result<Box<dyn Environment>, EnvError>;
+
+    /// Deliveries of a rollout job that fail (and are retried by the queue) when some of
+    /// its episodes ended on a transient backend error, before such episodes are recorded
+    /// as failed rows. 0 (the default): record them at once. Remote environments
+    /// ([`http`]) retry, since a restarted server loses its sessions.
+    fn job_retries(&self) -> u32 {
+        0
+    }
 }
 
 /// An environment that runs one episode at a time.

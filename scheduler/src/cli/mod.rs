@@ -3,6 +3,7 @@
 use clap::{Args, Parser, Subcommand};
 
 mod bench;
+mod env;
 mod export;
 mod generate;
 mod harness;
@@ -83,6 +84,9 @@ pub enum Command {
     /// The Sibling Harness Pool of a run: list members, show one, diff two.
     #[command(subcommand)]
     Pool(pool::PoolCommand),
+    /// Environments over HTTP: `env serve` serves DBBench over AgentBench's controller protocol.
+    #[command(subcommand)]
+    Env(env::EnvCommand),
     /// Serve the native model over an OpenAI-compatible HTTP API (batched), with SGLang-style weight updates.
     Serve(serve::ServeArgs),
     /// Complete one prompt with the native backend (GGUF or HF directory); --logprobs shows each token's log-probability.
@@ -156,6 +160,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Pool(cmd) => pool::run(cmd).await,
         Command::Generate(args) => generate::run(args).await,
         Command::Serve(args) => serve::run(args).await,
+        Command::Env(cmd) => env::run(cmd).await,
         Command::Spec(cmd) => spec::run(cmd).await,
         Command::Export(cmd) => export::run(cmd).await,
         Command::Completions(args) => {
@@ -243,4 +248,14 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
         Ok(n) => Ok(n),
         Err(_) => Err(format!("`{s}` is not a whole number")),
     }
+}
+
+/// Parses a count that must be at least 1, as a u32.
+pub fn at_least_one_u32(s: &str) -> Result<u32, String> {
+    at_least_one(s).and_then(|n| u32::try_from(n).map_err(|_| format!("`{s}` is too large")))
+}
+
+/// Parses a count that must be at least 1, as a u64.
+pub fn at_least_one_u64(s: &str) -> Result<u64, String> {
+    at_least_one(s).map(|n| n as u64)
 }

@@ -48,6 +48,13 @@ fn show(args: ShowArgs) -> anyhow::Result<u8> {
 /// Tasks of each split: generated counts, or the lines of the task files.
 fn split_sizes(loaded: &LoadedSpec) -> anyhow::Result<[usize; 3]> {
     let spec = &loaded.spec;
+    if spec.environment.is_http() {
+        let mut sizes = [0; 3];
+        for (i, split) in [schemas::Split::Train, schemas::Split::Validation, schemas::Split::Test].into_iter().enumerate() {
+            sizes[i] = spec.environment.http_task_ids(split).map_err(anyhow::Error::msg)?.len();
+        }
+        return Ok(sizes);
+    }
     if let Some(g) = &spec.tasks.generate {
         return Ok([g.train, g.validation, g.test]);
     }

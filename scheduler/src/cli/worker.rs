@@ -92,7 +92,11 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<u8> {
     let metrics = Metrics::new();
     let _server = super::serve_metrics(&metrics, args.metrics_addr).await?;
     let worker = Worker::new(queue.clone(), Arc::clone(&store), crate::run::handlers::registry(), config)?.with_metrics(metrics);
-    let summary = worker.run(shutdown).await?;
+    let summary = worker.run(shutdown).await;
+    // Jobs given up after the grace period dropped their environments; sessions they held on
+    // environment servers end here rather than at the servers' expiry.
+    jobs::env::http::cancel_open_sessions(Duration::from_secs(5)).await;
+    let summary = summary?;
     // Summary on stdout for scripts; the same line went to the log.
     println!("worker stopped: {summary}");
     Ok(crate::exit::OK)

@@ -169,7 +169,7 @@ impl Handler for RolloutHandler {
         let rctx = RolloutContext {
             store,
             policy: policy.as_ref(),
-            envs: &envs,
+            envs: envs.as_ref(),
             job_id: &job.job_id,
             delivery_attempt: job.attempt,
         };
@@ -198,7 +198,7 @@ impl Handler for ReanchorHandler {
         let rctx = jobs::reanchor::ReanchorContext {
             store,
             policy: policy.as_ref(),
-            envs: &envs,
+            envs: envs.as_ref(),
             // The job meters its profiler and reports the tokens in its done-marker.
             profiler: profiler.as_deref(),
             profiler_config: Default::default(),
@@ -257,7 +257,7 @@ impl Handler for EvolveHandler {
             &template
         };
         let validate = inputs.spec().environment.validate_options();
-        let ectx = jobs::evolve::EvolveContext { store, policy: &policy, envs: &envs, diagnoser, editor, validate };
+        let ectx = jobs::evolve::EvolveContext { store, policy: &policy, envs: envs.as_ref(), diagnoser, editor, validate };
         // Rollout, store and endpoint trouble may pass (batches already done are kept); bad
         // input fails the same way again.
         let out = jobs::evolve::run(&ectx, &payload.input).await.map_err(JobFailure::of)?;

@@ -1,7 +1,8 @@
 //! A run's inputs in the object store, so that every worker (on any machine) sees the same
 //! spec, tasks and pool: `runs/<run>/spec.toml` (as submitted), `runs/<run>/inputs/run.json`
 //! (the checked spec with paths resolved), `runs/<run>/inputs/tasks/<split>.jsonl` and
-//! `runs/<run>/pool/<harness>.json`.
+//! `runs/<run>/pool/<harness>.json`. An http environment's tasks live on its server: its
+//! splits are the sample indices of the stored spec, and no task file is stored.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,6 +13,8 @@ use bytes::Bytes;
 use infra::store::ObjectStore;
 use jobs::env::dbbench::generate::{generate_jsonl, Difficulty, GenerateOptions};
 use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
+use jobs::env::http::HttpFactory;
+use jobs::env::EnvironmentFactory;
 use schemas::{keys, HarnessSpec, Split};
 use serde::{Deserialize, Serialize};
 
@@ -130,13 +133,15 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
     };
     let mut texts: BTreeMap<&'static str, String> = BTreeMap::new();
     match &spec.tasks.generate {
+        // The server holds the tasks.
+        _ if spec.environment.is_http() => {}
         Some(g) => {
             let difficulty = match g.difficulty.as_deref() {
                 None | Some("mixed") => None,
                 Some(d) => Some(d.parse::<Difficulty>().map_err(|e| anyhow::anyhow!("tasks.generate.difficulty: {e}"))?),
             };
             for (i, (name, n)) in [("train", g.train), ("validation", g.validation), ("test", g.test)].into_iter().enumerate() {
-                let opts = GenerateOptions { seed: g.seed.wrapping_mul(3).wrapping_add(i as u64), n, difficulty, kinds: g.kinds.clone().unwrap_or_default() };
+                let opts = GenerateOptions { seed: jobs::env::dbbench::generate::split_seed(g.seed, i), n, difficulty, kinds: g.kinds.clone().unwrap_or_default() };
                 texts.insert(name, generate_jsonl(&opts).map_err(|e| anyhow::anyhow!("tasks.generate: {e}"))?);
             }
         }
@@ -171,7 +176,9 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
     };
     store.put(&keys::spec(run_id), Bytes::from(loaded.text.clone())).await?;
     for (split, name) in SPLITS.iter().zip(["train", "validation", "test"]) {
-        store.put(&tasks_key(run_id, *split), Bytes::from(texts[name].clone())).await?;
+        if let Some(text) = texts.get(name) {
+            store.put(&tasks_key(run_id, *split), Bytes::from(text.clone())).await?;
+        }
     }
     for h in &pool {
         store.put(&keys::pool_harness(run_id, &h.id), Bytes::from(serde_json::to_vec_pretty(h)?)).await?;
@@ -190,7 +197,13 @@ pub async fn load_stored(store: &dyn ObjectStore, run_id: &str) -> anyhow::Resul
 /// Everything a job of a run needs, loaded from the store once per process.
 pub struct RunInputs {
     pub stored: StoredRun,
+    /// DBBench tasks by split (empty for an http environment, whose server holds them).
     pub tasks: BTreeMap<Split, Arc<TaskSet>>,
+    /// Task ids by split, in order: DBBench task ids, or an http environment's sample indices.
+    pub task_ids: BTreeMap<Split, Vec<String>>,
+    /// The http environment's client, shared by every job of this process (one connection
+    /// pool, one session limit).
+    http: Option<HttpFactory>,
     /// The pool, H0 excluded, in `stored.pool` order.
     pub pool: Vec<HarnessSpec>,
 }
@@ -198,12 +211,25 @@ pub struct RunInputs {
 impl RunInputs {
     pub async fn load(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<RunInputs> {
         let stored = load_stored(store, run_id).await?;
+        let env = &stored.spec.environment;
         let mut tasks = BTreeMap::new();
-        for split in SPLITS {
-            let key = tasks_key(run_id, split);
-            let text = String::from_utf8(store.get(&key).await?.to_vec()).context("task file is not UTF-8")?;
-            let parsed = TaskSet::parse(&text, &store.object_url(&key), "task");
-            tasks.insert(split, Arc::new(parsed.tasks));
+        let mut task_ids = BTreeMap::new();
+        let mut http = None;
+        if env.is_http() {
+            let config = env.http_config().map_err(|e| anyhow::anyhow!("run `{run_id}`: {e}"))?;
+            http = Some(HttpFactory::new(config).map_err(|e| anyhow::anyhow!("run `{run_id}`: environment.{e}"))?);
+            for split in SPLITS {
+                task_ids.insert(split, env.http_task_ids(split).map_err(|e| anyhow::anyhow!("run `{run_id}`: {e}"))?);
+                tasks.insert(split, Arc::new(TaskSet::default()));
+            }
+        } else {
+            for split in SPLITS {
+                let key = tasks_key(run_id, split);
+                let text = String::from_utf8(store.get(&key).await?.to_vec()).context("task file is not UTF-8")?;
+                let parsed = TaskSet::parse(&text, &store.object_url(&key), "task");
+                task_ids.insert(split, parsed.tasks.ids());
+                tasks.insert(split, Arc::new(parsed.tasks));
+            }
         }
         let mut pool = Vec::new();
         for id in &stored.pool {
@@ -212,7 +238,7 @@ impl RunInputs {
             let h: HarnessSpec = serde_json::from_slice(&bytes).with_context(|| format!("{}: invalid harness", store.object_url(&key)))?;
             pool.push(h);
         }
-        Ok(RunInputs { stored, tasks, pool })
+        Ok(RunInputs { stored, tasks, task_ids, http, pool })
     }
 
     pub fn spec(&self) -> &RunSpec {
@@ -227,25 +253,48 @@ impl RunInputs {
         self.pool.iter().find(|h| h.id == id).cloned()
     }
 
-    /// Router and profiler view of tasks of one split, in the given order (unknown ids skipped).
+    /// The task ids of a split, in order.
+    pub fn task_ids(&self, split: Split) -> Vec<String> {
+        self.task_ids.get(&split).cloned().unwrap_or_default()
+    }
+
+    /// Router and profiler view of tasks of one split, in the given order (unknown ids
+    /// skipped). An http environment's samples are known by index only: their type is the
+    /// task set, with no description.
     pub fn task_infos(&self, split: Split, ids: &[String]) -> Vec<jobs::profile::TaskInfo> {
+        if let Some(http) = &self.http {
+            let known = self.task_ids(split);
+            let task_set = &http.config().task_set;
+            return ids.iter().filter(|id| known.contains(id)).map(|id| jobs::profile::TaskInfo::new(id.clone(), task_set.clone(), "")).collect();
+        }
         let set = &self.tasks[&split];
         ids.iter().filter_map(|id| set.get(id)).map(|t| jobs::profile::TaskInfo::from_db_task(t)).collect()
     }
 
     /// One environment per episode over the tasks of several splits (evolution diagnoses
     /// train tasks and measures coverage on validation tasks); task ids must not repeat.
-    pub fn env_factory_over(&self, splits: &[Split]) -> anyhow::Result<DbBenchFactory> {
-        let mut factory = self.env_factory(splits[0])?;
+    pub fn env_factory_over(&self, splits: &[Split]) -> anyhow::Result<Arc<dyn EnvironmentFactory>> {
+        if let Some(http) = &self.http {
+            return Ok(Arc::new(http.clone()));
+        }
+        let mut factory = self.dbbench_factory(splits[0])?;
         let tasks: Vec<jobs::env::dbbench::DbTask> =
             splits.iter().flat_map(|s| self.tasks[s].iter().map(|t| t.as_ref().clone())).collect();
         let merged = TaskSet::from_tasks(tasks).map_err(|e| anyhow::anyhow!("the train and validation task files share ids: {e}"))?;
         factory.tasks = Arc::new(merged);
-        Ok(factory)
+        Ok(Arc::new(factory))
     }
 
-    /// One environment per episode, over the tasks of one split.
-    pub fn env_factory(&self, split: Split) -> anyhow::Result<DbBenchFactory> {
+    /// One environment per episode, over the tasks of one split (an http environment's
+    /// server serves every split).
+    pub fn env_factory(&self, split: Split) -> anyhow::Result<Arc<dyn EnvironmentFactory>> {
+        if let Some(http) = &self.http {
+            return Ok(Arc::new(http.clone()));
+        }
+        Ok(Arc::new(self.dbbench_factory(split)?))
+    }
+
+    fn dbbench_factory(&self, split: Split) -> anyhow::Result<DbBenchFactory> {
         let env = &self.spec().environment;
         let mut config = DbBenchConfig::from_engine_name(&env.engine, env.db_url.as_deref())?;
         if let Some(r) = env.max_rounds {

@@ -233,11 +233,11 @@ impl Scheduler {
     async fn evolve(&self) -> anyhow::Result<()> {
         let spec = self.spec();
         let e = spec.evolution.as_ref().context("no [evolution] section")?;
-        let mut train = self.inputs.tasks[&Split::Train].ids();
+        let mut train = self.inputs.task_ids(Split::Train);
         if let Some(n) = e.train_tasks {
             train.truncate(n as usize);
         }
-        let mut validation = self.inputs.tasks[&Split::Validation].ids();
+        let mut validation = self.inputs.task_ids(Split::Validation);
         if let Some(n) = e.validation_tasks {
             validation.truncate(n as usize);
         }
@@ -469,7 +469,7 @@ impl Scheduler {
     async fn evaluate(&self, stage: &str, step: u32, checkpoint: Option<u32>, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
         let seed = unit_seed(spec.run.seed, &["eval"]);
-        let tasks = self.inputs.tasks[&Split::Test].ids();
+        let tasks = self.inputs.task_ids(Split::Test);
         let k = spec.evaluation.k;
         let mut jobs: Vec<JobEnvelope> = tasks
             .iter()
@@ -581,7 +581,7 @@ impl Scheduler {
     async fn calibrate(&self, step: u32, stage: &str, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
         let calibration_id = calibration_id_for_step(step);
-        let mut task_ids = self.inputs.tasks[&Split::Validation].ids();
+        let mut task_ids = self.inputs.task_ids(Split::Validation);
         if let Some(n) = spec.calibration.tasks {
             task_ids.truncate(n as usize);
         }
@@ -654,7 +654,7 @@ impl Scheduler {
     /// consumed `tasks_per_update` at a time, cycling.
     fn batch(&self, u: u32) -> Vec<String> {
         let spec = self.spec();
-        let mut ids = self.inputs.tasks[&Split::Train].ids();
+        let mut ids = self.inputs.task_ids(Split::Train);
         ids.shuffle(&mut ChaCha8Rng::seed_from_u64(spec.run.seed));
         let n = spec.algorithm.tasks_per_update as usize;
         let start = (u as usize - 1) * n;

@@ -135,5 +135,7 @@ pub async fn drive_embedded(store: Arc<dyn ObjectStore>, run_id: &str, workers: 
             Err(e) => tracing::warn!(error = %e, "an in-process worker panicked"),
         }
     }
+    // Sessions on environment servers that stopped jobs still held ([environment] kind = "http").
+    jobs::env::http::cancel_open_sessions(Duration::from_secs(5)).await;
     result
 }

@@ -1,5 +1,5 @@
 //! Before a run's first stage: every service its spec names must answer — the
-//! environment's database server, the policy endpoint, the LLM voters, profiler and
+//! environment's database server or environment server, the policy endpoint, the LLM voters, profiler and
 //! proposer. One error lists each unreachable service by its spec key, so that a run never
 //! records episodes against a server that is not there (and then trains on nothing).
 //! The store and the broker are checked where they are opened.
@@ -20,6 +20,13 @@ pub async fn check(spec: &RunSpec) -> anyhow::Result<()> {
         if let Some(url) = &spec.environment.db_url {
             if let Err(e) = jobs::env::dbbench::check_server(url, TIMEOUT).await {
                 problems.push(format!("environment.db_url: {e}"));
+            }
+        }
+    }
+    if spec.environment.is_http() {
+        if let Some(url) = &spec.environment.url {
+            if let Err(e) = jobs::env::http::probe(url, TIMEOUT).await {
+                problems.push(format!("environment.url: {e}"));
             }
         }
     }

@@ -12,6 +12,10 @@
 //! engine = "sqlite"              # or "mysql" with db_url = "mysql://root@127.0.0.1:3306"
 //! max_rounds = 6
 //!
+//! # ... or an environment server (AgentBench's controller protocol, `harness-s env serve`):
+//! # kind = "http", url = "http://10.0.0.5:5000", task_set = "dbbench",
+//! # train = "0-39", validation = "40-49", test = "50-59" (sample indices; no [tasks])
+//!
 //! [tasks]                        # files (relative to this spec) ...
 //! train = "tasks/train.jsonl"
 //! validation = "tasks/validation.jsonl"
@@ -64,6 +68,9 @@ pub struct RunSpec {
     #[serde(default)]
     pub run: RunSection,
     pub environment: EnvironmentSection,
+    /// DBBench task files or generation (`kind = "dbbench"`; an http environment's server
+    /// holds its tasks).
+    #[serde(default)]
     pub tasks: TasksSection,
     pub policy: PolicySection,
     #[serde(default)]
@@ -111,7 +118,8 @@ pub struct RunSection {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EnvironmentSection {
-    /// Environment family; `dbbench` is the one built in.
+    /// `dbbench` (in process) or `http` (an environment server, AgentBench's controller
+    /// protocol).
     pub kind: String,
     /// `sqlite` (embedded default) or `mysql` (MySQL/MariaDB server at `db_url`).
     #[serde(default = "default_engine")]
@@ -124,12 +132,86 @@ pub struct EnvironmentSection {
     /// which is what training keeps.
     #[serde(default)]
     pub harness_actions: bool,
+    /// http: the server's base URL (the routes are under `/api/`).
+    pub url: Option<String>,
+    /// http: the task set name sent to the server (default `dbbench`, what `harness-s env
+    /// serve` serves).
+    pub task_set: Option<String>,
+    /// http: sample indices of the training split, e.g. "0-39" or "0-9,20,30-34".
+    pub train: Option<String>,
+    /// http: sample indices of the validation split.
+    pub validation: Option<String>,
+    /// http: sample indices of the test split.
+    pub test: Option<String>,
+    /// http: seconds `start_sample` may take (default 300).
+    pub start_timeout: Option<f64>,
+    /// http: seconds an interaction or cancel may take (default 60).
+    pub request_timeout: Option<f64>,
+    /// http: seconds to connect (default 10).
+    pub connect_timeout: Option<f64>,
+    /// http: sessions one worker process holds open at once (default 64).
+    pub concurrency: Option<usize>,
+    /// http: deliveries of a rollout job retried when episodes lost the server, before
+    /// they are recorded as failed (default 2; the queue's max_attempts must allow them).
+    pub job_retries: Option<u32>,
 }
 
 impl EnvironmentSection {
-    /// How this environment validates harness specs (pool members, evolved siblings).
+    /// How this environment validates harness specs (pool members, evolved siblings). An
+    /// http server names its tools only when an episode starts, so tool names are not
+    /// checked statically there.
     pub fn validate_options(&self) -> jobs::harness::ValidateOptions {
+        if self.is_http() {
+            return jobs::harness::ValidateOptions { tools: None, harness_actions: self.harness_actions };
+        }
         jobs::env::dbbench::validate_options(self.harness_actions)
+    }
+
+    /// `kind = "http"`.
+    pub fn is_http(&self) -> bool {
+        self.kind == jobs::env::http::KIND
+    }
+
+    /// The http environment's settings (defaults filled in); the error names the key.
+    pub fn http_config(&self) -> Result<jobs::env::http::HttpConfig, String> {
+        let url = self.url.as_deref().ok_or("environment.url: required with kind = \"http\" (e.g. http://127.0.0.1:5000)")?;
+        let mut c = jobs::env::http::HttpConfig::new(url, self.task_set.as_deref().unwrap_or("dbbench"))
+            .map_err(|e| format!("environment.{e}"))?;
+        for (field, value, slot) in [
+            ("start_timeout", self.start_timeout, &mut c.start_timeout),
+            ("request_timeout", self.request_timeout, &mut c.request_timeout),
+            ("connect_timeout", self.connect_timeout, &mut c.connect_timeout),
+        ] {
+            if let Some(v) = value {
+                if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+                    return Err(format!("environment.{field}: {v} is not a number of seconds above 0 (at most 86400)"));
+                }
+                *slot = std::time::Duration::from_secs_f64(v);
+            }
+        }
+        if let Some(n) = self.concurrency {
+            c.concurrency = n;
+        }
+        if let Some(n) = self.job_retries {
+            c.job_retries = n;
+        }
+        if let Some(r) = self.max_rounds.filter(|r| *r > 0) {
+            c.max_rounds = r;
+        }
+        c.check().map_err(|e| format!("environment.{e}"))?;
+        Ok(c)
+    }
+
+    /// http: the sample indices of a split, as task ids; the error names the key.
+    pub fn http_task_ids(&self, split: schemas::Split) -> Result<Vec<String>, String> {
+        let (name, value) = match split {
+            schemas::Split::Train => ("train", &self.train),
+            schemas::Split::Validation => ("validation", &self.validation),
+            schemas::Split::Test => ("test", &self.test),
+        };
+        let text = value.as_deref().ok_or_else(|| format!("environment.{name}: required with kind = \"http\": the split's sample indices, e.g. \"0-39\""))?;
+        let indices = jobs::env::http::parse_indices(text).map_err(|e| format!("environment.{name}: {e}"))?;
+        Ok(indices.into_iter().map(|i| i.to_string()).collect())
     }
 }
 
@@ -793,71 +875,152 @@ fn looks_like_a_model(path: &Path) -> Result<(), &'static str> {
     }
 }
 
+/// Keys of an http environment given to a dbbench one.
+fn check_dbbench_only_keys(env: &EnvironmentSection, bad: &mut impl FnMut(&str, String)) {
+    let http_keys: [(&str, bool); 10] = [
+        ("url", env.url.is_some()),
+        ("task_set", env.task_set.is_some()),
+        ("train", env.train.is_some()),
+        ("validation", env.validation.is_some()),
+        ("test", env.test.is_some()),
+        ("start_timeout", env.start_timeout.is_some()),
+        ("request_timeout", env.request_timeout.is_some()),
+        ("connect_timeout", env.connect_timeout.is_some()),
+        ("concurrency", env.concurrency.is_some()),
+        ("job_retries", env.job_retries.is_some()),
+    ];
+    for (key, given) in http_keys {
+        if given {
+            bad(&format!("environment.{key}"), "only used with kind = \"http\"; remove it, or set kind = \"http\"".into());
+        }
+    }
+}
+
+/// An http environment: its server settings, the splits' sample indices, and no DBBench keys.
+fn check_http(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
+    let env = &spec.environment;
+    if let Err(e) = env.http_config() {
+        let (path, message) = split_key(&e);
+        bad(&path, message);
+    }
+    if env.engine != "sqlite" {
+        bad("environment.engine", "only used with kind = \"dbbench\": the environment server chooses its own database".into());
+    }
+    if env.db_url.is_some() {
+        bad("environment.db_url", "only used with kind = \"dbbench\": the environment server chooses its own database".into());
+    }
+    let t = &spec.tasks;
+    if t.train.is_some() || t.validation.is_some() || t.test.is_some() || t.generate.is_some() {
+        bad("tasks", "not used with kind = \"http\": the server holds the tasks; name each split's sample indices as environment.train, validation and test (e.g. \"0-39\")".into());
+    }
+    let mut seen: BTreeMap<String, &str> = BTreeMap::new();
+    for split in [schemas::Split::Train, schemas::Split::Validation, schemas::Split::Test] {
+        let name = split_name(split);
+        match env.http_task_ids(split) {
+            Err(e) => {
+                let (path, message) = split_key(&e);
+                bad(&path, message);
+            }
+            Ok(ids) => {
+                if split == schemas::Split::Train && spec.algorithm.tasks_per_update > ids.len() as u32 {
+                    bad("algorithm.tasks_per_update", format!("{} is more than the {} training samples of environment.train", spec.algorithm.tasks_per_update, ids.len()));
+                }
+                for id in ids {
+                    if let Some(other) = seen.insert(id.clone(), name) {
+                        bad(&format!("environment.{name}"), format!("sample {id} is also in environment.{other}; the splits must not share samples"));
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn split_name(split: schemas::Split) -> &'static str {
+    match split {
+        schemas::Split::Train => "train",
+        schemas::Split::Validation => "validation",
+        schemas::Split::Test => "test",
+    }
+}
+
+/// `environment.x: message` → (`environment.x`, `message`).
+fn split_key(e: &str) -> (String, String) {
+    match e.split_once(": ") {
+        Some((k, m)) if k.starts_with("environment.") && !k.contains(' ') => (k.to_string(), m.to_string()),
+        _ => ("environment".to_string(), e.to_string()),
+    }
+}
+
 fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     let mut bad = |path: &str, message: String| problems.push(SpecProblem { path: path.into(), message });
-    if spec.environment.kind != "dbbench" {
-        bad("environment.kind", format!("`{}` is not a known environment; use `dbbench`", spec.environment.kind));
-    }
-    match spec.environment.engine.as_str() {
-        "sqlite" => {}
-        "mysql" if spec.environment.db_url.is_none() => {
-            bad("environment.db_url", "required with engine = \"mysql\" (e.g. mysql://root@127.0.0.1:3306)".into())
-        }
-        "mysql" => {}
-        other => bad("environment.engine", format!("`{other}` is not `sqlite` or `mysql`")),
-    }
-    if spec.environment.engine == "sqlite" && spec.environment.db_url.is_some() {
-        bad("environment.db_url", "only used with engine = \"mysql\"; remove it, or set engine = \"mysql\"".into());
-    }
-    if let Some(url) = spec.environment.db_url.as_deref().filter(|u| !u.starts_with("mysql://")) {
-        bad("environment.db_url", format!("`{}` is not a mysql:// URL (e.g. mysql://root@127.0.0.1:3306)", infra::redact_url(url)));
+    match spec.environment.kind.as_str() {
+        "dbbench" => check_dbbench_only_keys(&spec.environment, &mut bad),
+        "http" => check_http(spec, &mut bad),
+        other => bad("environment.kind", format!("`{other}` is not a known environment; use `dbbench` (in process) or `http` (an environment server)")),
     }
     if spec.environment.max_rounds == Some(0) {
         bad("environment.max_rounds", "must be at least 1".into());
     }
-    let t = &spec.tasks;
-    match &t.generate {
-        Some(g) => {
-            for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
-                if file.is_some() {
-                    bad(&format!("tasks.{name}"), "give task files or [tasks.generate], not both".into());
-                }
+    if !spec.environment.is_http() {
+        match spec.environment.engine.as_str() {
+            "sqlite" => {}
+            "mysql" if spec.environment.db_url.is_none() => {
+                bad("environment.db_url", "required with engine = \"mysql\" (e.g. mysql://root@127.0.0.1:3306)".into())
             }
-            for (name, n) in [("train", g.train), ("validation", g.validation), ("test", g.test)] {
-                if n == 0 {
-                    bad(&format!("tasks.generate.{name}"), "must be at least 1".into());
-                }
-                if n as u64 > MAX_GENERATED_TASKS {
-                    bad(&format!("tasks.generate.{name}"), format!("{n} tasks is more than {MAX_GENERATED_TASKS}; generate fewer, or write task files"));
-                }
-            }
-            if spec.algorithm.tasks_per_update as u64 > g.train as u64 {
-                bad("algorithm.tasks_per_update", format!("{} is more than the {} training tasks generated", spec.algorithm.tasks_per_update, g.train));
-            }
-            if let Some(d) = &g.difficulty {
-                if !["easy", "medium", "hard", "mixed"].contains(&d.as_str()) {
-                    bad("tasks.generate.difficulty", format!("`{d}` is not easy, medium, hard or mixed"));
-                }
-            }
-            if g.kinds.as_ref().is_some_and(|k| k.is_empty()) {
-                bad("tasks.generate.kinds", "is empty: name at least one kind, or leave kinds out for all of them".into());
-            }
-            for (i, k) in g.kinds.iter().flatten().enumerate() {
-                if !jobs::env::dbbench::generate::KINDS.contains(&k.as_str()) {
-                    bad(&format!("tasks.generate.kinds[{i}]"), format!("`{k}` is not one of {}", jobs::env::dbbench::generate::KINDS.join(", ")));
-                }
-            }
+            "mysql" => {}
+            other => bad("environment.engine", format!("`{other}` is not `sqlite` or `mysql`")),
         }
-        None => {
-            for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
-                match file {
-                    None => bad(&format!("tasks.{name}"), "missing split: give a task file or use [tasks.generate]".into()),
-                    Some(p) => {
-                        let full = if p.is_absolute() { p.clone() } else { base_dir.join(p) };
-                        if full.is_dir() {
-                            bad(&format!("tasks.{name}"), format!("{} is a folder; give a JSONL task file", full.display()));
-                        } else if !full.is_file() {
-                            bad(&format!("tasks.{name}"), format!("{} does not exist", full.display()));
+        if spec.environment.engine == "sqlite" && spec.environment.db_url.is_some() {
+            bad("environment.db_url", "only used with engine = \"mysql\"; remove it, or set engine = \"mysql\"".into());
+        }
+        if let Some(url) = spec.environment.db_url.as_deref().filter(|u| !u.starts_with("mysql://")) {
+            bad("environment.db_url", format!("`{}` is not a mysql:// URL (e.g. mysql://root@127.0.0.1:3306)", infra::redact_url(url)));
+        }
+        let t = &spec.tasks;
+        match &t.generate {
+            Some(g) => {
+                for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
+                    if file.is_some() {
+                        bad(&format!("tasks.{name}"), "give task files or [tasks.generate], not both".into());
+                    }
+                }
+                for (name, n) in [("train", g.train), ("validation", g.validation), ("test", g.test)] {
+                    if n == 0 {
+                        bad(&format!("tasks.generate.{name}"), "must be at least 1".into());
+                    }
+                    if n as u64 > MAX_GENERATED_TASKS {
+                        bad(&format!("tasks.generate.{name}"), format!("{n} tasks is more than {MAX_GENERATED_TASKS}; generate fewer, or write task files"));
+                    }
+                }
+                if spec.algorithm.tasks_per_update as u64 > g.train as u64 {
+                    bad("algorithm.tasks_per_update", format!("{} is more than the {} training tasks generated", spec.algorithm.tasks_per_update, g.train));
+                }
+                if let Some(d) = &g.difficulty {
+                    if !["easy", "medium", "hard", "mixed"].contains(&d.as_str()) {
+                        bad("tasks.generate.difficulty", format!("`{d}` is not easy, medium, hard or mixed"));
+                    }
+                }
+                if g.kinds.as_ref().is_some_and(|k| k.is_empty()) {
+                    bad("tasks.generate.kinds", "is empty: name at least one kind, or leave kinds out for all of them".into());
+                }
+                for (i, k) in g.kinds.iter().flatten().enumerate() {
+                    if !jobs::env::dbbench::generate::KINDS.contains(&k.as_str()) {
+                        bad(&format!("tasks.generate.kinds[{i}]"), format!("`{k}` is not one of {}", jobs::env::dbbench::generate::KINDS.join(", ")));
+                    }
+                }
+            }
+            None => {
+                for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
+                    match file {
+                        None => bad(&format!("tasks.{name}"), "missing split: give a task file or use [tasks.generate]".into()),
+                        Some(p) => {
+                            let full = if p.is_absolute() { p.clone() } else { base_dir.join(p) };
+                            if full.is_dir() {
+                                bad(&format!("tasks.{name}"), format!("{} is a folder; give a JSONL task file", full.display()));
+                            } else if !full.is_file() {
+                                bad(&format!("tasks.{name}"), format!("{} does not exist", full.display()));
+                            }
                         }
                     }
                 }
@@ -1187,6 +1350,44 @@ rescue = "h0"
         let key = "k".repeat(1_000_000);
         let e = parse(&format!("{GOOD}{key} = 1\n"), "bad.toml", dir.path(), "bad").unwrap_err().to_string();
         assert!(e.len() < 2_000 && e.matches("unknown key").count() == 1 && e.contains("1000010 characters)"), "{} characters: {}", e.len(), &e[..e.len().min(300)]);
+    }
+
+    /// `kind = "http"`: an environment server and sample indices instead of task files.
+    #[test]
+    fn an_http_environment_is_checked_by_key() {
+        let http = |env: &str| {
+            GOOD.replace("kind = \"dbbench\"\n[tasks.generate]\nseed = 1\ntrain = 4\nvalidation = 2\ntest = 2", &format!("kind = \"http\"\n{env}"))
+        };
+        let good = http("url = \"http://127.0.0.1:5000\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6,7\"\nrequest_timeout = 5\njob_retries = 1");
+        let s = parse(&good, "good.toml", Path::new("."), "good").unwrap();
+        let env = &s.spec.environment;
+        assert_eq!(env.http_task_ids(schemas::Split::Test).unwrap(), vec!["6", "7"]);
+        let c = env.http_config().unwrap();
+        assert_eq!((c.task_set.as_str(), c.request_timeout, c.job_retries, c.concurrency), ("dbbench", std::time::Duration::from_secs(5), 1, 64));
+        assert_eq!(env.validate_options().tools, None, "the server names its tools at start");
+        let cases: Vec<(String, &str)> = vec![
+            (http("train = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\""), "environment.url"),
+            (http("url = \"ftp://x\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\""), "environment.url"),
+            (http("url = \"http://h:1\"\nvalidation = \"4-5\"\ntest = \"6\""), "environment.train"),
+            (http("url = \"http://h:1\"\ntrain = \"3-0\"\nvalidation = \"4-5\"\ntest = \"6\""), "environment.train"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"3-5\"\ntest = \"6\""), "environment.validation"),
+            (http("url = \"http://h:1\"\ntrain = \"0\"\nvalidation = \"4-5\"\ntest = \"6\""), "algorithm.tasks_per_update"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\nrequest_timeout = 0"), "environment.request_timeout"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\nconcurrency = 0"), "environment.concurrency"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\ndb_url = \"mysql://root@h:1\""), "environment.db_url"),
+            (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\n[tasks.generate]\ntrain = 1\nvalidation = 1\ntest = 1"), "tasks"),
+            (GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\nurl = \"http://h:1\""), "environment.url"),
+            (GOOD.replace("kind = \"dbbench\"", "kind = \"appworld\""), "environment.kind"),
+        ];
+        // The example spec parses as it is.
+        let example = parse(include_str!("../../../examples/http/run.toml"), "run.toml", Path::new("../examples/http"), "run").unwrap();
+        assert_eq!(example.spec.environment.http_task_ids(schemas::Split::Train).unwrap().len(), 15);
+        for (text, key) in cases {
+            match parse(&text, "bad.toml", Path::new("."), "bad") {
+                Ok(_) => panic!("accepted a bad `{key}`:\n{text}"),
+                Err(e) => assert!(e.to_string().contains(key), "`{key}` not named: {e}"),
+            }
+        }
     }
 
     #[test]

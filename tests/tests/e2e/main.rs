@@ -2,6 +2,7 @@ mod cli;
 mod dbbench;
 mod evolve;
 mod harness;
+mod http_env;
 mod learner_context;
 mod native;
 mod queue;

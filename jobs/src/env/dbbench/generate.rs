@@ -595,6 +595,13 @@ pub fn generate(opts: &GenerateOptions) -> Result<Vec<Value>, GenerateError> {
 }
 
 /// [`generate`] as JSONL text (one task per line).
+/// The seed of split `split` (0 train, 1 validation, 2 test) of a run spec's
+/// `[tasks.generate]` with `seed`: `harness-s env serve --generate T,V,T` uses the same, so a
+/// run over HTTP sees the tasks an in-process run generates.
+pub fn split_seed(seed: u64, split: usize) -> u64 {
+    seed.wrapping_mul(3).wrapping_add(split as u64)
+}
+
 pub fn generate_jsonl(opts: &GenerateOptions) -> Result<String, GenerateError> {
     let mut out = String::new();
     for t in generate(opts)? {

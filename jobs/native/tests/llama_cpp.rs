@@ -146,8 +146,11 @@ fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
     let dir = tempfile::tempdir().unwrap();
     let gen = sampler::generate(&model, &ids, &sampler::GenerateOptions::greedy(N), &[]).unwrap();
     let mut sizes = vec![];
-    // (type, logits tolerance, error at most this share of the change, greedy tokens that agree)
-    for (ty, tol, share, tokens) in [(TensorType::F32, 1e-2, 0.1, 20), (TensorType::Q8_0, 3e-2, 0.34, 16)] {
+    // (type, logits tolerance, error at most this share of the change, greedy tokens that agree).
+    // llama.cpp's Q8_0 kernels also quantise the activations, in an order that depends on
+    // the CPU's instruction sets: measured 1.6e-2 (share 0.22) on one AVX-512 CPU and
+    // 2.5e-2 (share 0.34) on another, against a change of 7.2e-2.
+    for (ty, tol, share, tokens) in [(TensorType::F32, 1e-2, 0.1, 20), (TensorType::Q8_0, 3e-2, 0.45, 16)] {
         let exported = dir.path().join(format!("exported-{ty:?}.gguf"));
         let bytes = native::export::gguf_bytes_as(&base, &model, ty).unwrap();
         sizes.push(bytes.len());

@@ -29,7 +29,7 @@ impl Series {
             m.entry(name).or_default().push((r.step, r.value));
         }
         for v in m.values_mut() {
-            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v.sort_by_key(|a| a.0);
             v.dedup_by_key(|p| p.0);
         }
         Ok(Series(m))
@@ -316,7 +316,7 @@ pub fn line_plot_over(path: &std::path::Path, title: &str, x_label: &str, y_labe
     let max_y = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.1)).fold(f64::MIN, f64::max);
     let min_y = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.1)).fold(0.0f64, f64::min);
     // Fractions keep a 0–1 axis; other quantities (loss, gradient norm) get their own range.
-    let max_y = if max_y <= 1.0 && max_y > 0.2 && min_y >= 0.0 { 1.0 } else if max_y == f64::MIN { 1.0 } else { max_y.max(min_y + 1e-9) };
+    let max_y = if (max_y <= 1.0 && max_y > 0.2 && min_y >= 0.0) || max_y == f64::MIN { 1.0 } else { max_y.max(min_y + 1e-9) };
     let pad = (max_y - min_y) * 0.05;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))

@@ -524,7 +524,7 @@ impl Worker {
         }
         self.stats.decode_seconds += started.elapsed().as_secs_f64();
         // Highest index first, so that removing a finished sequence keeps the others' indices.
-        results.sort_by(|a, b| b.0.cmp(&a.0));
+        results.sort_by_key(|r| std::cmp::Reverse(r.0));
         for (i, r) in results {
             match r {
                 Ok(logits) => {

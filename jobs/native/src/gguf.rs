@@ -464,12 +464,12 @@ pub fn write_gguf(metadata: &[(&str, Value)], tensors: &[(&str, Vec<usize>, u32,
         offsets.push(offset);
         offset += (data.len() as u64).div_ceil(32) * 32;
     }
-    while out.len() % 32 != 0 {
+    while !out.len().is_multiple_of(32) {
         out.push(0);
     }
     for (_, _, _, data) in tensors {
         out.extend(data);
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
     }

@@ -106,7 +106,7 @@ pub fn plan(stored: &[Stored], policy: &Retention, best: Option<u32>) -> BTreeMa
     let wanted = |s: u32| {
         s == latest
             || policy.keep_last.is_none_or(|n| s + n > latest)
-            || (policy.every > 0 && s % policy.every == 0)
+            || (policy.every > 0 && s.is_multiple_of(policy.every))
             || (policy.keep_best && best == Some(s))
     };
     let mut kept: BTreeSet<u32> = weights_of.keys().copied().filter(|&s| wanted(s)).collect();

@@ -125,7 +125,7 @@ fn helper(s: &State, part: usize) {
             }
             std::hint::spin_loop();
             spins += 1;
-            if spins % 1024 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
                 let mut parked = s.parked.lock().unwrap_or_else(|e| e.into_inner());
                 *parked += 1;
                 while s.generation.load(Ordering::Acquire) == seen && !s.stop.load(Ordering::Acquire) {

@@ -72,7 +72,7 @@ struct References {
     f32: Reference,
 }
 
-fn llama_cpp(gguf: &PathBuf, prompt: &str, n: usize) -> References {
+fn llama_cpp(gguf: &std::path::Path, prompt: &str, n: usize) -> References {
     let out = Command::new("python3").args(["-c", REFERENCE, gguf.to_str().unwrap(), prompt, &n.to_string()]).output().expect("python3 must be on PATH");
     assert!(out.status.success(), "llama-cpp-python reference failed (pip install llama-cpp-python): {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("reference JSON")

@@ -4,15 +4,15 @@
 //! 2. For each round g (proposal budgets 7 / 8 / 8 by default):
 //!    a. every parent P ∈ P_g runs on this round's fresh training tasks;
 //!    b. the diagnoser turns its failures into root causes; causes become directions
-//!       (2–3 related causes, each supported by ≥ 2 failed tasks);
+//!    (2–3 related causes, each supported by ≥ 2 failed tasks);
 //!    c. the editor makes one child per direction (round-robin over parents, up to the
-//!       budget); static validation; duplicates of a member are dropped;
+//!    budget); static validation; duplicates of a member are dropped;
 //!    d. local evaluation on ≤ 30 tasks (the direction's failed tasks plus ≤ 10 of the
-//!       parent's successes as controls); one revision when the first version repairs
-//!       nothing or regresses a control; executable check (no episode broken by the
-//!       harness);
+//!    parent's successes as controls); one revision when the first version repairs
+//!    nothing or regresses a control; executable check (no episode broken by the
+//!    harness);
 //!    e. V(H) of every valid child on the validation tasks; the pool keeps them all
-//!       (Eq. 4) and the manifest is saved;
+//!    (Eq. 4) and the manifest is saved;
 //!    f. parent selection maximises |∪ V(H)| with at most B parents (Eq. 3).
 //!
 //! Every batch of episodes is a rollout job ([`crate::rollout::run`]) with a deterministic

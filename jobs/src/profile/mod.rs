@@ -228,7 +228,7 @@ impl Behavior {
                 actions.iter().any(|a| !seen.insert(a))
             }
             Self::CommitsWithoutQuery => {
-                actions.iter().any(|(t, _)| is_commit(t)) && !actions.iter().any(|a| is_query(a))
+                actions.iter().any(|(t, _)| is_commit(t)) && !actions.iter().any(is_query)
             }
             Self::UsesTool(name) => actions.iter().any(|(t, _)| t == name),
             Self::HookFires(id) => traj.turns.iter().any(|t| t.hook_id.as_deref() == Some(id.as_str())),

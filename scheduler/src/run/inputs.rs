@@ -154,7 +154,7 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
                     let lines: Vec<String> = parsed.problems.iter().map(|p| p.to_string()).collect();
                     bail!("tasks.{name}: {} bad line(s) in {}:\n  {}", lines.len(), path.display(), lines.join("\n  "));
                 }
-                if parsed.tasks.len() == 0 {
+                if parsed.tasks.is_empty() {
                     bail!("tasks.{name}: {} holds no tasks", path.display());
                 }
                 texts.insert(name, text);

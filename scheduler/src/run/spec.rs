@@ -461,6 +461,7 @@ pub struct AlgorithmSection {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Default)]
 pub struct RouterSection {
     /// `random`, `rule`, `llm_4x2`, `topk_fixed` or `topk_adaptive` (§3.4, Table 2).
     /// Default: `topk_adaptive` (the paper's method) when `voters` are given, else `rule`.
@@ -481,11 +482,6 @@ pub struct RouterSection {
     pub similar_tasks: Option<usize>,
 }
 
-impl Default for RouterSection {
-    fn default() -> Self {
-        RouterSection { variant: None, voters: vec![], rule_voter: false, profiler: None, similar_tasks: None }
-    }
-}
 
 impl RouterSection {
     /// The variant's name as given, or the default: Top-K Adaptive (the method) with LLM
@@ -1308,7 +1304,7 @@ rescue = "h0"
             (GOOD.replace("base_url = ", "max_tokens = 4000000000\nbase_url = "), "policy.max_tokens"),
             (GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\ndb_url = \"mysql://root@127.0.0.1:3306\""), "environment.db_url"),
             (GOOD.replace("http://127.0.0.1:1/v1", "ftp://127.0.0.1:1/v1"), "policy.base_url"),
-            (native(&format!("device = \"cuda\"")), "policy.device"),
+            (native("device = \"cuda\""), "policy.device"),
             (GOOD.replace("backend = \"openai\"\nmodel = \"smollm2\"", &format!("backend = \"native\"\nmodel = \"{}\"", not_a_model.display())).replace("base_url = \"http://127.0.0.1:1/v1\"\n", ""), "policy.model"),
             (
                 GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = [\"h0\", \"s9-unknown\"]") + &format!("[pool]\ndir = \"{}\"\n", pool.display()),

@@ -129,7 +129,7 @@ pub fn sample_trajectory(i: u32, kind: RolloutKind, harness: &str) -> Trajectory
         reward: (i % 3) as f64 * 0.5,
         success: i % 3 == 2,
         termination: Termination::Committed,
-        error_class: if i % 5 == 0 { Some(schemas::ErrorClass::Timeout) } else { None },
+        error_class: if i.is_multiple_of(5) { Some(schemas::ErrorClass::Timeout) } else { None },
         error_message: None,
         prompt_tokens: 100,
         completion_tokens: 20 + i as u64,

@@ -69,6 +69,10 @@ step "build"
 cargo build --workspace --bins
 
 status=0
+step "format and lints"
+cargo fmt --all --check || status=1
+cargo clippy --workspace --all-targets -- -D warnings || status=1
+
 step "rust unit and crate tests"
 cargo test --workspace --no-fail-fast --exclude harness-s-tests || status=1
 

@@ -195,8 +195,8 @@ impl ParquetFile {
     pub async fn open(store: &dyn ObjectStore, key: &str) -> Result<Self> {
         let url = store.object_url(key);
         let bytes = store.get(key).await?;
-        let builder = ParquetRecordBatchReaderBuilder::try_new(bytes)
-            .map_err(|e| TableError::Corrupt { url: url.clone(), detail: e.to_string() })?;
+        let builder =
+            ParquetRecordBatchReaderBuilder::try_new(bytes).map_err(|e| TableError::Corrupt { url: url.clone(), detail: e.to_string() })?;
         let kv = builder.metadata().file_metadata().key_value_metadata();
         let lookup = |k: &str| kv.and_then(|kv| kv.iter().find(|e| e.key == k)).and_then(|e| e.value.clone());
         let record = match (lookup(RECORD_KEY), lookup(VERSION_KEY)) {
@@ -210,12 +210,9 @@ impl ParquetFile {
     pub fn check<R: Record>(&self) -> Result<()> {
         match &self.record {
             None => Err(SchemaError::MissingVersion { file: self.url.clone(), key: VERSION_KEY }.into()),
-            Some((name, _)) if name != R::NAME => Err(SchemaError::WrongRecord {
-                file: self.url.clone(),
-                found: name.clone(),
-                expected: R::NAME.to_string(),
+            Some((name, _)) if name != R::NAME => {
+                Err(SchemaError::WrongRecord { file: self.url.clone(), found: name.clone(), expected: R::NAME.to_string() }.into())
             }
-            .into()),
             Some((_, v)) if *v != R::VERSION => Err(SchemaError::UnsupportedVersion {
                 file: self.url.clone(),
                 record: R::NAME.to_string(),

@@ -24,19 +24,19 @@ use std::collections::{BTreeMap, BTreeSet};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
+use crate::env::EnvironmentFactory;
 use crate::harness::Budgets;
 use crate::policy::{Policy, SamplingParams};
 use crate::profile::llm::{LlmProfiler, LlmProfilerConfig};
 use crate::profile::stats::{statistical_profile, ProfileMeta, StatsConfig};
 use crate::profile::{describe_harness, pair_up, validation_stats, HarnessStats, TaskInfo};
-use crate::env::EnvironmentFactory;
 use crate::rollout::{self, RolloutContext, RolloutError, RolloutInput};
 use crate::router::Evidence;
 use infra::store::{ObjectStore, StoreError};
 use infra::table::TableError;
 use schemas::{
-    decode_document, encode_document, job_id, keys, now_unix_ms, Document, DoneMarker, HarnessSpec, JobIdParts, JobKind,
-    OutputEntry, ProfileEntry, RolloutKind, Split, Trajectory, H0_ID,
+    decode_document, encode_document, job_id, keys, now_unix_ms, Document, DoneMarker, HarnessSpec, JobIdParts, JobKind, OutputEntry,
+    ProfileEntry, RolloutKind, Split, Trajectory, H0_ID,
 };
 
 /// Input of a re-anchoring job (the payload of its envelope).
@@ -197,10 +197,18 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
             sampling: input.sampling.clone(),
             concurrency: input.concurrency,
         };
-        let rctx = RolloutContext { store: ctx.store, policy: ctx.policy, envs: ctx.envs, job_id: &sub_job, delivery_attempt: ctx.delivery_attempt };
-        rollout::run(&rctx, &rollout_input)
-            .await
-            .map_err(|source| ReanchorError::Rollout { calibration: input.calibration_id.clone(), harness: spec.id.clone(), source })?;
+        let rctx = RolloutContext {
+            store: ctx.store,
+            policy: ctx.policy,
+            envs: ctx.envs,
+            job_id: &sub_job,
+            delivery_attempt: ctx.delivery_attempt,
+        };
+        rollout::run(&rctx, &rollout_input).await.map_err(|source| ReanchorError::Rollout {
+            calibration: input.calibration_id.clone(),
+            harness: spec.id.clone(),
+            source,
+        })?;
         // Read back what is stored, so that a redelivery sees exactly the first delivery's rows.
         let key = keys::trajectory_part(&input.run_id, input.step, RolloutKind::Calibration, &sub_job);
         rows.insert(spec.id.clone(), infra::table::read_records(ctx.store, &key).await?);
@@ -272,7 +280,8 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
         "validation_success": summary,
         "llm_usage": { "profiler": metered.as_ref().map(|m| m.usage()).unwrap_or_default() },
     });
-    let marker = DoneMarker::new(ctx.job_id, &input.run_id, JobKind::Reanchor, ctx.delivery_attempt, vec![profile_part, manifest_entry], result);
+    let marker =
+        DoneMarker::new(ctx.job_id, &input.run_id, JobKind::Reanchor, ctx.delivery_attempt, vec![profile_part, manifest_entry], result);
     infra::store::commit(ctx.store, &marker_key, &marker).await?;
     tracing::info!(calibration = %input.calibration_id, entries = entries.len(), ?summary, "re-anchoring done");
     Ok(ReanchorOutput { manifest, already_done: false })
@@ -366,7 +375,7 @@ mod tests {
                 None
             };
             Ok(PolicyOutput {
-            prompt_hash: None,
+                prompt_hash: None,
                 text: if call.is_none() { "The output is 2.".into() } else { String::new() },
                 tool_calls: call.into_iter().collect(),
                 token_ids: vec![],
@@ -457,7 +466,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path()).unwrap();
         let weak = Checkpointed { name: "weak", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext { store: &store, policy: &weak, envs: &Factory, profiler: None, profiler_config: LlmProfilerConfig::default(), job_id: "cal-a", delivery_attempt: 0 };
+        let ctx = ReanchorContext {
+            store: &store,
+            policy: &weak,
+            envs: &Factory,
+            profiler: None,
+            profiler_config: LlmProfilerConfig::default(),
+            job_id: "cal-a",
+            delivery_attempt: 0,
+        };
         let first = run(&ctx, &input("step-0000", 0)).await.unwrap();
         assert!(!first.already_done);
         let m = &first.manifest;
@@ -481,7 +498,15 @@ mod tests {
 
         // A later checkpoint no longer needs the hint: the evidence changes.
         let strong = Checkpointed { name: "strong", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext { store: &store, policy: &strong, envs: &Factory, profiler: None, profiler_config: LlmProfilerConfig::default(), job_id: "cal-b", delivery_attempt: 0 };
+        let ctx = ReanchorContext {
+            store: &store,
+            policy: &strong,
+            envs: &Factory,
+            profiler: None,
+            profiler_config: LlmProfilerConfig::default(),
+            job_id: "cal-b",
+            delivery_attempt: 0,
+        };
         let second = run(&ctx, &input("step-0010", 10)).await.unwrap();
         assert_eq!((second.manifest.stats["h0"].successes, second.manifest.stats["s1"].successes), (3, 3));
         let ev2 = load_evidence(&store, "r1", "step-0010").await.unwrap();
@@ -495,7 +520,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path()).unwrap();
         let weak = Checkpointed { name: "weak", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext { store: &store, policy: &weak, envs: &Factory, profiler: None, profiler_config: LlmProfilerConfig::default(), job_id: "j", delivery_attempt: 0 };
+        let ctx = ReanchorContext {
+            store: &store,
+            policy: &weak,
+            envs: &Factory,
+            profiler: None,
+            profiler_config: LlmProfilerConfig::default(),
+            job_id: "j",
+            delivery_attempt: 0,
+        };
         let mut i = input("c/1", 0);
         assert!(run(&ctx, &i).await.unwrap_err().to_string().contains("`calibration_id`"));
         i.calibration_id = "c1".into();

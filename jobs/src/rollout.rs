@@ -29,8 +29,8 @@ use crate::policy::{Policy, PolicyError, SamplingParams};
 use infra::store::{ObjectStore, StoreError};
 use infra::table::{PartWriter, TableError};
 use schemas::{
-    decode_document, job_id, keys, now_unix_ms, DoneMarker, ErrorClass, HarnessSpec, JobIdParts, JobKind,
-    OutputEntry, RolloutKind, Split, Termination, Trajectory, Turn,
+    decode_document, job_id, keys, now_unix_ms, DoneMarker, ErrorClass, HarnessSpec, JobIdParts, JobKind, OutputEntry, RolloutKind, Split,
+    Termination, Trajectory, Turn,
 };
 
 /// Input of a rollout job (the payload of its job envelope).
@@ -143,12 +143,8 @@ pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Rollo
 
     let started = Instant::now();
     // Owned task ids keep the stream's futures `Send` for any caller lifetime.
-    let plan: Vec<(usize, String, u32)> = input
-        .task_ids
-        .iter()
-        .enumerate()
-        .flat_map(|(ti, task)| (0..input.attempts).map(move |a| (ti, task.clone(), a)))
-        .collect();
+    let plan: Vec<(usize, String, u32)> =
+        input.task_ids.iter().enumerate().flat_map(|(ti, task)| (0..input.attempts).map(move |a| (ti, task.clone(), a))).collect();
     let total = plan.len();
     tracing::info!(job = ctx.job_id, harness = %input.harness.id, episodes = total, "rollout job started");
     let mut rows: Vec<(usize, u32, Trajectory, bool)> = stream::iter(plan)
@@ -193,8 +189,11 @@ pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Rollo
     // Written last: its presence means every output above is complete.
     infra::store::commit(ctx.store, &marker_key, &marker).await?;
     tracing::info!(
-        job = ctx.job_id, episodes = total, successes = summary.successes,
-        seconds = started.elapsed().as_secs_f64(), "rollout job done"
+        job = ctx.job_id,
+        episodes = total,
+        successes = summary.successes,
+        seconds = started.elapsed().as_secs_f64(),
+        "rollout job done"
     );
     Ok(RolloutOutput { summary, outputs: vec![part], marker_key, already_done: false })
 }
@@ -246,7 +245,10 @@ async fn rollout_one(ctx: &RolloutContext<'_>, input: &RolloutInput, task_id: &s
             }
             ep
         }
-        Err(e) => Episode { env_transient: infra::Transient::is_transient(&e), ..Episode::failed(e.class(), format!("creating the environment: {e}")) },
+        Err(e) => Episode {
+            env_transient: infra::Transient::is_transient(&e),
+            ..Episode::failed(e.class(), format!("creating the environment: {e}"))
+        },
     };
     let lost_backend = episode.env_transient;
     let ids = |stage: &str, harness: &str, attempt_index: u32, seed: u64| {
@@ -430,7 +432,21 @@ pub async fn run_episode(
         Some((c, m)) => (Some(c), Some(m)),
         None => (None, None),
     };
-    Episode { task_type, turns, usage, termination, error_class, error_message, reward, success, detail, policy_ms, env_ms, tools, env_transient }
+    Episode {
+        task_type,
+        turns,
+        usage,
+        termination,
+        error_class,
+        error_message,
+        reward,
+        success,
+        detail,
+        policy_ms,
+        env_ms,
+        tools,
+        env_transient,
+    }
 }
 
 /// Counts of a batch of rows, by task type, termination and error class.
@@ -460,8 +476,8 @@ pub fn summarize(rows: &[Trajectory]) -> RolloutSummary {
 mod tests {
     use super::*;
     use crate::env::{EnvError, EpisodeStart, Evaluation, Observation, ToolCall, ToolSpec};
-    use async_trait::async_trait;
     use crate::policy::{FinishReason, Message, PolicyOutput};
+    use async_trait::async_trait;
     use infra::store::LocalStore;
     use schemas::{Role, TurnSource};
     use serde_json::json;
@@ -617,17 +633,20 @@ mod tests {
         assert_eq!((ep.termination, ep.success, ep.reward), (Termination::Committed, true, 1.0));
         assert_eq!(ep.error_class, None);
         let shape: Vec<(Role, TurnSource)> = ep.turns.iter().map(|t| (t.role, t.source)).collect();
-        assert_eq!(shape, vec![
-            (Role::System, TurnSource::System),
-            (Role::User, TurnSource::Env),
-            (Role::Assistant, TurnSource::Policy),
-            (Role::Tool, TurnSource::Env),
-            (Role::User, TurnSource::Harness), // the after_tool hook
-            (Role::Assistant, TurnSource::Policy), // prose
-            (Role::User, TurnSource::Harness), // the runtime's no-tool reminder
-            (Role::Assistant, TurnSource::Policy),
-            (Role::Tool, TurnSource::Env),
-        ]);
+        assert_eq!(
+            shape,
+            vec![
+                (Role::System, TurnSource::System),
+                (Role::User, TurnSource::Env),
+                (Role::Assistant, TurnSource::Policy),
+                (Role::Tool, TurnSource::Env),
+                (Role::User, TurnSource::Harness),     // the after_tool hook
+                (Role::Assistant, TurnSource::Policy), // prose
+                (Role::User, TurnSource::Harness),     // the runtime's no-tool reminder
+                (Role::Assistant, TurnSource::Policy),
+                (Role::Tool, TurnSource::Env),
+            ]
+        );
         assert_eq!((ep.usage.model_calls, ep.usage.env_actions), (3, 2));
         assert_eq!((ep.usage.prompt_tokens, ep.usage.completion_tokens), (120, 6));
         for t in &ep.turns {
@@ -716,8 +735,10 @@ mod tests {
         assert_eq!(out.outputs[0].key, key);
         let rows: Vec<Trajectory> = infra::table::read_records(&store, &key).await.unwrap();
         assert_eq!(rows.len(), 4);
-        assert_eq!(rows.iter().map(|r| (r.task_id.as_str(), r.attempt, r.seed)).collect::<Vec<_>>(),
-            vec![("t1", 0, 42), ("t1", 1, 43), ("missing", 0, 42), ("missing", 1, 43)]);
+        assert_eq!(
+            rows.iter().map(|r| (r.task_id.as_str(), r.attempt, r.seed)).collect::<Vec<_>>(),
+            vec![("t1", 0, 42), ("t1", 1, 43), ("missing", 0, 42), ("missing", 1, 43)]
+        );
         assert_eq!(rows[0].group_id, rows[1].group_id);
         assert_ne!(rows[0].group_id, rows[2].group_id);
         assert_ne!(rows[0].trajectory_id, rows[1].trajectory_id);
@@ -768,7 +789,9 @@ mod tests {
         assert_eq!(out.summary.errors["infra"], 2);
         let rows: Vec<Trajectory> = infra::table::read_records(&store, &out.outputs[0].key).await.unwrap();
         assert_eq!(rows.len(), 2);
-        assert!(rows.iter().all(|r| r.termination == Termination::Error && r.error_message.as_deref().unwrap().contains("connection lost")));
+        assert!(rows
+            .iter()
+            .all(|r| r.termination == Termination::Error && r.error_message.as_deref().unwrap().contains("connection lost")));
     }
 
     #[tokio::test]
@@ -783,7 +806,9 @@ mod tests {
         let err = run(&ctx, &input(HarnessSpec::h0(), &["t1"], 0)).await.unwrap_err();
         assert!(err.to_string().contains("`attempts`"), "{err}");
         let mut bad = HarnessSpec::h0();
-        bad.hooks.push(serde_json::from_value(json!({"event": "after_tool", "condition": "no_such", "action": "warn", "message": "m"})).unwrap());
+        bad.hooks.push(
+            serde_json::from_value(json!({"event": "after_tool", "condition": "no_such", "action": "warn", "message": "m"})).unwrap(),
+        );
         let err = run(&ctx, &input(bad, &["t1"], 1)).await.unwrap_err();
         assert!(err.to_string().contains("hooks[0].condition: unknown condition `no_such`"), "{err}");
         assert!(store.list("runs/").await.unwrap().is_empty(), "nothing is written for invalid input");

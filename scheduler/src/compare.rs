@@ -37,10 +37,17 @@ const FIGURES: [Figure; 12] = [
     ("mean effective-group rate", |s| mean(s.get("effective_group_rate"))),
     ("mean effective-token share", |s| mean(s.get("effective_token_share"))),
     ("mean rescue success (updates where rescue fired)", |s| {
-        let fired: Vec<(u32, f64)> = s.get("rescue_success").iter().copied().filter(|(u, _)| s.get("rollouts_rescue").iter().any(|p| p.0 == *u && p.1 > 0.0)).collect();
+        let fired: Vec<(u32, f64)> = s
+            .get("rescue_success")
+            .iter()
+            .copied()
+            .filter(|(u, _)| s.get("rollouts_rescue").iter().any(|p| p.0 == *u && p.1 > 0.0))
+            .collect();
         mean(&fired)
     }),
-    ("policy tokens trained (all updates)", |s| (!s.get("policy_tokens_trained").is_empty()).then(|| s.get("policy_tokens_trained").iter().map(|p| p.1).sum())),
+    ("policy tokens trained (all updates)", |s| {
+        (!s.get("policy_tokens_trained").is_empty()).then(|| s.get("policy_tokens_trained").iter().map(|p| p.1).sum())
+    }),
     ("H0 validation success, first calibration", |s| first(s.get("h0_validation_success"))),
     ("H0 validation success, last calibration", |s| last(s.get("h0_validation_success"))),
     ("H0 Pass@k before training (test)", |s| s.last("baseline/pass_at_k")),
@@ -72,7 +79,8 @@ pub fn summary_table(runs: &[(&str, &Series)]) -> String {
 /// Per-update table of the training signal, the runs side by side under each column.
 pub fn update_table(runs: &[(&str, &Series)]) -> String {
     let cols = ["effective_group_rate", "effective_token_share", "rescue_success", "policy_tokens_trained", "loss"];
-    let steps: std::collections::BTreeSet<u32> = cols.iter().flat_map(|c| runs.iter().flat_map(move |(_, s)| s.get(c).iter().map(|p| p.0))).collect();
+    let steps: std::collections::BTreeSet<u32> =
+        cols.iter().flat_map(|c| runs.iter().flat_map(move |(_, s)| s.get(c).iter().map(|p| p.0))).collect();
     let mut out = String::from("| update |");
     for c in cols {
         for (id, _) in runs {

@@ -199,7 +199,8 @@ pub struct TrajectorySeries {
 impl TrajectorySeries {
     pub fn of(rows: &[schemas::Trajectory]) -> Self {
         use schemas::RolloutKind;
-        let training: Vec<&schemas::Trajectory> = rows.iter().filter(|r| matches!(r.kind, RolloutKind::Base | RolloutKind::Rescue)).collect();
+        let training: Vec<&schemas::Trajectory> =
+            rows.iter().filter(|r| matches!(r.kind, RolloutKind::Base | RolloutKind::Rescue)).collect();
         let mut by: BTreeMap<(String, u32), (u64, u64)> = BTreeMap::new();
         let mut reward: BTreeMap<u32, (f64, u64)> = BTreeMap::new();
         let mut length: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
@@ -233,7 +234,11 @@ impl TrajectorySeries {
 pub fn spec_summary(stored: &crate::run::inputs::StoredRun) -> String {
     let s = &stored.spec;
     let a = &s.algorithm;
-    let model = if s.policy.backend == crate::run::spec::Backend::Native { s.policy.model.clone() } else { format!("{} at {}", s.policy.model, s.policy.base_url.clone().unwrap_or_default()) };
+    let model = if s.policy.backend == crate::run::spec::Backend::Native {
+        s.policy.model.clone()
+    } else {
+        format!("{} at {}", s.policy.model, s.policy.base_url.clone().unwrap_or_default())
+    };
     format!(
         "Policy `{model}` ({} backend, temperature {}); K = {}, {} task(s) per update, {} update(s), learning rate {:e}; rescue `{}` with the `{}` router over {} sibling(s){}; seed {}.\n\n",
         s.policy.backend,
@@ -308,7 +313,13 @@ pub fn line_plot(path: &std::path::Path, title: &str, y_label: &str, series: &[(
 
 /// [`line_plot`] with its own x-axis label. Series after the first are drawn with larger
 /// hollow markers, so that equal values (two rates at 0) stay visible on top of each other.
-pub fn line_plot_over(path: &std::path::Path, title: &str, x_label: &str, y_label: &str, series: &[(&str, &[(u32, f64)])]) -> anyhow::Result<()> {
+pub fn line_plot_over(
+    path: &std::path::Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[(&str, &[(u32, f64)])],
+) -> anyhow::Result<()> {
     let root = BitMapBackend::new(path, (720, 420)).into_drawing_area();
     root.fill(&WHITE)?;
     let max_x = series.iter().flat_map(|(_, s)| s.iter().map(|p| p.0)).max().unwrap_or(1).max(1);
@@ -389,7 +400,12 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
             "fraction",
             vec![("effective group rate", s.get("effective_group_rate")), ("effective token share", s.get("effective_token_share"))],
         ),
-        ("validation.png", "H0 validation success by calibration", "success rate", vec![("H0 validation success", s.get("h0_validation_success"))]),
+        (
+            "validation.png",
+            "H0 validation success by calibration",
+            "success rate",
+            vec![("H0 validation success", s.get("h0_validation_success"))],
+        ),
         (
             "rescue.png",
             "Rescue by update",
@@ -445,7 +461,11 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     md.push_str(&update_table(&s));
     let untrained: Vec<String> = s.get("trained").iter().filter(|p| p.1 == 0.0).map(|p| p.0.to_string()).collect();
     if !untrained.is_empty() {
-        let _ = writeln!(md, "\nUpdates that trained nothing (no retained group had a policy token; the weights stayed as they were): {}.", untrained.join(", "));
+        let _ = writeln!(
+            md,
+            "\nUpdates that trained nothing (no retained group had a policy token; the weights stayed as they were): {}.",
+            untrained.join(", ")
+        );
     }
     md.push_str("\n![training signal](signals.png)\n![learner](learner.png)\n![mismatch](mismatch.png)\n\n## H0 validation success by calibration\n\n| checkpoint step | H0 validation success |\n|---:|---:|\n");
     for (step, v) in s.get("h0_validation_success") {
@@ -551,7 +571,13 @@ mod tests {
             v
         };
         use schemas::RolloutKind::{Base, Eval, Rescue};
-        let rows = [row(1, Base, "h0", false, 100), row(1, Base, "h0", true, 300), row(1, Rescue, "s1", true, 200), row(2, Base, "h0", false, 50), row(2, Eval, "h0", true, 999)];
+        let rows = [
+            row(1, Base, "h0", false, 100),
+            row(1, Base, "h0", true, 300),
+            row(1, Rescue, "s1", true, 200),
+            row(2, Base, "h0", false, 50),
+            row(2, Eval, "h0", true, 999),
+        ];
         let t = TrajectorySeries::of(&rows);
         assert_eq!(t.success_by_harness["h0"], vec![(1, 0.5), (2, 0.0)]);
         assert_eq!(t.success_by_harness["s1"], vec![(1, 1.0)]);

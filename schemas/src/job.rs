@@ -18,8 +18,7 @@ pub enum JobKind {
 }
 
 impl JobKind {
-    pub const ALL: [JobKind; 7] =
-        [Self::Evolve, Self::Rollout, Self::Rescue, Self::Reanchor, Self::Learn, Self::Eval, Self::Sleep];
+    pub const ALL: [JobKind; 7] = [Self::Evolve, Self::Rollout, Self::Rescue, Self::Reanchor, Self::Learn, Self::Eval, Self::Sleep];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -164,15 +163,7 @@ mod tests {
 
     #[test]
     fn job_id_is_deterministic_and_sensitive_to_every_part() {
-        let base = JobIdParts {
-            run_id: "r",
-            stage: "base",
-            step: 1,
-            task_id: "t",
-            harness_id: "h0",
-            attempt_index: 0,
-            seed: 7,
-        };
+        let base = JobIdParts { run_id: "r", stage: "base", step: 1, task_id: "t", harness_id: "h0", attempt_index: 0, seed: 7 };
         let id = job_id(&base);
         assert_eq!(id, job_id(&base.clone()));
         assert_eq!(id.len(), 32);

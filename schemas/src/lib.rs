@@ -49,8 +49,5 @@ pub use trajectory::{prompt_hash, ErrorClass, Role, RolloutKind, Split, Terminat
 
 /// Milliseconds since the Unix epoch, the time unit of every `*_ms` timestamp column.
 pub fn now_unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }

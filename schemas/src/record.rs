@@ -29,14 +29,10 @@ pub trait Record: Serialize + DeserializeOwned + Send + Sync + 'static {
 
     /// Fallible form of [`Record::fields`].
     fn try_fields() -> Result<Vec<FieldRef>, SchemaError> {
-        let options = TracingOptions::default()
-            .enums_without_data_as_strings(true)
-            .strings_as_large_utf8(false)
-            .sequence_as_large_list(false);
-        let traced = Vec::<FieldRef>::from_type::<Self>(options).map_err(|e| SchemaError::ArrowSchema {
-            record: Self::NAME.to_string(),
-            message: e.to_string(),
-        })?;
+        let options =
+            TracingOptions::default().enums_without_data_as_strings(true).strings_as_large_utf8(false).sequence_as_large_list(false);
+        let traced = Vec::<FieldRef>::from_type::<Self>(options)
+            .map_err(|e| SchemaError::ArrowSchema { record: Self::NAME.to_string(), message: e.to_string() })?;
         Ok(traced.into_iter().map(|f| Arc::new(tool_friendly(&f))).collect())
     }
 }
@@ -82,11 +78,7 @@ pub fn decode_document<D: Document>(file: &str, bytes: &[u8]) -> Result<D, Schem
     struct Probe {
         schema_version: Option<u32>,
     }
-    let invalid = |message: String| SchemaError::InvalidDocument {
-        file: file.to_string(),
-        record: D::NAME.to_string(),
-        message,
-    };
+    let invalid = |message: String| SchemaError::InvalidDocument { file: file.to_string(), record: D::NAME.to_string(), message };
     let probe: Probe = serde_json::from_slice(bytes).map_err(|e| invalid(e.to_string()))?;
     match probe.schema_version {
         None => return Err(SchemaError::MissingVersion { file: file.to_string(), key: "schema_version" }),

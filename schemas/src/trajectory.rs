@@ -222,7 +222,9 @@ mod termination_tests {
 
     #[test]
     fn as_str_is_the_stored_value() {
-        for t in [Termination::Committed, Termination::RoundLimit, Termination::BudgetExhausted, Termination::ContextLimit, Termination::Error] {
+        for t in
+            [Termination::Committed, Termination::RoundLimit, Termination::BudgetExhausted, Termination::ContextLimit, Termination::Error]
+        {
             assert_eq!(serde_json::to_value(t).unwrap(), t.as_str());
         }
         use super::ErrorClass as E;

@@ -101,8 +101,9 @@ impl EnvServer {
         if config.samples.is_empty() {
             return Err(EnvServeError::Tasks("no tasks to serve: give a task file with --tasks or --generate N".into()));
         }
-        let tasks = TaskSet::from_tasks(config.samples.iter().map(|t| t.as_ref().clone()).collect())
-            .map_err(|e| EnvServeError::Tasks(format!("the task files share task ids ({e}); serve each split's file alone or give them distinct ids")))?;
+        let tasks = TaskSet::from_tasks(config.samples.iter().map(|t| t.as_ref().clone()).collect()).map_err(|e| {
+            EnvServeError::Tasks(format!("the task files share task ids ({e}); serve each split's file alone or give them distinct ids"))
+        })?;
         Ok(Arc::new(EnvServer {
             config,
             tasks: Arc::new(tasks),
@@ -238,7 +239,11 @@ fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Response> {
 
 fn session_id(headers: &HeaderMap) -> Result<String, Response> {
     match headers.get(SESSION_HEADER).map(|v| v.to_str()) {
-        None => Err(refuse(StatusCode::BAD_REQUEST, Some(SESSION_HEADER), format!("missing header `{SESSION_HEADER}`: send the id start_sample returned"))),
+        None => Err(refuse(
+            StatusCode::BAD_REQUEST,
+            Some(SESSION_HEADER),
+            format!("missing header `{SESSION_HEADER}`: send the id start_sample returned"),
+        )),
         Some(Err(_)) => Err(refuse(StatusCode::BAD_REQUEST, Some(SESSION_HEADER), format!("header `{SESSION_HEADER}` is not text"))),
         Some(Ok(s)) => Ok(s.to_string()),
     }
@@ -278,7 +283,11 @@ fn sample(server: &EnvServer, index: &SampleIndex) -> Result<Arc<DbTask>, Respon
     };
     let count = server.config.samples.len();
     n.and_then(|n| server.config.samples.get(usize::try_from(n).ok()?).cloned()).ok_or_else(|| {
-        refuse(StatusCode::NOT_FOUND, Some("index"), format!("index {index} is not a sample of `{}` (0 to {})", server.config.task_set, count - 1))
+        refuse(
+            StatusCode::NOT_FOUND,
+            Some("index"),
+            format!("index {index} is not a sample of `{}` (0 to {})", server.config.task_set, count - 1),
+        )
     })
 }
 
@@ -288,7 +297,11 @@ async fn start_sample(State(server): State<Arc<EnvServer>>, body: Bytes) -> Resp
         Err(resp) => return resp,
     };
     if req.name != server.config.task_set {
-        return refuse(StatusCode::NOT_FOUND, Some("name"), format!("unknown task set `{}`; this server serves `{}`", req.name, server.config.task_set));
+        return refuse(
+            StatusCode::NOT_FOUND,
+            Some("name"),
+            format!("unknown task set `{}`; this server serves `{}`", req.name, server.config.task_set),
+        );
     }
     let task = match sample(&server, &req.index) {
         Ok(t) => t,
@@ -332,13 +345,21 @@ async fn start_sample(State(server): State<Arc<EnvServer>>, body: Bytes) -> Resp
 /// The tool calls of the request's assistant message.
 fn calls_of(req: &InteractRequest) -> Result<Vec<(String, ToolCall)>, Response> {
     let Some((i, msg)) = req.messages.iter().enumerate().rev().find(|(_, m)| m.role == "assistant") else {
-        return Err(refuse(StatusCode::BAD_REQUEST, Some("messages"), "messages: no assistant message; send the agent's reply with its tool_calls"));
+        return Err(refuse(
+            StatusCode::BAD_REQUEST,
+            Some("messages"),
+            "messages: no assistant message; send the agent's reply with its tool_calls",
+        ));
     };
     if msg.tool_calls.is_empty() {
         return Err(refuse(
             StatusCode::BAD_REQUEST,
             Some(format!("messages[{i}].tool_calls").as_str()),
-            format!("messages[{i}].tool_calls is empty: send the tool call to run ({} or {})", dbbench::EXECUTE_SQL, dbbench::COMMIT_FINAL_ANSWER),
+            format!(
+                "messages[{i}].tool_calls is empty: send the tool call to run ({} or {})",
+                dbbench::EXECUTE_SQL,
+                dbbench::COMMIT_FINAL_ANSWER
+            ),
         ));
     }
     Ok(msg
@@ -396,7 +417,8 @@ async fn interact(State(server): State<Arc<EnvServer>>, headers: HeaderMap, body
         }
     }
     session.touched.store(server.now_ms(), Ordering::Relaxed);
-    let mut info = SampleInfo { action_failed: last.action_failed, truncated: last.truncated, committed: last.committed, ..Default::default() };
+    let mut info =
+        SampleInfo { action_failed: last.action_failed, truncated: last.truncated, committed: last.committed, ..Default::default() };
     let (mut reward, mut status) = (0.0, "running".to_string());
     if last.done {
         let graded = env.evaluate().await;
@@ -414,7 +436,8 @@ async fn interact(State(server): State<Arc<EnvServer>>, headers: HeaderMap, body
             Err(e) => return env_failure(&e),
         }
     }
-    Json(SampleResponse { status, messages, tools: vec![], finish: last.done, reward, metrics: Default::default(), info: Some(info) }).into_response()
+    Json(SampleResponse { status, messages, tools: vec![], finish: last.done, reward, metrics: Default::default(), info: Some(info) })
+        .into_response()
 }
 
 async fn cancel(State(server): State<Arc<EnvServer>>, headers: HeaderMap) -> Response {

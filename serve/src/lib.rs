@@ -72,10 +72,22 @@ pub struct AppState {
 
 impl AppState {
     /// Loads `model` (a GGUF file or a safetensors folder) and starts its engine.
-    pub fn load(model: &Path, served_name: String, device: native::device::Device, engine: EngineConfig) -> Result<Arc<AppState>, ServeError> {
+    pub fn load(
+        model: &Path,
+        served_name: String,
+        device: native::device::Device,
+        engine: EngineConfig,
+    ) -> Result<Arc<AppState>, ServeError> {
         let policy = NativePolicy::load(model, device, engine.clone())?;
         let loaded = Loaded { policy, checkpoint: model.display().to_string() };
-        Ok(Arc::new(AppState { served_name, current: RwLock::new(Arc::new(loaded)), device, engine, updating: Default::default(), counter: AtomicU64::new(0) }))
+        Ok(Arc::new(AppState {
+            served_name,
+            current: RwLock::new(Arc::new(loaded)),
+            device,
+            engine,
+            updating: Default::default(),
+            counter: AtomicU64::new(0),
+        }))
     }
 
     fn current(&self) -> Arc<Loaded> {
@@ -105,7 +117,11 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// Serves on `listener` until `shutdown` resolves; requests in flight then finish.
-pub async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
 }
 
@@ -120,10 +136,16 @@ fn error(e: BadRequest) -> Response {
 
 fn policy_error(e: PolicyError) -> Response {
     match e {
-        PolicyError::ContextLength { tokens, limit } => error(BadRequest::field("messages", format!("the prompt has {tokens} tokens; the model's context is {limit}"))),
+        PolicyError::ContextLength { tokens, limit } => {
+            error(BadRequest::field("messages", format!("the prompt has {tokens} tokens; the model's context is {limit}")))
+        }
         other => {
             tracing::warn!(error = %other, "generation failed");
-            (StatusCode::INTERNAL_SERVER_ERROR, Json(json!({"error": {"message": other.to_string(), "type": "server_error", "param": null, "code": null}}))).into_response()
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Json(json!({"error": {"message": other.to_string(), "type": "server_error", "param": null, "code": null}})),
+            )
+                .into_response()
         }
     }
 }
@@ -185,7 +207,14 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let calls = if names.is_empty() { vec![] } else { jobs::policy::text_protocol::parse(&text, &names, true) };
     let piece = pieces(&tok);
     let lp = logprobs.then(|| openai::chat_logprobs(&gen, &piece));
-    let meta = openai::Meta { id: state.next_id("chatcmpl"), created: now(), model: &state.served_name, checkpoint: &loaded.checkpoint, prompt: &prompt, return_token_ids: return_ids };
+    let meta = openai::Meta {
+        id: state.next_id("chatcmpl"),
+        created: now(),
+        model: &state.served_name,
+        checkpoint: &loaded.checkpoint,
+        prompt: &prompt,
+        return_token_ids: return_ids,
+    };
     with_checkpoint(openai::chat_response(&meta, &gen, &text, &calls, lp), &loaded.checkpoint)
 }
 
@@ -213,7 +242,9 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
         openai::Prompt::Ids(ids) if !ids.is_empty() => Ok(ids.clone()),
         openai::Prompt::Text(t) => tok.encode(t).map_err(|e| BadRequest::field("prompt", e.to_string())),
         openai::Prompt::Texts(ts) if ts.len() == 1 => tok.encode(&ts[0]).map_err(|e| BadRequest::field("prompt", e.to_string())),
-        openai::Prompt::Texts(_) => Err(BadRequest::field("prompt", "give one prompt per request (the engine batches concurrent requests)")),
+        openai::Prompt::Texts(_) => {
+            Err(BadRequest::field("prompt", "give one prompt per request (the engine batches concurrent requests)"))
+        }
         openai::Prompt::Ids(_) => Err(BadRequest::field("prompt", "is empty")),
     };
     let prompt = match prompt {
@@ -227,7 +258,14 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
         Err(e) => return policy_error(e),
     };
     let piece = pieces(&tok);
-    let meta = openai::Meta { id: state.next_id("cmpl"), created: now(), model: &state.served_name, checkpoint: &loaded.checkpoint, prompt: &prompt, return_token_ids: return_ids };
+    let meta = openai::Meta {
+        id: state.next_id("cmpl"),
+        created: now(),
+        model: &state.served_name,
+        checkpoint: &loaded.checkpoint,
+        prompt: &prompt,
+        return_token_ids: return_ids,
+    };
     with_checkpoint(openai::completion_response(&meta, &gen, &text, req.logprobs, &piece), &loaded.checkpoint)
 }
 
@@ -251,7 +289,10 @@ async fn update_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
     // (after a restart): the first loads them, the others are answered without a reload.
     let current = state.checkpoint();
     if current == infra::redact_url(&req.model_path) {
-        return with_checkpoint(json!({"success": true, "message": format!("already serving {current}"), "num_paused_requests": 0}), &current);
+        return with_checkpoint(
+            json!({"success": true, "message": format!("already serving {current}"), "num_paused_requests": 0}),
+            &current,
+        );
     }
     let started = std::time::Instant::now();
     match load_weights(&state, &req.model_path).await {
@@ -280,7 +321,10 @@ async fn load_weights(state: &AppState, model_path: &str) -> Result<Loaded, Serv
         (PathBuf::from(model_path), None)
     };
     if !dir.exists() {
-        return Err(ServeError::Weights(format!("{} does not exist (give a checkpoint folder, a GGUF file, or a file:// or s3:// URL of a checkpoint folder)", dir.display())));
+        return Err(ServeError::Weights(format!(
+            "{} does not exist (give a checkpoint folder, a GGUF file, or a file:// or s3:// URL of a checkpoint folder)",
+            dir.display()
+        )));
     }
     let tokenizer = state.current().policy.tokenizer().clone();
     let (device, engine, name) = (state.device, state.engine.clone(), model_path.to_string());
@@ -305,7 +349,9 @@ async fn fetch_folder(url: &str, into: &Path) -> Result<(), ServeError> {
     }
     for o in wanted {
         let bytes = store.get(&o.key).await.map_err(fail)?;
-        tokio::fs::write(into.join(&o.key), &bytes).await.map_err(|e| ServeError::Weights(format!("cannot write {}: {e}", into.join(&o.key).display())))?;
+        tokio::fs::write(into.join(&o.key), &bytes)
+            .await
+            .map_err(|e| ServeError::Weights(format!("cannot write {}: {e}", into.join(&o.key).display())))?;
     }
     Ok(())
 }

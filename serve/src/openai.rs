@@ -194,7 +194,11 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<SamplingParams, BadRequest> {
     if let Some(m) = &s.model {
         if m != served {
-            return Err(BadRequest { status: 404, param: Some("model".into()), message: format!("model: `{m}` is not served here; this server serves `{served}`") });
+            return Err(BadRequest {
+                status: 404,
+                param: Some("model".into()),
+                message: format!("model: `{m}` is not served here; this server serves `{served}`"),
+            });
         }
     }
     if s.stream == Some(true) {
@@ -213,7 +217,10 @@ pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<Sampling
     }
     let max_tokens = s.max_completion_tokens.or(s.max_tokens).unwrap_or(default_max);
     if max_tokens == 0 {
-        return Err(BadRequest::field(if s.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" }, "must be at least 1"));
+        return Err(BadRequest::field(
+            if s.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" },
+            "must be at least 1",
+        ));
     }
     let stop = match &s.stop {
         None => vec![],
@@ -236,7 +243,12 @@ fn content_text(c: &Option<Content>, path: &str) -> Result<String, BadRequest> {
                 match (p.kind.as_str(), &p.text) {
                     ("text", Some(t)) => out.push_str(t),
                     ("text", None) => return Err(BadRequest::field(&format!("{path}[{i}].text"), "missing")),
-                    (other, _) => return Err(BadRequest::field(&format!("{path}[{i}].type"), format!("`{other}` content is not supported; only text"))),
+                    (other, _) => {
+                        return Err(BadRequest::field(
+                            &format!("{path}[{i}].type"),
+                            format!("`{other}` content is not supported; only text"),
+                        ))
+                    }
                 }
             }
             Ok(out)
@@ -256,7 +268,9 @@ pub fn messages(req: &ChatRequest) -> Result<Vec<Message>, BadRequest> {
             "user" => Role::User,
             "assistant" => Role::Assistant,
             "tool" => Role::Tool,
-            other => return Err(BadRequest::field(&format!("messages[{i}].role"), format!("`{other}` is not system, user, assistant or tool"))),
+            other => {
+                return Err(BadRequest::field(&format!("messages[{i}].role"), format!("`{other}` is not system, user, assistant or tool")))
+            }
         };
         let content = content_text(&m.content, &format!("messages[{i}].content"))?;
         let mut msg = Message::new(role, content);
@@ -266,8 +280,12 @@ pub fn messages(req: &ChatRequest) -> Result<Vec<Message>, BadRequest> {
             }
             for (j, c) in calls.iter().enumerate() {
                 let args = match &c.function.arguments {
-                    Value::String(s) => serde_json::from_str(s)
-                        .map_err(|e| BadRequest::field(&format!("messages[{i}].tool_calls[{j}].function.arguments"), format!("is not a JSON object: {e}")))?,
+                    Value::String(s) => serde_json::from_str(s).map_err(|e| {
+                        BadRequest::field(
+                            &format!("messages[{i}].tool_calls[{j}].function.arguments"),
+                            format!("is not a JSON object: {e}"),
+                        )
+                    })?,
                     Value::Null => json!({}),
                     other => other.clone(),
                 };
@@ -346,7 +364,8 @@ pub fn chat_logprobs(gen: &Generation, piece: &dyn Fn(u32) -> String) -> Value {
         .enumerate()
         .map(|(i, (&id, &lp))| {
             let mut e = logprob_entry(piece, id, lp);
-            let top: Vec<Value> = gen.top_logprobs.get(i).into_iter().flatten().map(|&(t, l)| Value::Object(logprob_entry(piece, t, l))).collect();
+            let top: Vec<Value> =
+                gen.top_logprobs.get(i).into_iter().flatten().map(|&(t, l)| Value::Object(logprob_entry(piece, t, l))).collect();
             e.insert("top_logprobs".into(), Value::Array(top));
             Value::Object(e)
         })
@@ -434,12 +453,19 @@ mod tests {
     use super::*;
 
     fn generation() -> Generation {
-        Generation { tokens: vec![5, 6], logprobs: vec![-0.5, -1.0], finish: Finish::Stop, stop_token: Some(2), top_logprobs: vec![vec![(5, -0.5), (9, -1.5)], vec![(7, -0.2), (6, -1.0)]] }
+        Generation {
+            tokens: vec![5, 6],
+            logprobs: vec![-0.5, -1.0],
+            finish: Finish::Stop,
+            stop_token: Some(2),
+            top_logprobs: vec![vec![(5, -0.5), (9, -1.5)], vec![(7, -0.2), (6, -1.0)]],
+        }
     }
 
     #[test]
     fn a_wrong_type_names_its_field() {
-        let e = parse::<Sampling>(&body(br#"{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}"#).unwrap()).unwrap_err();
+        let e =
+            parse::<Sampling>(&body(br#"{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}"#).unwrap()).unwrap_err();
         assert_eq!(e.status, 400);
         assert_eq!(e.param.as_deref(), Some("temperature"), "{e:?}");
         let e = parse::<ChatRequest>(&body(br#"{"messages": [{"role": 5}]}"#).unwrap()).unwrap_err();
@@ -455,7 +481,13 @@ mod tests {
         let v = |extra: &str| body(format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}]{extra}}}"#).as_bytes()).unwrap();
         let req = |extra: &str| parse::<ChatRequest>(&v(extra)).unwrap();
         let samp = |extra: &str| parse::<Sampling>(&v(extra)).unwrap();
-        for (extra, field) in [(r#", "temperature": 3"#, "temperature"), (r#", "top_p": 0"#, "top_p"), (r#", "max_tokens": 0"#, "max_tokens"), (r#", "n": 2"#, "n"), (r#", "stream": true"#, "stream")] {
+        for (extra, field) in [
+            (r#", "temperature": 3"#, "temperature"),
+            (r#", "top_p": 0"#, "top_p"),
+            (r#", "max_tokens": 0"#, "max_tokens"),
+            (r#", "n": 2"#, "n"),
+            (r#", "stream": true"#, "stream"),
+        ] {
             let e = sampling(&samp(extra), "m", 16).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{extra}: {e:?}");
         }

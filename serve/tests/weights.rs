@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use native::checkpoint::{CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE};
+use native::device::Device;
 use native::{Llama, LlamaConfig};
 use serde_json::{json, Value};
-use native::device::Device;
 
 const WORDS: [&str; 8] = ["user", "assistant", "count", "rows", "yes", "no", "maybe", "ten"];
 
@@ -31,7 +31,8 @@ async fn post(addr: &str, path: &str, body: Value) -> (u16, Value, Option<String
 
 /// The log-probabilities of a greedy completion (they differ between any two weights).
 async fn greedy_logprobs(addr: &str) -> (Vec<f64>, Option<String>) {
-    let (status, body, header) = post(addr, "/v1/completions", json!({"prompt": [2, 3], "max_tokens": 8, "temperature": 0, "logprobs": 0})).await;
+    let (status, body, header) =
+        post(addr, "/v1/completions", json!({"prompt": [2, 3], "max_tokens": 8, "temperature": 0, "logprobs": 0})).await;
     assert_eq!(status, 200, "{body}");
     let lps = body["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
     (lps, header)
@@ -57,7 +58,8 @@ async fn a_checkpoint_in_a_store_replaces_the_served_weights() {
     let (before, header) = greedy_logprobs(&addr).await;
     assert_eq!(header.as_deref(), Some(base.display().to_string().as_str()));
 
-    let (status, body, _) = post(&addr, "/update_weights_from_disk", json!({"model_path": dir.path().join("missing").display().to_string()})).await;
+    let (status, body, _) =
+        post(&addr, "/update_weights_from_disk", json!({"model_path": dir.path().join("missing").display().to_string()})).await;
     assert_eq!((status, &body["success"]), (400, &json!(false)), "{body}");
     assert_eq!(greedy_logprobs(&addr).await.0, before, "a refused update leaves the old weights serving");
 
@@ -73,6 +75,9 @@ async fn a_checkpoint_in_a_store_replaces_the_served_weights() {
     assert_eq!(models["data"][0]["checkpoint"], url.as_str());
     // Asking again for the weights it serves answers at once, without a reload.
     let (status, body, _) = post(&addr, "/update_weights_from_disk", json!({"model_path": url})).await;
-    assert_eq!((status, body["success"].as_bool(), body["message"].as_str()), (200, Some(true), Some(format!("already serving {url}").as_str())));
+    assert_eq!(
+        (status, body["success"].as_bool(), body["message"].as_str()),
+        (200, Some(true), Some(format!("already serving {url}").as_str()))
+    );
     assert_eq!(greedy_logprobs(&addr).await.0, after);
 }

@@ -53,11 +53,7 @@ pub fn harness_s_bin() -> PathBuf {
     // target/<profile>/deps/e2e-<hash> → target/<profile>/harness-s
     let dir = exe.parent().and_then(|p| p.parent()).expect("target profile folder");
     let bin = dir.join("harness-s");
-    assert!(
-        bin.exists(),
-        "{} is missing: build it first with `cargo build -p harness-s` (infra/deploy/test.sh does)",
-        bin.display()
-    );
+    assert!(bin.exists(), "{} is missing: build it first with `cargo build -p harness-s` (infra/deploy/test.sh does)", bin.display());
     bin
 }
 

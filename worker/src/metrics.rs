@@ -89,8 +89,7 @@ impl Metrics {
         let dead_lettered = Family::<KindLabel, Counter>::default();
         let in_flight = Gauge::default();
         // 1 ms … ~33 min, doubling: covers a no-op sleep job and a long learner step.
-        let duration =
-            Family::<KindLabel, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 22)));
+        let duration = Family::<KindLabel, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 22)));
         registry.register("jobs_started", "Jobs whose handler was started", started.clone());
         registry.register("jobs_succeeded", "Jobs committed (done-marker written) and acked", succeeded.clone());
         registry.register("jobs_skipped", "Deliveries acked without running because the done-marker existed", skipped.clone());
@@ -104,7 +103,11 @@ impl Metrics {
         registry.register("run_rollouts", "Rollouts the run has made (base, rescue and other)", run.rollouts.clone());
         registry.register("run_tokens", "Prompt and completion tokens of the run's rollouts", run.tokens.clone());
         registry.register("run_mean_reward", "Mean reward of the latest update's retained groups", run.mean_reward.clone());
-        registry.register("run_h0_validation_success", "H0's validation success at the latest calibration", run.h0_validation_success.clone());
+        registry.register(
+            "run_h0_validation_success",
+            "H0's validation success at the latest calibration",
+            run.h0_validation_success.clone(),
+        );
         Metrics { registry: Arc::new(registry), started, succeeded, skipped, retried, dead_lettered, in_flight, duration, run }
     }
 

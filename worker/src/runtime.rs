@@ -46,12 +46,7 @@ pub struct WorkerConfig {
 
 impl WorkerConfig {
     pub fn new(kinds: Vec<JobKind>, concurrency: usize) -> Self {
-        WorkerConfig {
-            kinds,
-            concurrency,
-            grace: Duration::from_secs(30),
-            worker_id: format!("pid-{}", std::process::id()),
-        }
+        WorkerConfig { kinds, concurrency, grace: Duration::from_secs(30), worker_id: format!("pid-{}", std::process::id()) }
     }
 }
 
@@ -144,12 +139,7 @@ impl std::fmt::Debug for Worker {
 
 impl Worker {
     /// Checks the settings against the registry.
-    pub fn new(
-        queue: Arc<dyn Queue>,
-        store: Arc<dyn ObjectStore>,
-        registry: Registry,
-        config: WorkerConfig,
-    ) -> Result<Self, WorkerError> {
+    pub fn new(queue: Arc<dyn Queue>, store: Arc<dyn ObjectStore>, registry: Registry, config: WorkerConfig) -> Result<Self, WorkerError> {
         if config.kinds.is_empty() {
             return Err(WorkerError::InvalidConfig { setting: "queues", reason: "no job kind given".into() });
         }
@@ -165,14 +155,7 @@ impl Worker {
                 return Err(WorkerError::NoHandler { kind: *kind, known });
             }
         }
-        Ok(Worker {
-            queue,
-            store,
-            registry: Arc::new(registry),
-            config: Arc::new(config),
-            metrics: Metrics::new(),
-            events: None,
-        })
+        Ok(Worker { queue, store, registry: Arc::new(registry), config: Arc::new(config), metrics: Metrics::new(), events: None })
     }
 
     /// Uses these metrics (e.g. ones already served over HTTP).
@@ -326,7 +309,9 @@ impl Worker {
                 return Err(Next::Ack(Outcome::Skipped));
             }
             Ok(None) => {}
-            Err(e) => return Err(Next::of_store_error(format!("cannot check the done-marker {}: {e}", self.store.object_url(marker_key)), &e)),
+            Err(e) => {
+                return Err(Next::of_store_error(format!("cannot check the done-marker {}: {e}", self.store.object_url(marker_key)), &e))
+            }
         }
         let now = schemas::now_unix_ms();
         if let Some(deadline) = job.deadline_ms.filter(|d| now >= *d) {

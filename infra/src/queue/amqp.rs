@@ -28,8 +28,8 @@ use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
 use futures::stream::{SelectAll, Stream, StreamExt};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::types::{AMQPValue, FieldTable};
@@ -37,9 +37,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ErrorKin
 use schemas::{JobEnvelope, JobKind};
 use tokio::sync::Mutex;
 
-use super::{
-    encode, Consumer, DeadLetter, Delivery, Queue, QueueError, QueueOptions, QueueStats, Result, Settle,
-};
+use super::{encode, Consumer, DeadLetter, Delivery, Queue, QueueError, QueueOptions, QueueStats, Result, Settle};
 
 const H_REASON: &str = "x-harness-reason";
 const H_ATTEMPTS: &str = "x-harness-attempts";
@@ -70,16 +68,12 @@ struct Target {
 impl Target {
     /// One connection attempt, bounded by the connect timeout.
     async fn connect_once(&self, role: &str) -> Result<Connection> {
-        let props = ConnectionProperties::default()
-            .with_connection_name(format!("harness-s {role} pid {}", std::process::id()).into());
+        let props = ConnectionProperties::default().with_connection_name(format!("harness-s {role} pid {}", std::process::id()).into());
         let limit = self.options.connect_timeout.max(Duration::from_secs(1));
         match tokio::time::timeout(limit, Connection::connect(&self.uri, props)).await {
             Ok(Ok(conn)) => Ok(conn),
             Ok(Err(e)) => Err(self.classify(&e, None)),
-            Err(_) => Err(QueueError::Unreachable {
-                url: self.shown.clone(),
-                detail: format!("no answer within {} s", limit.as_secs()),
-            }),
+            Err(_) => Err(QueueError::Unreachable { url: self.shown.clone(), detail: format!("no answer within {} s", limit.as_secs()) }),
         }
     }
 
@@ -103,14 +97,10 @@ impl Target {
     fn classify(&self, e: &lapin::Error, queue: Option<&str>) -> QueueError {
         let detail = e.to_string();
         match e.kind() {
-            ErrorKind::IOError(_) | ErrorKind::MissingHeartbeatError => {
-                QueueError::Unreachable { url: self.shown.clone(), detail }
-            }
+            ErrorKind::IOError(_) | ErrorKind::MissingHeartbeatError => QueueError::Unreachable { url: self.shown.clone(), detail },
             ErrorKind::AuthProviderError(_) => QueueError::AccessRefused { url: self.shown.clone(), detail },
             ErrorKind::ProtocolError(amqp) => match amqp.kind() {
-                AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => {
-                    QueueError::AccessRefused { url: self.shown.clone(), detail }
-                }
+                AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => QueueError::AccessRefused { url: self.shown.clone(), detail },
                 AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) if queue.is_some() => {
                     QueueError::Topology { queue: queue.unwrap_or_default().to_string(), detail }
                 }
@@ -175,10 +165,7 @@ impl Publisher {
     async fn link(&self, within: Duration) -> Result<PublishLink> {
         let conn = self.target.connect("publisher", within).await?;
         let channel = conn.create_channel().await.map_err(|e| self.target.classify(&e, None))?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| self.target.classify(&e, None))?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|e| self.target.classify(&e, None))?;
         Ok(PublishLink { conn, channel, declared: HashSet::new() })
     }
 
@@ -217,10 +204,8 @@ impl Publisher {
                         let _ = link.conn.close(200, "reset after an error".into()).await;
                     }
                     drop(guard);
-                    let retryable = matches!(
-                        e,
-                        QueueError::Unreachable { .. } | QueueError::Broker { .. } | QueueError::NotConfirmed { .. }
-                    );
+                    let retryable =
+                        matches!(e, QueueError::Unreachable { .. } | QueueError::Broker { .. } | QueueError::NotConfirmed { .. });
                     if !retryable {
                         return Err(e);
                     }
@@ -267,9 +252,7 @@ impl Publisher {
             Box::pin(async move {
                 let mut confirms = Vec::with_capacity(batch.len());
                 for m in batch.iter() {
-                    let mut props = BasicProperties::default()
-                        .with_delivery_mode(2)
-                        .with_content_type("application/json".into());
+                    let mut props = BasicProperties::default().with_delivery_mode(2).with_content_type("application/json".into());
                     if let Some(id) = &m.message_id {
                         props = props.with_message_id(id.as_str().into());
                     }
@@ -381,11 +364,7 @@ impl Queue for AmqpQueue {
         for delay in o.retry_delays() {
             delayed += probe.count(&o.delay_queue(kind, delay)).await?;
         }
-        let stats = QueueStats {
-            ready: probe.count(&o.work_queue(kind)).await?,
-            delayed,
-            dead: probe.count(&o.dead_queue(kind)).await?,
-        };
+        let stats = QueueStats { ready: probe.count(&o.work_queue(kind)).await?, delayed, dead: probe.count(&o.dead_queue(kind)).await? };
         probe.close().await;
         Ok(stats)
     }
@@ -527,10 +506,7 @@ impl AmqpConsumer {
         let conn = t.connect("consumer", within).await?;
         let channel = conn.create_channel().await.map_err(|e| t.classify(&e, None))?;
         // `global`: the limit is shared by all the kinds' consumers on this channel.
-        channel
-            .basic_qos(self.prefetch, BasicQosOptions { global: true })
-            .await
-            .map_err(|e| t.classify(&e, None))?;
+        channel.basic_qos(self.prefetch, BasicQosOptions { global: true }).await.map_err(|e| t.classify(&e, None))?;
         let mut stream = SelectAll::new();
         let mut tags = Vec::new();
         for kind in &self.kinds {
@@ -572,12 +548,7 @@ impl Consumer for AmqpConsumer {
             let link = self.live.as_mut().expect("link was just set");
             match link.stream.next().await {
                 Some((kind, Ok(d))) => {
-                    let settle = AmqpSettle {
-                        acker: Some(d.acker),
-                        kind,
-                        publisher: self.publisher.clone(),
-                        target: self.target.clone(),
-                    };
+                    let settle = AmqpSettle { acker: Some(d.acker), kind, publisher: self.publisher.clone(), target: self.target.clone() };
                     return Ok(Some(Delivery::new(
                         kind,
                         Bytes::from(d.data),

@@ -21,9 +21,7 @@ use schemas::{JobEnvelope, JobKind};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{
-    encode, Consumer, DeadLetter, Delivery, Queue, QueueError, QueueOptions, QueueStats, Result, Settle,
-};
+use super::{encode, Consumer, DeadLetter, Delivery, Queue, QueueError, QueueOptions, QueueStats, Result, Settle};
 
 /// The in-process queue. See the module docs.
 pub struct MemoryQueue {
@@ -188,11 +186,7 @@ impl Queue for MemoryQueue {
 
     async fn dead_letters(&self, kind: JobKind, limit: usize) -> Result<Vec<DeadLetter>> {
         let st = self.shared.lock();
-        Ok(st
-            .queues
-            .get(&self.options.work_queue(kind))
-            .map(|q| q.dead.iter().take(limit).cloned().collect())
-            .unwrap_or_default())
+        Ok(st.queues.get(&self.options.work_queue(kind)).map(|q| q.dead.iter().take(limit).cloned().collect()).unwrap_or_default())
     }
 
     async fn delete_all(&self) -> Result<()> {

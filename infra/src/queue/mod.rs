@@ -98,8 +98,7 @@ impl QueueOptions {
     /// Reads the options out of a URL and returns them with the URL minus those
     /// parameters (what the backend itself should see).
     pub fn from_url(raw: &str) -> Result<(QueueOptions, url::Url)> {
-        let mut url = url::Url::parse(raw)
-            .map_err(|e| QueueError::InvalidUrl { url: crate::redact_url(raw), reason: e.to_string() })?;
+        let mut url = url::Url::parse(raw).map_err(|e| QueueError::InvalidUrl { url: crate::redact_url(raw), reason: e.to_string() })?;
         let mut opts = QueueOptions::default();
         let mut rest: Vec<(String, String)> = Vec::new();
         let bad = |key: &str, value: &str, want: &str| QueueError::InvalidUrl {
@@ -337,22 +336,12 @@ pub struct Delivery {
 
 impl fmt::Debug for Delivery {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Delivery")
-            .field("kind", &self.kind)
-            .field("len", &self.body.len())
-            .field("redelivered", &self.redelivered)
-            .finish()
+        f.debug_struct("Delivery").field("kind", &self.kind).field("len", &self.body.len()).field("redelivered", &self.redelivered).finish()
     }
 }
 
 impl Delivery {
-    pub(crate) fn new(
-        kind: JobKind,
-        body: Bytes,
-        redelivered: bool,
-        options: Arc<QueueOptions>,
-        settle: Box<dyn Settle>,
-    ) -> Self {
+    pub(crate) fn new(kind: JobKind, body: Bytes, redelivered: bool, options: Arc<QueueOptions>, settle: Box<dyn Settle>) -> Self {
         Delivery { kind, body, redelivered, options, settle }
     }
 
@@ -446,9 +435,7 @@ pub(crate) trait Settle: Send + Sync {
 
 /// Serialises an envelope as the JSON message body.
 pub fn encode(job: &JobEnvelope) -> Result<Bytes> {
-    serde_json::to_vec(job)
-        .map(Bytes::from)
-        .map_err(|e| QueueError::Encode { job_id: job.job_id.clone(), detail: e.to_string() })
+    serde_json::to_vec(job).map(Bytes::from).map_err(|e| QueueError::Encode { job_id: job.job_id.clone(), detail: e.to_string() })
 }
 
 fn now_ms() -> i64 {
@@ -477,10 +464,9 @@ mod tests {
 
     #[test]
     fn options_come_from_the_query_and_the_rest_stays() {
-        let (o, rest) = QueueOptions::from_url(
-            "amqp://u:p@h:5672/%2f?prefix=t1&max_attempts=3&retry_base_ms=100&heartbeat=10&retry_max_ms=250",
-        )
-        .unwrap();
+        let (o, rest) =
+            QueueOptions::from_url("amqp://u:p@h:5672/%2f?prefix=t1&max_attempts=3&retry_base_ms=100&heartbeat=10&retry_max_ms=250")
+                .unwrap();
         assert_eq!(o.prefix, "t1");
         assert_eq!(o.max_attempts, 3);
         assert_eq!(o.retry_base, Duration::from_millis(100));
@@ -499,7 +485,13 @@ mod tests {
         assert!(e.contains("prefix"), "{e}");
         // a typo is refused, naming the parameter and the known ones
         let e = QueueOptions::from_url("amqp://u:secret@h/%2f?max_atempts=3").unwrap_err().to_string();
-        assert!(e.contains("unknown query parameter `max_atempts`") && e.contains("max_attempts") && e.contains("heartbeat") && !e.contains("secret"), "{e}");
+        assert!(
+            e.contains("unknown query parameter `max_atempts`")
+                && e.contains("max_attempts")
+                && e.contains("heartbeat")
+                && !e.contains("secret"),
+            "{e}"
+        );
         let e = QueueOptions::from_url("memory://x?heartbeat=10").unwrap_err().to_string();
         assert!(e.contains("unknown query parameter `heartbeat`"), "{e}");
     }

@@ -55,9 +55,7 @@ impl S3Options {
             return Err(invalid("expected an s3:// URL".into()));
         }
         if !parsed.username().is_empty() || parsed.password().is_some() {
-            return Err(invalid(
-                "credentials do not belong in the URL; use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE".into(),
-            ));
+            return Err(invalid("credentials do not belong in the URL; use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE".into()));
         }
         let bucket = parsed.host_str().filter(|b| !b.is_empty()).ok_or_else(|| invalid("missing bucket name".into()))?;
         let prefix = parsed.path().trim_matches('/').to_string();
@@ -67,7 +65,10 @@ impl S3Options {
                 "endpoint" => {
                     let ok = url::Url::parse(&v).is_ok_and(|e| matches!(e.scheme(), "http" | "https") && e.host_str().is_some());
                     if !ok {
-                        return Err(invalid(format!("endpoint must be an http(s) URL such as http://127.0.0.1:8333, not `{}`", crate::redact_url(&v))));
+                        return Err(invalid(format!(
+                            "endpoint must be an http(s) URL such as http://127.0.0.1:8333, not `{}`",
+                            crate::redact_url(&v)
+                        )));
                     }
                     opts.endpoint = Some(v.to_string())
                 }
@@ -79,9 +80,7 @@ impl S3Options {
                         other => return Err(invalid(format!("path_style must be true or false, not `{other}`"))),
                     })
                 }
-                other => {
-                    return Err(invalid(format!("unknown option `{other}`; known: endpoint, region, path_style")))
-                }
+                other => return Err(invalid(format!("unknown option `{other}`; known: endpoint, region, path_style"))),
             }
         }
         Ok(opts)
@@ -145,10 +144,7 @@ impl S3Store {
         .or_else("Profile", aws_config::profile::ProfileFileCredentialsProvider::builder().build());
         let store_url = display_url(&opts);
         if let Err(e) = credentials.provide_credentials().await {
-            return Err(StoreError::Credentials {
-                context: format!("{store_url}: no AWS credentials found"),
-                detail: e.to_string(),
-            });
+            return Err(StoreError::Credentials { context: format!("{store_url}: no AWS credentials found"), detail: e.to_string() });
         }
         let region = match &opts.region {
             Some(r) => aws_config::Region::new(r.clone()),
@@ -159,11 +155,7 @@ impl S3Store {
                 .await
                 .unwrap_or_else(|| aws_config::Region::new("us-east-1")),
         };
-        let endpoint = opts
-            .endpoint
-            .clone()
-            .or_else(|| env_nonempty("AWS_ENDPOINT_URL_S3"))
-            .or_else(|| env_nonempty("AWS_ENDPOINT_URL"));
+        let endpoint = opts.endpoint.clone().or_else(|| env_nonempty("AWS_ENDPOINT_URL_S3")).or_else(|| env_nonempty("AWS_ENDPOINT_URL"));
         let mut loader = aws_config::defaults(BehaviorVersion::latest())
             .credentials_provider(credentials)
             .region(region)
@@ -181,11 +173,7 @@ impl S3Store {
         let sdk = loader.load().await;
         let path_style = opts.path_style.unwrap_or(endpoint.is_some());
         let config = aws_sdk_s3::config::Builder::from(&sdk).force_path_style(path_style).build();
-        Ok(S3Store {
-            client: Client::from_conf(config),
-            endpoint: endpoint.unwrap_or_else(|| "the AWS S3 endpoint".into()),
-            opts,
-        })
+        Ok(S3Store { client: Client::from_conf(config), endpoint: endpoint.unwrap_or_else(|| "the AWS S3 endpoint".into()), opts })
     }
 
     fn full_key(&self, key: &str) -> Result<String> {
@@ -236,11 +224,12 @@ where
             match (status, code.as_deref()) {
                 (_, Some("NoSuchBucket")) => StoreError::NoSuchBucket { url: url.to_string(), bucket: opts.bucket.clone() },
                 (_, Some("NoSuchKey")) | (Some(404), _) => StoreError::NotFound { url: url.to_string() },
-                (_, Some("InvalidAccessKeyId" | "SignatureDoesNotMatch" | "AccessDenied" | "InvalidToken"))
-                | (Some(401 | 403), _) => StoreError::Credentials {
-                    context: format!("{url}: the server rejected the credentials"),
-                    detail: code.unwrap_or_else(|| format!("HTTP {}", status.unwrap_or(0))),
-                },
+                (_, Some("InvalidAccessKeyId" | "SignatureDoesNotMatch" | "AccessDenied" | "InvalidToken")) | (Some(401 | 403), _) => {
+                    StoreError::Credentials {
+                        context: format!("{url}: the server rejected the credentials"),
+                        detail: code.unwrap_or_else(|| format!("HTTP {}", status.unwrap_or(0))),
+                    }
+                }
                 _ => StoreError::Backend {
                     url: url.to_string(),
                     detail: match (status, code) {
@@ -320,26 +309,17 @@ impl ObjectStore for S3Store {
                 }
             }
         }
-        Err(StoreError::Backend {
-            url: self.object_url(key),
-            detail: "conditional put kept conflicting (HTTP 409); retry later".into(),
-        })
+        Err(StoreError::Backend { url: self.object_url(key), detail: "conditional put kept conflicting (HTTP 409); retry later".into() })
     }
 
     async fn get(&self, key: &str) -> Result<Bytes> {
         let full = self.full_key(key)?;
-        let out = self
-            .client
-            .get_object()
-            .bucket(&self.opts.bucket)
-            .key(full)
-            .send()
+        let out = self.client.get_object().bucket(&self.opts.bucket).key(full).send().await.map_err(|e| self.map_err(key, e))?;
+        let data = out
+            .body
+            .collect()
             .await
-            .map_err(|e| self.map_err(key, e))?;
-        let data = out.body.collect().await.map_err(|e| StoreError::Backend {
-            url: self.object_url(key),
-            detail: format!("reading the body failed: {e}"),
-        })?;
+            .map_err(|e| StoreError::Backend { url: self.object_url(key), detail: format!("reading the body failed: {e}") })?;
         Ok(data.into_bytes())
     }
 
@@ -357,10 +337,11 @@ impl ObjectStore for S3Store {
             .send()
             .await
             .map_err(|e| self.map_err(key, e))?;
-        let data = out.body.collect().await.map_err(|e| StoreError::Backend {
-            url: self.object_url(key),
-            detail: format!("reading the body failed: {e}"),
-        })?;
+        let data = out
+            .body
+            .collect()
+            .await
+            .map_err(|e| StoreError::Backend { url: self.object_url(key), detail: format!("reading the body failed: {e}") })?;
         Ok(data.into_bytes())
     }
 
@@ -377,18 +358,8 @@ impl ObjectStore for S3Store {
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
         check_prefix(prefix)?;
-        let full_prefix = if self.opts.prefix.is_empty() {
-            prefix.to_string()
-        } else {
-            format!("{}/{prefix}", self.opts.prefix)
-        };
-        let mut pages = self
-            .client
-            .list_objects_v2()
-            .bucket(&self.opts.bucket)
-            .prefix(full_prefix)
-            .into_paginator()
-            .send();
+        let full_prefix = if self.opts.prefix.is_empty() { prefix.to_string() } else { format!("{}/{prefix}", self.opts.prefix) };
+        let mut pages = self.client.list_objects_v2().bucket(&self.opts.bucket).prefix(full_prefix).into_paginator().send();
         let mut out = Vec::new();
         while let Some(page) = pages.next().await {
             let page = page.map_err(|e| self.map_err(prefix, e))?;
@@ -564,7 +535,10 @@ mod tests {
         let back = S3Options::parse(&url).unwrap();
         assert_eq!(back.bucket, "runs");
         assert_eq!(back.prefix, "team/a/runs/r/checkpoints/step=1");
-        assert_eq!((back.endpoint.as_deref(), back.region.as_deref(), back.path_style), (Some("http://127.0.0.1:8333"), Some("eu-west-1"), Some(true)));
+        assert_eq!(
+            (back.endpoint.as_deref(), back.region.as_deref(), back.path_style),
+            (Some("http://127.0.0.1:8333"), Some("eu-west-1"), Some(true))
+        );
         let bare = S3Options::parse("s3://b").unwrap();
         assert_eq!(bare.url_at("x/y"), "s3://b/x/y");
         assert_eq!(bare.url_at(""), "s3://b");

@@ -72,12 +72,14 @@ fn optimizer_bytes(optim: &AdamW) -> Result<Vec<u8>, NativeError> {
     // different order in every process and identical states would hash differently.
     let state = serde_json::json!({"step": optim.step, "config": optim.config});
     let meta = HashMap::from([("optimizer".to_string(), state.to_string())]);
-    let bytes = if !tensors.is_empty() || optim.step > 0 { write_safetensors_with(&tensors, Some(meta))? } else { write_safetensors(&tensors)? };
+    let bytes =
+        if !tensors.is_empty() || optim.step > 0 { write_safetensors_with(&tensors, Some(meta))? } else { write_safetensors(&tensors)? };
     Ok(bytes)
 }
 
 fn restore_optimizer(bytes: &[u8], location: &str, device: Device) -> Result<AdamW, NativeError> {
-    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| ckpt_err(location, format!("not a safetensors file: {e:?}")))?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| ckpt_err(location, format!("not a safetensors file: {e:?}")))?;
     let meta = meta.metadata().clone().unwrap_or_default();
     let (step, config): (u64, AdamWConfig) = match meta.get("optimizer") {
         Some(state) => {
@@ -103,7 +105,12 @@ fn restore_optimizer(bytes: &[u8], location: &str, device: Device) -> Result<Ada
 }
 
 /// Writes a checkpoint of `learner` (files first, manifest last); returns the manifest key.
-pub async fn save(store: &dyn ObjectStore, learner: &Learner, tokenizer: Option<&Tokenizer>, info: &SaveInfo) -> Result<String, NativeError> {
+pub async fn save(
+    store: &dyn ObjectStore,
+    learner: &Learner,
+    tokenizer: Option<&Tokenizer>,
+    info: &SaveInfo,
+) -> Result<String, NativeError> {
     let dir = keys::checkpoint_dir(&info.run_id, info.step);
     // `format = pt`: what transformers' loader looks for in a safetensors header.
     let pt = || Some(HashMap::from([("format".to_string(), "pt".to_string())]));
@@ -113,7 +120,10 @@ pub async fn save(store: &dyn ObjectStore, learner: &Learner, tokenizer: Option<
         files.push((MASTER_FILE, write_safetensors_with(&tensors, pt())?));
     }
     drop(tensors);
-    files.extend([(OPTIMIZER_FILE, optimizer_bytes(&learner.optim)?), (CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config.to_hf_json()).expect("serialises"))]);
+    files.extend([
+        (OPTIMIZER_FILE, optimizer_bytes(&learner.optim)?),
+        (CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config.to_hf_json()).expect("serialises")),
+    ]);
     if let Some(tok) = tokenizer {
         files.push((TOKENIZER_FILE, tok.to_json()?.into_bytes()));
         files.push(("tokenizer_config.json", serde_json::to_vec_pretty(&tok.hf_config()).expect("serialises")));
@@ -130,7 +140,14 @@ pub async fn save(store: &dyn ObjectStore, learner: &Learner, tokenizer: Option<
 
 /// Writes the manifest of `info.step` (the commit point of a checkpoint); a step trained
 /// iff its weights are its own.
-async fn put_manifest(store: &dyn ObjectStore, info: &SaveInfo, architecture: String, files: Vec<FileEntry>, rng_state: String, weights_step: Option<u32>) -> Result<String, NativeError> {
+async fn put_manifest(
+    store: &dyn ObjectStore,
+    info: &SaveInfo,
+    architecture: String,
+    files: Vec<FileEntry>,
+    rng_state: String,
+    weights_step: Option<u32>,
+) -> Result<String, NativeError> {
     let manifest = CheckpointManifest {
         schema_version: CheckpointManifest::VERSION,
         run_id: info.run_id.clone(),
@@ -153,7 +170,13 @@ async fn put_manifest(store: &dyn ObjectStore, info: &SaveInfo, architecture: St
 /// Records a step that trained nothing: a manifest without files whose `weights_step`
 /// names the checkpoint that still holds the weights (`None`: the base model). No copy of
 /// unchanged weights is written; [`load`] and [`latest`] follow the reference.
-pub async fn save_untrained(store: &dyn ObjectStore, info: &SaveInfo, weights_step: Option<u32>, rng_state: String, architecture: String) -> Result<String, NativeError> {
+pub async fn save_untrained(
+    store: &dyn ObjectStore,
+    info: &SaveInfo,
+    weights_step: Option<u32>,
+    rng_state: String,
+    architecture: String,
+) -> Result<String, NativeError> {
     debug_assert!(weights_step.is_none_or(|w| w < info.step), "an untrained step's weights are an earlier step's");
     let key = put_manifest(store, info, architecture, vec![], rng_state, weights_step).await?;
     tracing::info!(key = %key, weights_step = ?weights_step, "untrained step recorded (no weights written)");
@@ -262,7 +285,12 @@ pub async fn load(store: &dyn ObjectStore, run_id: &str, step: u32, device: Devi
 
 /// The weights (and tokenizer) of `step`'s checkpoint without the optimizer state: what
 /// a policy needs to sample. Follows `weights_step` like [`load`].
-pub async fn load_model(store: &dyn ObjectStore, run_id: &str, step: u32, device: Device) -> Result<(Llama, Option<Tokenizer>, CheckpointManifest), NativeError> {
+pub async fn load_model(
+    store: &dyn ObjectStore,
+    run_id: &str,
+    step: u32,
+    device: Device,
+) -> Result<(Llama, Option<Tokenizer>, CheckpointManifest), NativeError> {
     let parts = load_parts(store, run_id, step, device, false).await?;
     Ok((parts.model, parts.tokenizer, parts.manifest))
 }
@@ -329,15 +357,39 @@ mod tests {
 
     fn learner(seed: u64) -> Learner {
         let m = Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu, seed).unwrap();
-        Learner::new(m, LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, micro_batch_tokens: 8, seed: 3, ..Default::default() })
+        Learner::new(
+            m,
+            LearnerConfig {
+                optimizer: AdamWConfig { lr: 1e-2, ..Default::default() },
+                micro_batch_tokens: 8,
+                seed: 3,
+                ..Default::default()
+            },
+        )
     }
 
     fn batch() -> Batch {
         Batch {
             tasks: vec!["a".into()],
             samples: vec![
-                Sample { task: 0, context: vec![1, 2], completion: vec![3, 4], mask: vec![true, true], logq: vec![], advantage: 1.0, temperature: 1.0 },
-                Sample { task: 0, context: vec![1, 2], completion: vec![5], mask: vec![true], logq: vec![], advantage: -1.0, temperature: 1.0 },
+                Sample {
+                    task: 0,
+                    context: vec![1, 2],
+                    completion: vec![3, 4],
+                    mask: vec![true, true],
+                    logq: vec![],
+                    advantage: 1.0,
+                    temperature: 1.0,
+                },
+                Sample {
+                    task: 0,
+                    context: vec![1, 2],
+                    completion: vec![5],
+                    mask: vec![true],
+                    logq: vec![],
+                    advantage: -1.0,
+                    temperature: 1.0,
+                },
             ],
         }
     }
@@ -392,7 +444,8 @@ mod tests {
             let store = &store;
             async move {
                 let dir = keys::checkpoint_dir("r", step);
-                let mut v: Vec<String> = store.list(&dir).await.unwrap().into_iter().map(|m| m.key.strip_prefix(&dir).unwrap().to_string()).collect();
+                let mut v: Vec<String> =
+                    store.list(&dir).await.unwrap().into_iter().map(|m| m.key.strip_prefix(&dir).unwrap().to_string()).collect();
                 v.sort();
                 v
             }

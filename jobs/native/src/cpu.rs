@@ -65,7 +65,8 @@ fn buf(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
 
 fn floats(t: &Tensor, name: &str) -> Result<Vec<f32>, NativeError> {
     let t = t.to_device(tch::Device::Cpu).to_kind(Kind::Float).contiguous().view([-1]);
-    Vec::<f32>::try_from(&t).map_err(|e| NativeError::Config { field: "rollout_weights".into(), detail: format!("cannot read `{name}`: {e}") })
+    Vec::<f32>::try_from(&t)
+        .map_err(|e| NativeError::Config { field: "rollout_weights".into(), detail: format!("cannot read `{name}`: {e}") })
 }
 
 fn matrix(parts: &[&Tensor], bits: Bits, name: &str) -> Result<QMatrix, NativeError> {
@@ -78,7 +79,10 @@ impl CpuWeights {
     /// Quantises `model`'s matrices; products run on `threads` threads.
     pub fn new(model: &Llama, threads: usize) -> Result<CpuWeights, NativeError> {
         if model.device() != tch::Device::Cpu {
-            return Err(NativeError::Config { field: "rollout_weights".into(), detail: "int4 runs on the CPU's own kernels; on a GPU use bf16".into() });
+            return Err(NativeError::Config {
+                field: "rollout_weights".into(),
+                detail: "int4 runs on the CPU's own kernels; on a GPU use bf16".into(),
+            });
         }
         let _g = tch::no_grad_guard();
         let c = &model.config;
@@ -105,7 +109,15 @@ impl CpuWeights {
         let theta = c.rope_theta as f32;
         let inv_freq = (0..hd / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / hd as f32)).collect();
         let embed = model.embed.to_kind(Kind::Float).contiguous();
-        Ok(CpuWeights { layers, norm: floats(&model.norm, "model.norm")?, head, embed, inv_freq, pool: Pool::new(threads), scratch: Default::default() })
+        Ok(CpuWeights {
+            layers,
+            norm: floats(&model.norm, "model.norm")?,
+            head,
+            embed,
+            inv_freq,
+            pool: Pool::new(threads),
+            scratch: Default::default(),
+        })
     }
 
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.

@@ -37,7 +37,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
-use crate::model::{EngineWeights, Llama, SeqKv, Segment};
+use crate::model::{EngineWeights, Llama, Segment, SeqKv};
 use crate::packed::WeightFormat;
 use crate::sampler::{sample_next, top_logprobs, validate, Finish, GenerateOptions, Generation};
 use crate::NativeError;
@@ -177,7 +177,17 @@ impl Engine {
                     tch::set_num_threads(n as i32);
                 }
                 let _g = tch::no_grad_guard();
-                Worker { model, weights, config, seqs: vec![], idle: vec![], waiting: VecDeque::new(), stats: EngineStats::default(), clock: 0 }.run(rx)
+                Worker {
+                    model,
+                    weights,
+                    config,
+                    seqs: vec![],
+                    idle: vec![],
+                    waiting: VecDeque::new(),
+                    stats: EngineStats::default(),
+                    clock: 0,
+                }
+                .run(rx)
             })
             .map_err(|e| NativeError::Config { field: "engine".into(), detail: format!("cannot start the engine thread: {e}") })?;
         Ok(Arc::new(Engine { tx: Mutex::new(tx), thread: Some(thread) }))
@@ -329,7 +339,10 @@ impl Worker {
                     e.cache
                 }
                 // room for the padded last prefill chunk and every reply token
-                _ => SeqKv::new(&self.model, (req.prompt.len().div_ceil(self.config.chunk) * self.config.chunk).max(req.prompt.len() + req.opts.max_tokens)),
+                _ => SeqKv::new(
+                    &self.model,
+                    (req.prompt.len().div_ceil(self.config.chunk) * self.config.chunk).max(req.prompt.len() + req.opts.max_tokens),
+                ),
             };
             let rng = ChaCha8Rng::seed_from_u64(req.opts.seed);
             self.seqs.push(Seq { req, reply, rng, cache, out: Generation::empty(), phase: Phase::Prefill });
@@ -476,7 +489,13 @@ impl Worker {
             }
         });
         if let Some(j) = donor_seq {
-            let (a, b) = if i < j { let (x, y) = self.seqs.split_at_mut(j); (&mut x[i], &y[0]) } else { let (x, y) = self.seqs.split_at_mut(i); (&mut y[0], &x[j]) };
+            let (a, b) = if i < j {
+                let (x, y) = self.seqs.split_at_mut(j);
+                (&mut x[i], &y[0])
+            } else {
+                let (x, y) = self.seqs.split_at_mut(i);
+                (&mut y[0], &x[j])
+            };
             a.cache.copy_range(&b.cache, from, to);
         } else if let Some(e) = self.idle.iter_mut().find(|e| covers(&e.prompt, e.prefilled)) {
             e.last_used = self.clock;
@@ -693,7 +712,10 @@ mod tests {
         }));
         let a = engine.submit(first);
         started_rx.recv().unwrap();
-        let others: Vec<_> = [(3, 2), (14, 3), (6, 4), (11, 5), (2, 6), (17, 7)].iter().map(|&(n, s)| (n, s, engine.submit(req(prompt(n, s as u32), s, 16)))).collect();
+        let others: Vec<_> = [(3, 2), (14, 3), (6, 4), (11, 5), (2, 6), (17, 7)]
+            .iter()
+            .map(|&(n, s)| (n, s, engine.submit(req(prompt(n, s as u32), s, 16))))
+            .collect();
         let a = a.blocking_recv().unwrap().unwrap();
         assert_eq!(a.tokens.len(), 24);
         assert_eq!(a.tokens, alone(req(prompt(9, 1), 1, 24), &config).tokens);
@@ -736,10 +758,16 @@ mod tests {
     /// prefilling and decoding sequences, int4 generations are still bitwise those alone.
     #[test]
     fn int4_with_wide_heads_and_threads_equals_generation_alone() {
-        let wide = || Llama::new(LlamaConfig { num_attention_heads: 4, num_key_value_heads: 2, ..LlamaConfig::tiny(96, 256, 2) }, Device::Cpu, 9).unwrap();
+        let wide = || {
+            Llama::new(LlamaConfig { num_attention_heads: 4, num_key_value_heads: 2, ..LlamaConfig::tiny(96, 256, 2) }, Device::Cpu, 9)
+                .unwrap()
+        };
         let config = EngineConfig { weights: WeightFormat::Int4, threads: Some(2), ..small() };
         let engine = Engine::start(wide(), config.clone()).unwrap();
-        let rxs: Vec<_> = [(5, 1), (19, 2), (2, 3), (33, 4), (9, 5)].iter().map(|&(n, s)| (n, s, engine.submit(req(prompt(n, s as u32), s, 12)))).collect();
+        let rxs: Vec<_> = [(5, 1), (19, 2), (2, 3), (33, 4), (9, 5)]
+            .iter()
+            .map(|&(n, s)| (n, s, engine.submit(req(prompt(n, s as u32), s, 12))))
+            .collect();
         for (n, s, rx) in rxs {
             let got = rx.blocking_recv().unwrap().unwrap();
             let one = Engine::start(wide(), EngineConfig { threads: Some(1), ..config.clone() }).unwrap();

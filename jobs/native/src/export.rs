@@ -133,7 +133,11 @@ mod tests {
     fn q8_0_and_f16_rows_decode_within_their_precision() {
         let values: Vec<f32> = (0..96).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
         // |values| ≤ 2.95: Q8_0 errs by half a step (amax / 254) plus its f16 scale's rounding
-        for (ty, kind, tol) in [(TensorType::Q8_0, GgmlType::Q8_0, 2.95 * (0.5 / 127.0 + 1e-3)), (TensorType::F16, GgmlType::F16, 2.95 * 1e-3), (TensorType::F32, GgmlType::F32, 0.0)] {
+        for (ty, kind, tol) in [
+            (TensorType::Q8_0, GgmlType::Q8_0, 2.95 * (0.5 / 127.0 + 1e-3)),
+            (TensorType::F16, GgmlType::F16, 2.95 * 1e-3),
+            (TensorType::F32, GgmlType::F32, 0.0),
+        ] {
             let (id, bytes) = ty.encode(&values);
             assert_eq!(GgmlType::from_id(id), kind);
             let back = dequantize(kind, &bytes, values.len()).unwrap();

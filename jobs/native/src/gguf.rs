@@ -118,9 +118,22 @@ impl GgmlType {
             GgmlType::BF16 => "BF16".into(),
             GgmlType::Other(id) => {
                 let known = [
-                    (6, "Q5_0"), (7, "Q5_1"), (9, "Q8_1"), (10, "Q2_K"), (11, "Q3_K"), (13, "Q5_K"),
-                    (15, "Q8_K"), (16, "IQ2_XXS"), (17, "IQ2_XS"), (18, "IQ3_XXS"), (19, "IQ1_S"),
-                    (20, "IQ4_NL"), (21, "IQ3_S"), (22, "IQ2_S"), (23, "IQ4_XS"), (29, "IQ1_M"),
+                    (6, "Q5_0"),
+                    (7, "Q5_1"),
+                    (9, "Q8_1"),
+                    (10, "Q2_K"),
+                    (11, "Q3_K"),
+                    (13, "Q5_K"),
+                    (15, "Q8_K"),
+                    (16, "IQ2_XXS"),
+                    (17, "IQ2_XS"),
+                    (18, "IQ3_XXS"),
+                    (19, "IQ1_S"),
+                    (20, "IQ4_NL"),
+                    (21, "IQ3_S"),
+                    (22, "IQ2_S"),
+                    (23, "IQ4_XS"),
+                    (29, "IQ1_M"),
                 ];
                 known.iter().find(|(i, _)| *i == id).map(|(_, n)| n.to_string()).unwrap_or_else(|| format!("type {id}"))
             }
@@ -243,7 +256,10 @@ impl GgufFile {
         }
         let version = r.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(NativeError::Format { path: path.to_path_buf(), detail: format!("GGUF version {version} is not supported (2 and 3 are)") });
+            return Err(NativeError::Format {
+                path: path.to_path_buf(),
+                detail: format!("GGUF version {version} is not supported (2 and 3 are)"),
+            });
         }
         let n_tensors = r.u64()?;
         let n_kv = r.u64()?;
@@ -286,12 +302,16 @@ impl GgufFile {
 
     /// Dequantises one tensor to f32 values in torch (row-major) order.
     pub fn dequantize(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), NativeError> {
-        let info = self.tensors.get(name).ok_or_else(|| NativeError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })?;
+        let info =
+            self.tensors.get(name).ok_or_else(|| NativeError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })?;
         let n = info.elements();
         let unsupported = || NativeError::UnsupportedQuant { path: self.path.clone(), tensor: name.to_string(), kind: info.kind.name() };
         let (per_block, block_bytes) = info.kind.block().ok_or_else(unsupported)?;
         if n % per_block != 0 {
-            return Err(NativeError::Format { path: self.path.clone(), detail: format!("tensor `{name}` has {n} elements, not a multiple of the {} block size {per_block}", info.kind.name()) });
+            return Err(NativeError::Format {
+                path: self.path.clone(),
+                detail: format!("tensor `{name}` has {n} elements, not a multiple of the {} block size {per_block}", info.kind.name()),
+            });
         }
         let start = self.data_start + info.offset as usize;
         let len = n / per_block * block_bytes;

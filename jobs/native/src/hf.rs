@@ -12,7 +12,8 @@ use crate::NativeError;
 
 /// Reads every tensor of one safetensors buffer as float32 (`source` names it in errors).
 pub fn read_safetensors(bytes: &[u8], source: &Path) -> Result<HashMap<String, Tensor>, NativeError> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| NativeError::Format { path: source.into(), detail: format!("not a safetensors file: {e:?}") })?;
+    let st = SafeTensors::deserialize(bytes)
+        .map_err(|e| NativeError::Format { path: source.into(), detail: format!("not a safetensors file: {e:?}") })?;
     let mut out = HashMap::new();
     for (name, view) in st.tensors() {
         let t = Tensor::try_from(view).map_err(|e| NativeError::Format { path: source.into(), detail: format!("tensor `{name}`: {e}") })?;
@@ -28,12 +29,19 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, Native
 
 /// [`write_safetensors`] with header metadata (`__metadata__`). Each tensor is copied once
 /// into its little-endian bytes, then once into the file buffer.
-pub fn write_safetensors_with(tensors: &[(String, Tensor)], metadata: Option<std::collections::HashMap<String, String>>) -> Result<Vec<u8>, NativeError> {
+pub fn write_safetensors_with(
+    tensors: &[(String, Tensor)],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<Vec<u8>, NativeError> {
     write_safetensors_as(tensors, crate::retention::Dtype::F32, metadata)
 }
 
 /// [`write_safetensors_with`] in `dtype` (float32, bfloat16 or float16, rounded to nearest).
-pub fn write_safetensors_as(tensors: &[(String, Tensor)], dtype: crate::retention::Dtype, metadata: Option<std::collections::HashMap<String, String>>) -> Result<Vec<u8>, NativeError> {
+pub fn write_safetensors_as(
+    tensors: &[(String, Tensor)],
+    dtype: crate::retention::Dtype,
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<Vec<u8>, NativeError> {
     use crate::retention::Dtype;
     let (kind, st_dtype, size) = match dtype {
         Dtype::F32 => (Kind::Float, safetensors::Dtype::F32, 4),
@@ -56,7 +64,8 @@ pub fn write_safetensors_as(tensors: &[(String, Tensor)], dtype: crate::retentio
         .map(|(n, b, s)| Ok((n.clone(), safetensors::tensor::TensorView::new(st_dtype, s.clone(), b)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()
         .map_err(|e| NativeError::Format { path: PathBuf::from("<memory>"), detail: format!("{e:?}") })?;
-    safetensors::tensor::serialize(views, &metadata).map_err(|e| NativeError::Format { path: PathBuf::from("<memory>"), detail: format!("{e:?}") })
+    safetensors::tensor::serialize(views, &metadata)
+        .map_err(|e| NativeError::Format { path: PathBuf::from("<memory>"), detail: format!("{e:?}") })
 }
 
 /// Safetensors files of a model directory.
@@ -66,12 +75,14 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, NativeError> {
         return Ok(vec![single]);
     }
     let index = dir.join("model.safetensors.index.json");
-    let text = std::fs::read_to_string(&index).map_err(|_| NativeError::Format {
-        path: dir.into(),
-        detail: "no model.safetensors and no model.safetensors.index.json".into(),
-    })?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| NativeError::Format { path: index.clone(), detail: e.to_string() })?;
-    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| NativeError::MissingMetadata { path: index.clone(), key: "weight_map".into() })?;
+    let text = std::fs::read_to_string(&index)
+        .map_err(|_| NativeError::Format { path: dir.into(), detail: "no model.safetensors and no model.safetensors.index.json".into() })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| NativeError::Format { path: index.clone(), detail: e.to_string() })?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| NativeError::MissingMetadata { path: index.clone(), key: "weight_map".into() })?;
     let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
     files.sort();
     files.dedup();

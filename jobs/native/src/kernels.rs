@@ -134,7 +134,11 @@ impl QMatrix {
                 let u = match self.bits {
                     Bits::Four => {
                         let byte = base[p * BLOCK + j % BLOCK];
-                        if j < BLOCK { byte & 0x0F } else { byte >> 4 }
+                        if j < BLOCK {
+                            byte & 0x0F
+                        } else {
+                            byte >> 4
+                        }
                     }
                     Bits::Eight => base[p * PAIR + j],
                 };
@@ -202,7 +206,14 @@ fn quantize_row(row: &[f32], q: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
         let whole = row.len() / PAIR;
         for p in 0..whole {
             // SAFETY: pair p's 64 values, 64 bytes and two scales are in range.
-            unsafe { avx512::quantize_pair(row.as_ptr().add(p * PAIR), q.as_mut_ptr().add(p * PAIR), &mut dx[2 * p..2 * p + 2], &mut sx[2 * p..2 * p + 2]) };
+            unsafe {
+                avx512::quantize_pair(
+                    row.as_ptr().add(p * PAIR),
+                    q.as_mut_ptr().add(p * PAIR),
+                    &mut dx[2 * p..2 * p + 2],
+                    &mut sx[2 * p..2 * p + 2],
+                )
+            };
         }
         quantize_blocks(row, q, dx, sx, 2 * whole);
         return;
@@ -212,7 +223,14 @@ fn quantize_row(row: &[f32], q: &mut [i8], dx: &mut [f32], sx: &mut [f32]) {
         let whole = row.len() / PAIR;
         for p in 0..whole {
             // SAFETY: as above.
-            unsafe { avx2::quantize_pair(row.as_ptr().add(p * PAIR), q.as_mut_ptr().add(p * PAIR), &mut dx[2 * p..2 * p + 2], &mut sx[2 * p..2 * p + 2]) };
+            unsafe {
+                avx2::quantize_pair(
+                    row.as_ptr().add(p * PAIR),
+                    q.as_mut_ptr().add(p * PAIR),
+                    &mut dx[2 * p..2 * p + 2],
+                    &mut sx[2 * p..2 * p + 2],
+                )
+            };
         }
         quantize_blocks(row, q, dx, sx, 2 * whole);
         return;
@@ -448,7 +466,16 @@ mod avx512 {
             // shifts the high ones down
             let v = _mm512_castsi256_si512(_mm256_loadu_si256(p as *const __m256i));
             let v = _mm512_shuffle_i64x2(v, v, 0b01_00_01_00);
-            let shift = _mm512_set_epi64(4 * 0x0001_0001_0001_0001, 4 * 0x0001_0001_0001_0001, 4 * 0x0001_0001_0001_0001, 4 * 0x0001_0001_0001_0001, 0, 0, 0, 0);
+            let shift = _mm512_set_epi64(
+                4 * 0x0001_0001_0001_0001,
+                4 * 0x0001_0001_0001_0001,
+                4 * 0x0001_0001_0001_0001,
+                4 * 0x0001_0001_0001_0001,
+                0,
+                0,
+                0,
+                0,
+            );
             _mm512_and_si512(_mm512_srlv_epi16(v, shift), _mm512_set1_epi8(0x0F))
         } else {
             _mm512_loadu_si512(p as *const _)
@@ -699,7 +726,11 @@ mod avx2 {
         #[inline(always)]
         unsafe fn input(&self, a: usize, p: usize) -> X {
             let at = self.xq.add((a * self.pairs + p) * PAIR);
-            (_mm256_loadu_si256(at as *const __m256i), _mm256_loadu_si256(at.add(32) as *const __m256i), pair(self.xd.add(2 * (a * self.pairs + p))))
+            (
+                _mm256_loadu_si256(at as *const __m256i),
+                _mm256_loadu_si256(at.add(32) as *const __m256i),
+                pair(self.xd.add(2 * (a * self.pairs + p))),
+            )
         }
 
         /// One output's weights times one input's block pair, added to `acc` (scaled integer
@@ -710,7 +741,10 @@ mod avx2 {
             let (d0, d1) = if FOUR {
                 (_mm256_maddubs_epi16(w.0, x.0), _mm256_maddubs_epi16(w.1, x.1))
             } else {
-                (_mm256_maddubs_epi16(_mm256_abs_epi8(w.0), _mm256_sign_epi8(x.0, w.0)), _mm256_maddubs_epi16(_mm256_abs_epi8(w.1), _mm256_sign_epi8(x.1, w.1)))
+                (
+                    _mm256_maddubs_epi16(_mm256_abs_epi8(w.0), _mm256_sign_epi8(x.0, w.0)),
+                    _mm256_maddubs_epi16(_mm256_abs_epi8(w.1), _mm256_sign_epi8(x.1, w.1)),
+                )
             };
             // both halves alternate block 0 and block 1 lane by lane, so their sums add
             let dot = _mm256_add_epi32(_mm256_madd_epi16(d0, ones), _mm256_madd_epi16(d1, ones));
@@ -789,7 +823,10 @@ mod avx2 {
         let mut packed = [_mm256_setzero_si256(); 2];
         for b in 0..2 {
             let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.add(b * BLOCK + 8 * i)));
-            let m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)), _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)));
+            let m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+                _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)),
+            );
             let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
             let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
             let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
@@ -844,25 +881,40 @@ impl Lanes for Avx512 {
     type V = std::arch::x86_64::__m512;
     const WIDTH: usize = 16;
     #[inline(always)]
-    unsafe fn zero() -> Self::V { std::arch::x86_64::_mm512_setzero_ps() }
+    unsafe fn zero() -> Self::V {
+        std::arch::x86_64::_mm512_setzero_ps()
+    }
     #[inline(always)]
-    unsafe fn splat(v: f32) -> Self::V { std::arch::x86_64::_mm512_set1_ps(v) }
+    unsafe fn splat(v: f32) -> Self::V {
+        std::arch::x86_64::_mm512_set1_ps(v)
+    }
     #[inline(always)]
-    unsafe fn load(p: *const f32) -> Self::V { std::arch::x86_64::_mm512_loadu_ps(p) }
+    unsafe fn load(p: *const f32) -> Self::V {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
     #[inline(always)]
-    unsafe fn store(p: *mut f32, v: Self::V) { std::arch::x86_64::_mm512_storeu_ps(p, v) }
+    unsafe fn store(p: *mut f32, v: Self::V) {
+        std::arch::x86_64::_mm512_storeu_ps(p, v)
+    }
     #[inline(always)]
-    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V { std::arch::x86_64::_mm512_mul_ps(a, b) }
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V {
+        std::arch::x86_64::_mm512_mul_ps(a, b)
+    }
     #[inline(always)]
-    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V { std::arch::x86_64::_mm512_fmadd_ps(a, b, c) }
+    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        std::arch::x86_64::_mm512_fmadd_ps(a, b, c)
+    }
     #[inline(always)]
-    unsafe fn sum(v: Self::V) -> f32 { std::arch::x86_64::_mm512_reduce_add_ps(v) }
+    unsafe fn sum(v: Self::V) -> f32 {
+        std::arch::x86_64::_mm512_reduce_add_ps(v)
+    }
     const BLOCKS: bool = true;
     #[inline(always)]
     unsafe fn sums16(v: &[Self::V; 16], out: *mut f32) {
         use std::arch::x86_64::*;
         // 16 → 8: within each 128-bit lane, [v2i, v2i+1, v2i, v2i+1] partials
-        let a: [__m512; 8] = std::array::from_fn(|i| _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1])));
+        let a: [__m512; 8] =
+            std::array::from_fn(|i| _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1])));
         // 8 → 4: within each 128-bit lane, the partials of vectors 4j..4j+4 in order
         let b: [__m512; 4] = std::array::from_fn(|j| {
             let (x, y) = (_mm512_castps_pd(a[2 * j]), _mm512_castps_pd(a[2 * j + 1]));
@@ -880,19 +932,33 @@ impl Lanes for Avx2 {
     type V = std::arch::x86_64::__m256;
     const WIDTH: usize = 8;
     #[inline(always)]
-    unsafe fn zero() -> Self::V { std::arch::x86_64::_mm256_setzero_ps() }
+    unsafe fn zero() -> Self::V {
+        std::arch::x86_64::_mm256_setzero_ps()
+    }
     #[inline(always)]
-    unsafe fn splat(v: f32) -> Self::V { std::arch::x86_64::_mm256_set1_ps(v) }
+    unsafe fn splat(v: f32) -> Self::V {
+        std::arch::x86_64::_mm256_set1_ps(v)
+    }
     #[inline(always)]
-    unsafe fn load(p: *const f32) -> Self::V { std::arch::x86_64::_mm256_loadu_ps(p) }
+    unsafe fn load(p: *const f32) -> Self::V {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
     #[inline(always)]
-    unsafe fn store(p: *mut f32, v: Self::V) { std::arch::x86_64::_mm256_storeu_ps(p, v) }
+    unsafe fn store(p: *mut f32, v: Self::V) {
+        std::arch::x86_64::_mm256_storeu_ps(p, v)
+    }
     #[inline(always)]
-    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V { std::arch::x86_64::_mm256_mul_ps(a, b) }
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V {
+        std::arch::x86_64::_mm256_mul_ps(a, b)
+    }
     #[inline(always)]
-    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V { std::arch::x86_64::_mm256_fmadd_ps(a, b, c) }
+    unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        std::arch::x86_64::_mm256_fmadd_ps(a, b, c)
+    }
     #[inline(always)]
-    unsafe fn sum(v: Self::V) -> f32 { avx2::hsum(v) }
+    unsafe fn sum(v: Self::V) -> f32 {
+        avx2::hsum(v)
+    }
     const BLOCKS: bool = false;
     #[inline(always)]
     unsafe fn sums16(v: &[Self::V; 16], out: *mut f32) {
@@ -1002,10 +1068,13 @@ pub fn attend(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut 
         *s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
         max = max.max(*s);
     }
-    let total: f32 = scores.iter_mut().map(|s| {
-        *s = (*s - max).exp();
-        *s
-    }).sum();
+    let total: f32 = scores
+        .iter_mut()
+        .map(|s| {
+            *s = (*s - max).exp();
+            *s
+        })
+        .sum();
     out.fill(0.0);
     for (s, v) in scores.iter().zip(values.chunks_exact(hd)) {
         let p = s / total;
@@ -1092,7 +1161,8 @@ mod tests {
             row[40] = 3.0; // a block with an outlier
             let pairs = cols.div_ceil(PAIR);
             let (mut qa, mut qb) = (vec![0i8; pairs * PAIR], vec![0i8; pairs * PAIR]);
-            let (mut da, mut db, mut sa, mut sb) = (vec![0f32; 2 * pairs], vec![0f32; 2 * pairs], vec![0f32; 2 * pairs], vec![0f32; 2 * pairs]);
+            let (mut da, mut db, mut sa, mut sb) =
+                (vec![0f32; 2 * pairs], vec![0f32; 2 * pairs], vec![0f32; 2 * pairs], vec![0f32; 2 * pairs]);
             quantize_row(&row, &mut qa, &mut da, &mut sa);
             quantize_blocks(&row, &mut qb, &mut db, &mut sb, 0);
             assert_eq!((qa, da, sa), (qb, db, sb), "{cols} columns");

@@ -74,7 +74,10 @@ pub struct LearnOutput {
 pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOutput, NativeError> {
     let device = crate::device::parse(&input.device)?;
     if device.is_cuda() && !tch::Cuda::is_available() {
-        return Err(NativeError::Config { field: "device".into(), detail: "CUDA is not available to libtorch; build with `--features cuda` against a CUDA libtorch, or use `cpu`".into() });
+        return Err(NativeError::Config {
+            field: "device".into(),
+            detail: "CUDA is not available to libtorch; build with `--features cuda` against a CUDA libtorch, or use `cpu`".into(),
+        });
     }
     let latest = checkpoint::latest(store, &input.run_id).await?;
     if let Some(m) = &latest {
@@ -114,15 +117,29 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
     };
 
     let groups: Vec<Group> = read_prefix(store, &schemas::keys::groups_of_step(&input.run_id, input.step)).await?;
-    let trajectories: Vec<Trajectory> = read_committed(store, &input.run_id, &schemas::keys::trajectories_of_step(&input.run_id, input.step, None)).await?;
-    let retained: std::collections::BTreeSet<&str> = groups.iter().filter(|g| g.retained).flat_map(|g| g.trajectory_ids.iter().map(String::as_str)).collect();
+    let trajectories: Vec<Trajectory> =
+        read_committed(store, &input.run_id, &schemas::keys::trajectories_of_step(&input.run_id, input.step, None)).await?;
+    let retained: std::collections::BTreeSet<&str> =
+        groups.iter().filter(|g| g.retained).flat_map(|g| g.trajectory_ids.iter().map(String::as_str)).collect();
     let start = latest.as_ref().and_then(|m| m.weights_step);
-    data::check_staleness(&input.run_id, start, input.max_off_policy_steps, trajectories.iter().filter(|t| retained.contains(t.trajectory_id.as_str())))?;
+    data::check_staleness(
+        &input.run_id,
+        start,
+        input.max_off_policy_steps,
+        trajectories.iter().filter(|t| retained.contains(t.trajectory_id.as_str())),
+    )?;
     let batch = data::batch_from_groups(&groups, &trajectories, &tokenizer)?;
     tracing::info!(run = %input.run_id, step = input.step, tasks = batch.tasks.len(), samples = batch.samples.len(), "learn job: training on retained groups");
     let metrics = learner.update(&batch)?;
 
-    let info = SaveInfo { run_id: input.run_id.clone(), step: input.step, parent: parent.clone(), data_cursor: input.data_cursor, metrics: metrics.to_map(), dtype: input.checkpoints.dtype };
+    let info = SaveInfo {
+        run_id: input.run_id.clone(),
+        step: input.step,
+        parent: parent.clone(),
+        data_cursor: input.data_cursor,
+        metrics: metrics.to_map(),
+        dtype: input.checkpoints.dtype,
+    };
     if metrics.policy_tokens == 0 {
         // Nothing to train: say so, and record the step without copying unchanged weights.
         let weights_step = latest.as_ref().and_then(|m| m.weights_step);
@@ -133,7 +150,8 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
             weights = %weights_step.map(|w| format!("step {w}")).unwrap_or_else(|| "the base model".into()),
             "learn step trained nothing: no retained group has a policy token; the weights stay as they were"
         );
-        let key = checkpoint::save_untrained(store, &info, weights_step, learner.rng_state(), learner.model.config.model_type.clone()).await?;
+        let key =
+            checkpoint::save_untrained(store, &info, weights_step, learner.rng_state(), learner.model.config.model_type.clone()).await?;
         crate::retention::prune(store, &input.run_id, &input.checkpoints, input.best_step).await?;
         return Ok(LearnOutput { manifest_key: key, parent, metrics, already_done: false, trained: false, weights_step });
     }
@@ -292,13 +310,21 @@ mod tests {
         let loaded = checkpoint::load(&store, "r", 1, Device::Cpu, LearnerConfig::default()).await.unwrap();
         assert_eq!(loaded.manifest.data_cursor, 4);
         assert!(loaded.manifest.metrics.contains_key("loss"));
-        let ctx = tok.encode_chat(&[jobs::policy::Message::new(Role::System, "answer yes or no"), jobs::policy::Message::new(Role::User, "count rows")]).unwrap();
+        let ctx = tok
+            .encode_chat(&[
+                jobs::policy::Message::new(Role::System, "answer yes or no"),
+                jobs::policy::Message::new(Role::User, "count rows"),
+            ])
+            .unwrap();
         let before = Learner::new(crate::hf::load_model(&base, Device::Cpu).unwrap(), LearnerConfig::default());
         let (p0, p1) = (before.sequence_logprob(&ctx, &[10]), loaded.learner.sequence_logprob(&ctx, &[10]));
         assert!(p1 > p0, "log p(yes) should rise: {p0} → {p1}");
         // the checkpoint folder is an HF model directory
         let reloaded = crate::loader::load(&dir.path().join("store/runs/r/checkpoints/step=1"), Device::Cpu).unwrap();
-        assert_eq!(reloaded.1.encode_chat(&[jobs::policy::Message::new(Role::User, "count rows")]).unwrap(), tok.encode_chat(&[jobs::policy::Message::new(Role::User, "count rows")]).unwrap());
+        assert_eq!(
+            reloaded.1.encode_chat(&[jobs::policy::Message::new(Role::User, "count rows")]).unwrap(),
+            tok.encode_chat(&[jobs::policy::Message::new(Role::User, "count rows")]).unwrap()
+        );
 
         let again = run(&store, &input).await.unwrap();
         assert!(again.already_done);
@@ -312,15 +338,34 @@ mod tests {
     async fn a_step_with_nothing_to_train_writes_no_weights() {
         let (_dir, store, tok, base) = fixture();
         let group = |step: u32, retained: bool, ids: &[&str]| {
-            let mut trajs: Vec<Trajectory> = ids.iter().enumerate().map(|(i, id)| Trajectory { step, ..trajectory(id, if retained && i == 0 { 1.0 } else { 0.0 }, 10 + (i as u32 % 2)) }).collect();
+            let mut trajs: Vec<Trajectory> = ids
+                .iter()
+                .enumerate()
+                .map(|(i, id)| Trajectory { step, ..trajectory(id, if retained && i == 0 { 1.0 } else { 0.0 }, 10 + (i as u32 % 2)) })
+                .collect();
             for t in &mut trajs {
                 data::fingerprint(t, &tok).unwrap();
             }
             let g = Group {
-                run_id: "r".into(), step, group_id: format!("g{step}"), task_id: "t1".into(), split: Split::Train, k: ids.len() as u32,
-                base_successes: 0, rescue_fired: false, rescue_strategy: "none".into(), harnesses: vec!["h0".into(); ids.len()],
-                rescue_successes: 0, retained, retained_kind: RetainedKind::Base, filter_reason: None, mean_reward: 0.0, reward_std: 0.0,
-                advantages: vec![], trajectory_ids: ids.iter().map(|s| s.to_string()).collect(), policy_tokens: ids.len() as u64,
+                run_id: "r".into(),
+                step,
+                group_id: format!("g{step}"),
+                task_id: "t1".into(),
+                split: Split::Train,
+                k: ids.len() as u32,
+                base_successes: 0,
+                rescue_fired: false,
+                rescue_strategy: "none".into(),
+                harnesses: vec!["h0".into(); ids.len()],
+                rescue_successes: 0,
+                retained,
+                retained_kind: RetainedKind::Base,
+                filter_reason: None,
+                mean_reward: 0.0,
+                reward_std: 0.0,
+                advantages: vec![],
+                trajectory_ids: ids.iter().map(|s| s.to_string()).collect(),
+                policy_tokens: ids.len() as u64,
             };
             (trajs, g)
         };
@@ -330,7 +375,17 @@ mod tests {
             write_committed(&store, &format!("runs/r/trajectories/step={step}/kind=base/part-x.parquet"), &t).await;
             write_records(&store, &format!("runs/r/groups/step={step}/part-x.parquet"), &[g]).await.unwrap();
         }
-        let input = |step| LearnInput { run_id: "r".into(), step, base_model: base.clone(), learner: LearnerConfig::default(), data_cursor: 0, device: "cpu".into(), max_off_policy_steps: 0, checkpoints: Default::default(), best_step: None };
+        let input = |step| LearnInput {
+            run_id: "r".into(),
+            step,
+            base_model: base.clone(),
+            learner: LearnerConfig::default(),
+            data_cursor: 0,
+            device: "cpu".into(),
+            max_off_policy_steps: 0,
+            checkpoints: Default::default(),
+            best_step: None,
+        };
         let first = run(&store, &input(1)).await.unwrap();
         assert!(!first.trained && first.weights_step.is_none() && first.metrics.policy_tokens == 0, "{first:?}");
         let listed: Vec<String> = store.list("runs/r/checkpoints/").await.unwrap().into_iter().map(|m| m.key).collect();

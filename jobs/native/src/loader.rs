@@ -62,7 +62,10 @@ pub fn load(path: &Path, device: Device) -> Result<(Llama, Tokenizer), NativeErr
     } else if !path.exists() {
         Err(NativeError::Io { path: path.into(), error: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory") })
     } else {
-        Err(NativeError::Format { path: path.into(), detail: "expected a .gguf file or a directory with config.json and *.safetensors".into() })
+        Err(NativeError::Format {
+            path: path.into(),
+            detail: "expected a .gguf file or a directory with config.json and *.safetensors".into(),
+        })
     }
 }
 
@@ -75,7 +78,10 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<LlamaConfig, NativeError> {
     }
     let int = |k: &str| -> Result<i64, NativeError> {
         let key = format!("{arch}.{k}");
-        f.require(&key)?.as_u64().map(|v| v as i64).ok_or_else(|| NativeError::Format { path: path.into(), detail: format!("`{key}` is not an integer") })
+        f.require(&key)?
+            .as_u64()
+            .map(|v| v as i64)
+            .ok_or_else(|| NativeError::Format { path: path.into(), detail: format!("`{key}` is not an integer") })
     };
     let heads = int("attention.head_count")?;
     let vocab = match f.get(&format!("{arch}.vocab_size")).and_then(Value::as_u64) {

@@ -93,7 +93,10 @@ impl LlamaConfig {
             return bad("num_attention_heads", format!("hidden_size {} must split into heads of even size", self.hidden_size));
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
-            return bad("num_key_value_heads", format!("{} does not divide num_attention_heads {}", self.num_key_value_heads, self.num_attention_heads));
+            return bad(
+                "num_key_value_heads",
+                format!("{} does not divide num_attention_heads {}", self.num_key_value_heads, self.num_attention_heads),
+            );
         }
         Ok(())
     }
@@ -116,7 +119,8 @@ impl LlamaConfig {
 
     /// Reads a Hugging Face `config.json` (llama or qwen2).
     pub fn from_hf_json(path: &Path, text: &str) -> Result<Self, NativeError> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| NativeError::Format { path: path.into(), detail: format!("not JSON: {e}") })?;
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| NativeError::Format { path: path.into(), detail: format!("not JSON: {e}") })?;
         let field = |k: &str| v.get(k).ok_or_else(|| NativeError::MissingMetadata { path: path.into(), key: k.into() });
         let int = |k: &str| -> Result<i64, NativeError> {
             field(k)?.as_i64().ok_or_else(|| NativeError::Format { path: path.into(), detail: format!("`{k}` must be an integer") })
@@ -126,7 +130,8 @@ impl LlamaConfig {
             return Err(NativeError::UnsupportedArchitecture { path: path.into(), arch: model_type });
         }
         let heads = int("num_attention_heads")?;
-        let first_id = |k: &str| v.get(k).and_then(|x| x.as_i64().or_else(|| x.as_array().and_then(|a| a.first()).and_then(|y| y.as_i64())));
+        let first_id =
+            |k: &str| v.get(k).and_then(|x| x.as_i64().or_else(|| x.as_array().and_then(|a| a.first()).and_then(|y| y.as_i64())));
         let cfg = LlamaConfig {
             vocab_size: int("vocab_size")?,
             hidden_size: int("hidden_size")?,
@@ -227,7 +232,13 @@ impl SeqKv {
         assert!(k.device() == Device::Cpu && k.kind() == Kind::Float && k.is_contiguous() && v.is_contiguous());
         // SAFETY: contiguous float32 CPU buffers of `n` values that this cache owns and
         // `&mut self` borrows exclusively.
-        unsafe { (std::slice::from_raw_parts_mut(k.data_ptr() as *mut f32, n), std::slice::from_raw_parts_mut(v.data_ptr() as *mut f32, n), self.cap) }
+        unsafe {
+            (
+                std::slice::from_raw_parts_mut(k.data_ptr() as *mut f32, n),
+                std::slice::from_raw_parts_mut(v.data_ptr() as *mut f32, n),
+                self.cap,
+            )
+        }
     }
 
     /// Counts `n` more positions as held (written through [`SeqKv::layer`]).
@@ -389,7 +400,12 @@ impl Llama {
     /// Builds the model and copies every parameter from `tensors` (HF names, any float
     /// kind). A missing tensor or a shape mismatch is an error naming `source` and the
     /// tensor; tensors the model does not use (e.g. a tied `lm_head.weight`) are ignored.
-    pub fn from_tensors(config: LlamaConfig, tensors: &HashMap<String, Tensor>, device: Device, source: &Path) -> Result<Self, NativeError> {
+    pub fn from_tensors(
+        config: LlamaConfig,
+        tensors: &HashMap<String, Tensor>,
+        device: Device,
+        source: &Path,
+    ) -> Result<Self, NativeError> {
         let model = Llama::zeros(config, device)?;
         model.copy_from(tensors, source)?;
         Ok(model)
@@ -584,7 +600,8 @@ impl Llama {
                 s.cache.v[i].narrow(2, start, rows).copy_(&v.narrow(2, first, rows));
                 let keys = s.cache.k[i].narrow(2, 0, start + rows);
                 let values = s.cache.v[i].narrow(2, 0, start + rows);
-                let o = Tensor::scaled_dot_product_attention(&q.narrow(2, first, rows), &keys, &values, mask.as_ref(), 0.0, false, None, true);
+                let o =
+                    Tensor::scaled_dot_product_attention(&q.narrow(2, first, rows), &keys, &values, mask.as_ref(), 0.0, false, None, true);
                 att.narrow(2, first, rows).copy_(&o);
             }
             let a = att.transpose(1, 2).contiguous().view([m, heads * hd]);

@@ -46,7 +46,10 @@ impl WeightFormat {
             "f32" => Ok(WeightFormat::F32),
             "bf16" => Ok(WeightFormat::Bf16),
             "int4" => Ok(WeightFormat::Int4),
-            other => Err(NativeError::Config { field: "rollout_weights".into(), detail: format!("`{other}` is not a weight format; use f32, bf16 or int4") }),
+            other => Err(NativeError::Config {
+                field: "rollout_weights".into(),
+                detail: format!("`{other}` is not a weight format; use f32, bf16 or int4"),
+            }),
         }
     }
 }

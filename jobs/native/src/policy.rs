@@ -8,8 +8,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tch::Device;
 
-use crate::model::Llama;
 use crate::engine::{Engine, EngineConfig, Request, StopFn};
+use crate::model::Llama;
 use crate::sampler::{Finish, GenerateOptions, Generation};
 use crate::tokenizer::Tokenizer;
 use crate::NativeError;
@@ -56,7 +56,12 @@ impl NativePolicy {
     /// Generates after `prompt` on the engine; returns the generation and its text, cut
     /// before the first of `sampling.stop`. `top_logprobs` most likely tokens are recorded
     /// per position when it is not 0.
-    pub async fn generate(&self, prompt: Vec<u32>, sampling: &SamplingParams, top_logprobs: usize) -> Result<(Generation, String), PolicyError> {
+    pub async fn generate(
+        &self,
+        prompt: Vec<u32>,
+        sampling: &SamplingParams,
+        top_logprobs: usize,
+    ) -> Result<(Generation, String), PolicyError> {
         if prompt.len() as u64 >= self.context_limit {
             return Err(PolicyError::ContextLength { tokens: prompt.len() as u64, limit: self.context_limit });
         }

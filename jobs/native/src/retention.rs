@@ -145,7 +145,15 @@ pub async fn prune(store: &dyn ObjectStore, run_id: &str, policy: &Retention, be
     // every object, by step folder
     let mut folders: BTreeMap<u32, Vec<(String, u64)>> = BTreeMap::new();
     for meta in store.list(&prefix).await? {
-        let Some(step) = meta.key.strip_prefix(&prefix).and_then(|rest| rest.split('/').next()).and_then(|d| d.strip_prefix("step=")).and_then(|n| n.parse().ok()) else { continue };
+        let Some(step) = meta
+            .key
+            .strip_prefix(&prefix)
+            .and_then(|rest| rest.split('/').next())
+            .and_then(|d| d.strip_prefix("step="))
+            .and_then(|n| n.parse().ok())
+        else {
+            continue;
+        };
         folders.entry(step).or_default().push((meta.key.clone(), meta.size));
     }
     let mut manifests = BTreeMap::new();
@@ -246,7 +254,11 @@ mod tests {
         assert_eq!(fates(&p, Fate::Full), vec![3]);
         assert_eq!(fates(&p, Fate::Weights), vec![5]);
         // nothing trained yet: nothing to hold
-        let p = plan(&[Stored { step: 1, weights_step: None }, Stored { step: 2, weights_step: None }], &Retention { keep_last: Some(1), ..Default::default() }, None);
+        let p = plan(
+            &[Stored { step: 1, weights_step: None }, Stored { step: 2, weights_step: None }],
+            &Retention { keep_last: Some(1), ..Default::default() },
+            None,
+        );
         assert_eq!(fates(&p, Fate::Remove), vec![1]);
     }
 }

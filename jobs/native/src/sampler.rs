@@ -75,7 +75,10 @@ pub fn validate(prompt: &[u32], opts: &GenerateOptions, limit: usize) -> Result<
         return Err(NativeError::Config { field: "prompt".into(), detail: "is empty; give at least one token".into() });
     }
     if prompt.len() >= limit {
-        return Err(NativeError::Config { field: "prompt".into(), detail: format!("{} tokens do not fit the model context of {limit}", prompt.len()) });
+        return Err(NativeError::Config {
+            field: "prompt".into(),
+            detail: format!("{} tokens do not fit the model context of {limit}", prompt.len()),
+        });
     }
     if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
         return Err(NativeError::Config { field: "top_p".into(), detail: format!("must be in (0, 1], is {}", opts.top_p) });
@@ -220,12 +223,20 @@ mod tests {
         for case in 0..40 {
             let n = 5000;
             // peaked, flat and tied distributions
-            let raw: Vec<f64> = (0..n).map(|i| match case % 4 {
-                0 => (-(i as f64) / 50.0).exp(),
-                1 => 1.0,
-                2 => if i % 7 == 0 { 3.0 } else { 1e-6 },
-                _ => rng.random::<f64>().powi(30),
-            }).collect();
+            let raw: Vec<f64> = (0..n)
+                .map(|i| match case % 4 {
+                    0 => (-(i as f64) / 50.0).exp(),
+                    1 => 1.0,
+                    2 => {
+                        if i % 7 == 0 {
+                            3.0
+                        } else {
+                            1e-6
+                        }
+                    }
+                    _ => rng.random::<f64>().powi(30),
+                })
+                .collect();
             let z: f64 = raw.iter().sum();
             let probs: Vec<f32> = raw.iter().map(|p| (p / z) as f32).collect();
             for top_p in [0.5, 0.9, 0.95, 1.0] {
@@ -242,7 +253,14 @@ mod tests {
                         }
                     }
                     let (target, mut acc) = (u * mass, 0f64);
-                    order[..kept].iter().copied().find(|&i| { acc += probs[i] as f64; acc > target }).unwrap_or(order[kept - 1])
+                    order[..kept]
+                        .iter()
+                        .copied()
+                        .find(|&i| {
+                            acc += probs[i] as f64;
+                            acc > target
+                        })
+                        .unwrap_or(order[kept - 1])
                 };
                 assert_eq!(sample_top_p(&probs, top_p, u), full, "case {case}, top_p {top_p}");
             }

@@ -56,7 +56,9 @@ impl ChatTemplate {
         let default_system = match self {
             ChatTemplate::ChatMl { default_system } => default_system,
             ChatTemplate::Unsupported(head) => {
-                return Err(NativeError::Tokenizer(format!("the model's chat template is not ChatML (it starts `{head}`); pass a raw prompt instead of chat messages")))
+                return Err(NativeError::Tokenizer(format!(
+                    "the model's chat template is not ChatML (it starts `{head}`); pass a raw prompt instead of chat messages"
+                )))
             }
         };
         let mut out = String::new();
@@ -97,7 +99,8 @@ fn tok_err(path: &Path, e: impl std::fmt::Display) -> NativeError {
 }
 
 // Pre-tokenizer regexes of llama.cpp's vocabulary pre-types (llama-vocab.cpp).
-const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 impl Tokenizer {
@@ -191,7 +194,8 @@ impl Tokenizer {
         let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
         let template_text = cfg.get("chat_template").and_then(|v| v.as_str()).map(str::to_string);
         let template = template_text.as_deref().map(ChatTemplate::from_jinja).unwrap_or(ChatTemplate::ChatMl { default_system: None });
-        let mut stop: Vec<u32> = [eos_id, inner.token_to_id("<|im_end|>"), inner.token_to_id("<|endoftext|>")].into_iter().flatten().collect();
+        let mut stop: Vec<u32> =
+            [eos_id, inner.token_to_id("<|im_end|>"), inner.token_to_id("<|endoftext|>")].into_iter().flatten().collect();
         stop.sort();
         stop.dedup();
         Ok(Tokenizer { inner, bos_id, eos_id, add_bos, template, template_text, stop })
@@ -285,7 +289,15 @@ pub fn word_level(words: &[&str]) -> Tokenizer {
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
     });
     let inner = tokenizers::Tokenizer::from_bytes(json.to_string()).expect("valid word-level tokenizer");
-    Tokenizer { inner, bos_id: None, eos_id: Some(1), add_bos: false, template: ChatTemplate::ChatMl { default_system: None }, template_text: None, stop: vec![1] }
+    Tokenizer {
+        inner,
+        bos_id: None,
+        eos_id: Some(1),
+        add_bos: false,
+        template: ChatTemplate::ChatMl { default_system: None },
+        template_text: None,
+        stop: vec![1],
+    }
 }
 
 fn regex_then_bytes(path: &Path, regex: &str) -> Result<PreTokenizerWrapper, NativeError> {

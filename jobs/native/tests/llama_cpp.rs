@@ -73,8 +73,15 @@ struct References {
 }
 
 fn llama_cpp(gguf: &std::path::Path, prompt: &str, n: usize) -> References {
-    let out = Command::new("python3").args(["-c", REFERENCE, gguf.to_str().unwrap(), prompt, &n.to_string()]).output().expect("python3 must be on PATH");
-    assert!(out.status.success(), "llama-cpp-python reference failed (pip install llama-cpp-python): {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("python3")
+        .args(["-c", REFERENCE, gguf.to_str().unwrap(), prompt, &n.to_string()])
+        .output()
+        .expect("python3 must be on PATH");
+    assert!(
+        out.status.success(),
+        "llama-cpp-python reference failed (pip install llama-cpp-python): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).expect("reference JSON")
 }
 
@@ -108,7 +115,13 @@ fn greedy_decoding_and_logits_match_llama_cpp() {
 
     // No stop tokens: compare all N greedy tokens, through any end-of-turn marker.
     let gen = sampler::generate(&model, &ids, &sampler::GenerateOptions::greedy(N), &[]).unwrap();
-    eprintln!("ours:            {:?}\nllama.cpp (F32):  {:?}\nllama.cpp (Q4_1): {:?}\ntext: {:?}", gen.tokens, reference.tokens, quantized.tokens, tok.decode(&gen.tokens).unwrap());
+    eprintln!(
+        "ours:            {:?}\nllama.cpp (F32):  {:?}\nllama.cpp (Q4_1): {:?}\ntext: {:?}",
+        gen.tokens,
+        reference.tokens,
+        quantized.tokens,
+        tok.decode(&gen.tokens).unwrap()
+    );
     for (name, r) in [("F32", &reference), ("quantized", &quantized)] {
         let agree = gen.tokens.iter().zip(&r.tokens).take_while(|(a, b)| a == b).count();
         assert!(agree >= 20, "greedy tokens agree with llama.cpp ({name}) for only {agree} of {N}");
@@ -155,7 +168,8 @@ fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
         let bytes = native::export::gguf_bytes_as(&base, &model, ty).unwrap();
         sizes.push(bytes.len());
         std::fs::write(&exported, bytes).unwrap();
-        let out = Command::new("python3").args(["-c", REFERENCE, exported.to_str().unwrap(), prompt, &N.to_string(), "as-is"]).output().unwrap();
+        let out =
+            Command::new("python3").args(["-c", REFERENCE, exported.to_str().unwrap(), prompt, &N.to_string(), "as-is"]).output().unwrap();
         assert!(out.status.success(), "llama.cpp could not run the exported {ty:?} GGUF: {}", String::from_utf8_lossy(&out.stderr));
         let theirs: Reference = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(ids, theirs.prompt_tokens, "the exported tokenizer tokenizes as ours");
@@ -163,7 +177,12 @@ fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
         let agree = gen.tokens.iter().zip(&theirs.tokens).take_while(|(a, b)| a == b).count();
         eprintln!("exported {ty:?} GGUF: first-token logits relative L2 error {rel:.2e} (the change itself moved them by {moved:.2e}); greedy tokens agree for {agree} of {N}");
         assert!(rel < tol && rel < share * moved, "llama.cpp on the exported {ty:?} GGUF: error {rel:.3e}, change {moved:.3e}");
-        assert!(agree >= tokens, "{ty:?}: greedy tokens agree for only {agree} of {N}: ours {:?}, llama.cpp {:?}", gen.tokens, theirs.tokens);
+        assert!(
+            agree >= tokens,
+            "{ty:?}: greedy tokens agree for only {agree} of {N}: ours {:?}, llama.cpp {:?}",
+            gen.tokens,
+            theirs.tokens
+        );
     }
     assert!(sizes[1] * 3 < sizes[0], "Q8_0 export is not a third of F32's size: {sizes:?}");
 }

@@ -124,11 +124,9 @@ impl WireMessage {
     pub fn text(&self) -> String {
         match &self.content {
             Value::String(s) => s.clone(),
-            Value::Array(parts) => parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str).or_else(|| p.as_str()))
-                .collect::<Vec<_>>()
-                .join("\n"),
+            Value::Array(parts) => {
+                parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str).or_else(|| p.as_str())).collect::<Vec<_>>().join("\n")
+            }
             Value::Null => String::new(),
             other => other.to_string(),
         }
@@ -299,7 +297,9 @@ impl HttpConfig {
         if self.task_set.trim().is_empty() {
             return Err(HttpConfigError::Setting { field: "task_set", reason: "is empty: name the server's task set".into() });
         }
-        for (field, d) in [("start_timeout", self.start_timeout), ("request_timeout", self.request_timeout), ("connect_timeout", self.connect_timeout)] {
+        for (field, d) in
+            [("start_timeout", self.start_timeout), ("request_timeout", self.request_timeout), ("connect_timeout", self.connect_timeout)]
+        {
             if d.is_zero() {
                 return Err(HttpConfigError::Setting { field, reason: "must be more than 0 seconds".into() });
             }
@@ -349,7 +349,9 @@ pub fn parse_indices(text: &str) -> Result<Vec<u64>, String> {
     for part in text.split(',') {
         let part = part.trim();
         let number = |s: &str| {
-            s.trim().parse::<u64>().map_err(|_| format!("`{s}` in \"{text}\" is not a whole number (write indices such as \"0-39\" or \"0-9,20\")"))
+            s.trim()
+                .parse::<u64>()
+                .map_err(|_| format!("`{s}` in \"{text}\" is not a whole number (write indices such as \"0-39\" or \"0-9,20\")"))
         };
         let (lo, hi) = match part.split_once('-') {
             Some((a, b)) => (number(a)?, number(b)?),
@@ -581,9 +583,7 @@ impl HttpEnv {
     }
 
     fn episode_mut(&mut self, operation: &'static str) -> Result<&mut Episode, EnvError> {
-        self.episode
-            .as_mut()
-            .ok_or_else(|| EnvError::State { operation, reason: "no episode is running; call reset first".into() })
+        self.episode.as_mut().ok_or_else(|| EnvError::State { operation, reason: "no episode is running; call reset first".into() })
     }
 
     /// Notes what a response says about the episode's end.
@@ -831,7 +831,8 @@ mod tests {
 
     #[test]
     fn status_errors_are_typed() {
-        let s = |code: u16, session: Option<&str>| status_error("b", "interact", session, reqwest::StatusCode::from_u16(code).unwrap(), "x");
+        let s =
+            |code: u16, session: Option<&str>| status_error("b", "interact", session, reqwest::StatusCode::from_u16(code).unwrap(), "x");
         assert!(s(503, Some("a")).is_transient());
         assert!(s(429, None).is_transient());
         assert!(s(404, Some("a")).is_transient(), "a lost session: the episode can run again");
@@ -855,7 +856,10 @@ mod tests {
         assert_eq!(ToolSpec::from(foreign.tools[0].clone()).name, "execute_sql");
         assert!(foreign.info.is_none());
         let tool = WireTool::from(&ToolSpec { name: "t".into(), description: "d".into(), parameters: json!({}) });
-        assert_eq!(serde_json::to_value(&tool).unwrap(), json!({"type": "function", "function": {"name": "t", "description": "d", "parameters": {}}}));
+        assert_eq!(
+            serde_json::to_value(&tool).unwrap(),
+            json!({"type": "function", "function": {"name": "t", "description": "d", "parameters": {}}})
+        );
         assert_eq!(SampleIndex::of_task_id("17"), SampleIndex::Number(17));
         assert_eq!(SampleIndex::of_task_id("a-1"), SampleIndex::Text("a-1".into()));
         let start: StartRequest = serde_json::from_value(json!({"name": "x", "index": 3})).unwrap();

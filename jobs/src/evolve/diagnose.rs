@@ -97,8 +97,7 @@ pub trait Diagnoser: Send + Sync {
 /// Whether a row is a failure the harness can be blamed for: unsuccessful, and not ended by
 /// an infrastructure, timeout or policy-server error.
 pub fn is_valid_failure(row: &Trajectory) -> bool {
-    !row.success
-        && !matches!(row.error_class, Some(ErrorClass::Infra | ErrorClass::Timeout | ErrorClass::Policy))
+    !row.success && !matches!(row.error_class, Some(ErrorClass::Infra | ErrorClass::Timeout | ErrorClass::Policy))
 }
 
 /// The built-in rule-based diagnoser.
@@ -149,7 +148,10 @@ fn actions(row: &Trajectory) -> Vec<Action<'_>> {
             (Role::Tool, TurnSource::Env) => {
                 let (tool, args) = match pending.take() {
                     Some(p) => p,
-                    None => (t.tool_name.as_deref().unwrap_or(""), t.tool_args.as_deref().and_then(|a| serde_json::from_str(a).ok()).unwrap_or(Value::Null)),
+                    None => (
+                        t.tool_name.as_deref().unwrap_or(""),
+                        t.tool_args.as_deref().and_then(|a| serde_json::from_str(a).ok()).unwrap_or(Value::Null),
+                    ),
                 };
                 out.push(Action { tool, args, result: Some(t.text.as_str()) });
             }
@@ -241,18 +243,21 @@ pub fn diagnose_trajectory(row: &Trajectory) -> Vec<Finding> {
     let prose = row.turns.iter().filter(|t| t.source == TurnSource::Policy && t.tool_name.is_none() && !t.text.trim().is_empty()).count();
     if prose > 0 {
         let first = row.turns.iter().find(|t| t.source == TurnSource::Policy && t.tool_name.is_none() && !t.text.trim().is_empty());
-        add(&mut out, codes::PROSE_ANSWER, format!("{prose} repl(ies) without a tool call, e.g. \"{}\"", clip(first.map(|t| t.text.as_str()).unwrap_or(""), 80)));
+        add(
+            &mut out,
+            codes::PROSE_ANSWER,
+            format!("{prose} repl(ies) without a tool call, e.g. \"{}\"", clip(first.map(|t| t.text.as_str()).unwrap_or(""), 80)),
+        );
     }
-    let unparsed = row
-        .turns
-        .iter()
-        .filter(|t| t.source == TurnSource::Policy && t.tool_name.is_none())
-        .find_map(|t| reading::stated_sql(&t.text));
+    let unparsed =
+        row.turns.iter().filter(|t| t.source == TurnSource::Policy && t.tool_name.is_none()).find_map(|t| reading::stated_sql(&t.text));
     if let Some(sql) = unparsed {
         add(&mut out, codes::UNPARSED_ACTION, format!("SQL in prose, never run: `{}`", clip(sql, 80)));
     }
     if commit.is_none() {
-        if let Some((q, r)) = queries.iter().rev().find_map(|a| Some((query_of(a)?, a.result.filter(|r| reading::single_value(r).is_some())?))) {
+        if let Some((q, r)) =
+            queries.iter().rev().find_map(|a| Some((query_of(a)?, a.result.filter(|r| reading::single_value(r).is_some())?)))
+        {
             add(&mut out, codes::RESULT_NOT_COMMITTED, format!("`{}` returned {} and nothing was committed", clip(&q, 60), clip(r, 40)));
         }
     }
@@ -281,16 +286,27 @@ pub fn diagnose_trajectory(row: &Trajectory) -> Vec<Finding> {
             if queries.is_empty() && !is_write {
                 add(&mut out, codes::NO_QUERY, "committed without any query".into());
             }
-            let answers: Vec<String> = c.args.get("answers").and_then(Value::as_array)
+            let answers: Vec<String> = c
+                .args
+                .get("answers")
+                .and_then(Value::as_array)
                 .map(|a| a.iter().map(|v| v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string())).collect())
                 .unwrap_or_default();
             let last_result = queries.iter().rev().find_map(|a| a.result).unwrap_or("");
             let bare = answers.iter().all(|a| !a.contains(' ') || last_result.contains(a.as_str()));
             let copied = !answers.is_empty() && answers.iter().all(|a| last_result.contains(a.trim()));
             if !is_write && (!bare || answers.is_empty() || (!copied && c.args.get("answers").is_none())) {
-                add(&mut out, codes::ANSWER_FORMAT, format!("committed {} after result {}", clip(&c.args.to_string(), 60), clip(last_result, 60)));
+                add(
+                    &mut out,
+                    codes::ANSWER_FORMAT,
+                    format!("committed {} after result {}", clip(&c.args.to_string(), 60), clip(last_result, 60)),
+                );
             } else if !is_write && !copied && !last_result.is_empty() {
-                add(&mut out, codes::ANSWER_FORMAT, format!("committed {} which the last result {} does not show", clip(&c.args.to_string(), 60), clip(last_result, 60)));
+                add(
+                    &mut out,
+                    codes::ANSWER_FORMAT,
+                    format!("committed {} which the last result {} does not show", clip(&c.args.to_string(), 60), clip(last_result, 60)),
+                );
             } else if !out.iter().any(|f| f.cause == codes::WRONG_AGGREGATE || f.cause == codes::WRITE_NOT_EXECUTED) {
                 add(&mut out, codes::WRONG_ANSWER, format!("committed {}", clip(&c.args.to_string(), 80)));
             }
@@ -305,7 +321,11 @@ pub fn diagnose_trajectory(row: &Trajectory) -> Vec<Finding> {
             add(&mut out, codes::ROUND_LIMIT, format!("round limit reached after {} actions", row.env_actions));
         }
         (Termination::ContextLimit | Termination::Error, _) => {
-            add(&mut out, codes::NEVER_COMMITTED, format!("ended by {:?}: {}", row.termination, clip(row.error_message.as_deref().unwrap_or(""), 80)));
+            add(
+                &mut out,
+                codes::NEVER_COMMITTED,
+                format!("ended by {:?}: {}", row.termination, clip(row.error_message.as_deref().unwrap_or(""), 80)),
+            );
         }
     }
     if out.is_empty() {
@@ -326,9 +346,8 @@ fn unquoted_multiword(query: &str, row: &Trajectory) -> bool {
             }
         }
     }
-    names.iter().any(|n| {
-        query.contains(n.as_str()) && !query.contains(&format!("`{n}`")) && !query.contains(&format!("\"{n}\""))
-    }) || (!names.is_empty() && names.iter().any(|n| n.split(' ').next().is_some_and(|w| query.contains(&format!("FROM {w} ")))))
+    names.iter().any(|n| query.contains(n.as_str()) && !query.contains(&format!("`{n}`")) && !query.contains(&format!("\"{n}\"")))
+        || (!names.is_empty() && names.iter().any(|n| n.split(' ').next().is_some_and(|w| query.contains(&format!("FROM {w} ")))))
 }
 
 /// An LLM diagnoser: one strict-JSON call per failed row.
@@ -403,10 +422,11 @@ impl Diagnoser for LlmDiagnoser<'_> {
             let mut findings = None;
             let mut last_problem = String::new();
             for _ in 0..2 {
-                let reply = self.policy.chat(&messages, &[], &self.sampling).await.map_err(|e| DiagnoseError::Failed {
-                    diagnoser: "llm".into(),
-                    detail: format!("task `{}`: {e}", row.task_id),
-                })?;
+                let reply = self
+                    .policy
+                    .chat(&messages, &[], &self.sampling)
+                    .await
+                    .map_err(|e| DiagnoseError::Failed { diagnoser: "llm".into(), detail: format!("task `{}`: {e}", row.task_id) })?;
                 match parse_diagnosis(&reply.text) {
                     Ok(f) => {
                         findings = Some(f);
@@ -415,12 +435,22 @@ impl Diagnoser for LlmDiagnoser<'_> {
                     Err(problem) => {
                         last_problem = problem.clone();
                         messages.push(Message::new(Role::Assistant, reply.text));
-                        messages.push(Message::new(Role::User, format!("That reply is unusable ({problem}). Answer with the JSON object only.")));
+                        messages.push(Message::new(
+                            Role::User,
+                            format!("That reply is unusable ({problem}). Answer with the JSON object only."),
+                        ));
                     }
                 }
             }
-            let findings = findings.unwrap_or_else(|| vec![Finding { cause: codes::UNRESOLVED.into(), evidence: format!("diagnoser reply unusable: {last_problem}") }]);
-            out.push(TaskDiagnosis { task_id: row.task_id.clone(), task_type: row.task_type.clone(), harness_id: row.harness_id.clone(), findings });
+            let findings = findings.unwrap_or_else(|| {
+                vec![Finding { cause: codes::UNRESOLVED.into(), evidence: format!("diagnoser reply unusable: {last_problem}") }]
+            });
+            out.push(TaskDiagnosis {
+                task_id: row.task_id.clone(),
+                task_type: row.task_type.clone(),
+                harness_id: row.harness_id.clone(),
+                findings,
+            });
         }
         Ok(out)
     }
@@ -433,19 +463,54 @@ mod tests {
 
     fn turn(role: Role, source: TurnSource, text: &str, tool: Option<(&str, Value)>) -> Turn {
         Turn {
-            index: 0, role, source, text: text.into(), token_ids: vec![], logprobs: vec![], loss_mask: vec![],
-            tool_name: tool.as_ref().map(|t| t.0.to_string()), tool_args: tool.map(|t| t.1.to_string()), hook_id: None, prompt_token_count: 0, prompt_hash: None,
+            index: 0,
+            role,
+            source,
+            text: text.into(),
+            token_ids: vec![],
+            logprobs: vec![],
+            loss_mask: vec![],
+            tool_name: tool.as_ref().map(|t| t.0.to_string()),
+            tool_args: tool.map(|t| t.1.to_string()),
+            hook_id: None,
+            prompt_token_count: 0,
+            prompt_hash: None,
         }
     }
 
     fn row(task_type: &str, termination: Termination, turns: Vec<Turn>) -> Trajectory {
         Trajectory {
-            trajectory_id: "t".into(), run_id: "r".into(), job_id: "j".into(), step: 0, kind: RolloutKind::Eval, split: Split::Train,
-            task_id: "task".into(), task_type: task_type.into(), group_id: "g".into(), attempt: 0, harness_id: "h0".into(),
-            harness_version: "v".into(), policy_checkpoint: "p".into(), seed: 1, reward: 0.0, success: false, termination,
-            error_class: None, error_message: None, prompt_tokens: 0,
-            completion_tokens: 0, harness_tokens: 0, model_calls: 3, env_actions: 2, started_at_ms: 0, duration_ms: 0,
-            policy_ms: 0, env_ms: 0, temperature: 1.0, tool_view: String::new(), turns,
+            trajectory_id: "t".into(),
+            run_id: "r".into(),
+            job_id: "j".into(),
+            step: 0,
+            kind: RolloutKind::Eval,
+            split: Split::Train,
+            task_id: "task".into(),
+            task_type: task_type.into(),
+            group_id: "g".into(),
+            attempt: 0,
+            harness_id: "h0".into(),
+            harness_version: "v".into(),
+            policy_checkpoint: "p".into(),
+            seed: 1,
+            reward: 0.0,
+            success: false,
+            termination,
+            error_class: None,
+            error_message: None,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            harness_tokens: 0,
+            model_calls: 3,
+            env_actions: 2,
+            started_at_ms: 0,
+            duration_ms: 0,
+            policy_ms: 0,
+            env_ms: 0,
+            temperature: 1.0,
+            tool_view: String::new(),
+            turns,
         }
     }
 
@@ -467,23 +532,31 @@ mod tests {
 
     #[test]
     fn prose_after_a_result_and_no_commit() {
-        let r = row("counting", Termination::BudgetExhausted, vec![
-            task("The name of this table is people, and the headers of this table are name,age.\nQuestion: How many?"),
-            sql("SELECT count(*) FROM people WHERE age > 30"),
-            result("[(2,)]"),
-            turn(Role::Assistant, TurnSource::Policy, "The output is 2.", None),
-            turn(Role::User, TurnSource::Harness, "Your reply called no tool.", None),
-        ]);
+        let r = row(
+            "counting",
+            Termination::BudgetExhausted,
+            vec![
+                task("The name of this table is people, and the headers of this table are name,age.\nQuestion: How many?"),
+                sql("SELECT count(*) FROM people WHERE age > 30"),
+                result("[(2,)]"),
+                turn(Role::Assistant, TurnSource::Policy, "The output is 2.", None),
+                turn(Role::User, TurnSource::Harness, "Your reply called no tool.", None),
+            ],
+        );
         assert_eq!(causes(&r), vec!["prose_answer", "result_not_committed", "never_committed", "budget_exhausted"]);
     }
 
     #[test]
     fn sql_written_in_prose_is_an_unparsed_action() {
-        let r = row("counting", Termination::BudgetExhausted, vec![
-            task("Question: How many cities have area greater than 25?"),
-            turn(Role::Assistant, TurnSource::Policy, "Shorter version:\nSELECT COUNT(*) FROM cities WHERE area > 25;", None),
-            turn(Role::User, TurnSource::Harness, "Your reply called no tool.", None),
-        ]);
+        let r = row(
+            "counting",
+            Termination::BudgetExhausted,
+            vec![
+                task("Question: How many cities have area greater than 25?"),
+                turn(Role::Assistant, TurnSource::Policy, "Shorter version:\nSELECT COUNT(*) FROM cities WHERE area > 25;", None),
+                turn(Role::User, TurnSource::Harness, "Your reply called no tool.", None),
+            ],
+        );
         let found = diagnose_trajectory(&r);
         assert_eq!(found[1].cause, "unparsed_action");
         assert!(found[1].evidence.contains("`SELECT COUNT(*) FROM cities WHERE area > 25;`"), "{found:?}");
@@ -495,28 +568,58 @@ mod tests {
     #[test]
     fn identifier_errors_repeats_and_round_limit() {
         let q = "SELECT count(*) FROM Employee Records";
-        let r = row("counting", Termination::RoundLimit, vec![
-            task("The name of this table is Employee Records, and the headers of this table are name,age.\nQuestion: How many?"),
-            sql(q),
-            result("SQLite execution error: near \"Records\": syntax error"),
-            sql(q),
-            result("SQLite execution error: near \"Records\": syntax error"),
-        ]);
+        let r = row(
+            "counting",
+            Termination::RoundLimit,
+            vec![
+                task("The name of this table is Employee Records, and the headers of this table are name,age.\nQuestion: How many?"),
+                sql(q),
+                result("SQLite execution error: near \"Records\": syntax error"),
+                sql(q),
+                result("SQLite execution error: near \"Records\": syntax error"),
+            ],
+        );
         assert_eq!(causes(&r), vec!["identifier_error", "repeated_action", "never_committed", "round_limit"]);
-        let r = row("ranking", Termination::RoundLimit, vec![task("t"), sql("SELECT name FROM t WHERE x = 1"), result("SQLite execution error: no such column: x")]);
+        let r = row(
+            "ranking",
+            Termination::RoundLimit,
+            vec![task("t"), sql("SELECT name FROM t WHERE x = 1"), result("SQLite execution error: no such column: x")],
+        );
         assert!(causes(&r).contains(&"identifier_error".to_string()));
     }
 
     #[test]
     fn committed_failures_name_the_answer_problem() {
-        let commit = |a: Value| turn(Role::Assistant, TurnSource::Policy, "", Some(("commit_final_answer", serde_json::json!({"answers": a}))));
-        let wrong_op = row("aggregation-AVG", Termination::Committed, vec![task("t"), sql("SELECT SUM(age) FROM t"), result("[(62,)]"), commit(serde_json::json!(["62"]))]);
+        let commit =
+            |a: Value| turn(Role::Assistant, TurnSource::Policy, "", Some(("commit_final_answer", serde_json::json!({"answers": a}))));
+        let wrong_op = row(
+            "aggregation-AVG",
+            Termination::Committed,
+            vec![task("t"), sql("SELECT SUM(age) FROM t"), result("[(62,)]"), commit(serde_json::json!(["62"]))],
+        );
         assert_eq!(causes(&wrong_op), vec!["wrong_aggregate"]);
-        let prose = row("counting", Termination::Committed, vec![task("t"), sql("SELECT count(*) FROM t"), result("[(2,)]"), commit(serde_json::json!(["there are two people"]))]);
+        let prose = row(
+            "counting",
+            Termination::Committed,
+            vec![task("t"), sql("SELECT count(*) FROM t"), result("[(2,)]"), commit(serde_json::json!(["there are two people"]))],
+        );
         assert_eq!(causes(&prose), vec!["answer_format"]);
-        let empty = row("ranking", Termination::Committed, vec![task("t"), sql("SELECT name FROM t WHERE name = 'x'"), result("No response from database."), commit(serde_json::json!(["x"]))]);
+        let empty = row(
+            "ranking",
+            Termination::Committed,
+            vec![
+                task("t"),
+                sql("SELECT name FROM t WHERE name = 'x'"),
+                result("No response from database."),
+                commit(serde_json::json!(["x"])),
+            ],
+        );
         assert!(causes(&empty).contains(&"empty_result".to_string()));
-        let write = row("INSERT", Termination::Committed, vec![task("t"), sql("SELECT * FROM t"), result("[('a', 1)]"), commit(serde_json::json!([]))]);
+        let write = row(
+            "INSERT",
+            Termination::Committed,
+            vec![task("t"), sql("SELECT * FROM t"), result("[('a', 1)]"), commit(serde_json::json!([]))],
+        );
         assert_eq!(causes(&write), vec!["write_not_executed"]);
         let mut infra = row("counting", Termination::Error, vec![]);
         infra.error_class = Some(ErrorClass::Infra);

@@ -77,7 +77,11 @@ pub fn cause_support(diagnoses: &[TaskDiagnosis]) -> BTreeMap<String, BTreeSet<S
 fn jaccard(a: &BTreeSet<String>, b: &BTreeSet<String>) -> f64 {
     let inter = a.intersection(b).count() as f64;
     let union = a.union(b).count() as f64;
-    if union == 0.0 { 0.0 } else { inter / union }
+    if union == 0.0 {
+        0.0
+    } else {
+        inter / union
+    }
 }
 
 /// Forms at most `limit` directions from one parent's diagnoses (Eq. 2's D_g(H)).
@@ -98,11 +102,8 @@ pub fn form_directions(diagnoses: &[TaskDiagnosis], settings: &DirectionSettings
         if out.len() >= limit {
             break;
         }
-        let mut partners: Vec<(&String, bool, f64)> = qualifying
-            .iter()
-            .filter(|(c, _)| c != seed)
-            .map(|(c, t)| (*c, family(c) == family(seed), jaccard(seed_tasks, t)))
-            .collect();
+        let mut partners: Vec<(&String, bool, f64)> =
+            qualifying.iter().filter(|(c, _)| c != seed).map(|(c, t)| (*c, family(c) == family(seed), jaccard(seed_tasks, t))).collect();
         // Same family first, then co-occurrence, then code: deterministic.
         partners.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then_with(|| a.0.cmp(b.0)));
         // Largest related set first; when that set was already formed from another seed,
@@ -124,13 +125,8 @@ pub fn form_directions(diagnoses: &[TaskDiagnosis], settings: &DirectionSettings
             }
         }
         let Some(causes) = causes else { continue };
-        let support: BTreeMap<String, BTreeSet<String>> =
-            causes.iter().map(|c| (c.clone(), support[c].clone())).collect();
-        let summary = causes
-            .iter()
-            .map(|c| format!("{c} ({} tasks)", support[c].len()))
-            .collect::<Vec<_>>()
-            .join(" + ");
+        let support: BTreeMap<String, BTreeSet<String>> = causes.iter().map(|c| (c.clone(), support[c].clone())).collect();
+        let summary = causes.iter().map(|c| format!("{c} ({} tasks)", support[c].len())).collect::<Vec<_>>().join(" + ");
         out.push(Direction { causes, support, summary });
     }
     out
@@ -182,7 +178,8 @@ mod tests {
     #[test]
     fn one_family_of_causes_still_gives_one_direction_per_seed() {
         // The weak-policy pattern: every failure shows the same three finishing causes.
-        let d: Vec<TaskDiagnosis> = (0..4).map(|i| diag(&format!("t{i}"), &["never_committed", "budget_exhausted", "prose_answer"])).collect();
+        let d: Vec<TaskDiagnosis> =
+            (0..4).map(|i| diag(&format!("t{i}"), &["never_committed", "budget_exhausted", "prose_answer"])).collect();
         let dirs = form_directions(&d, &DirectionSettings::default(), 10);
         let sets: Vec<BTreeSet<String>> = dirs.iter().map(|d| d.causes.iter().cloned().collect()).collect();
         assert_eq!(dirs.len(), 3, "{dirs:?}");

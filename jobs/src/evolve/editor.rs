@@ -89,7 +89,8 @@ fn example(name: &str, turns: &[(&str, &str)]) -> Value {
 }
 
 const EXAMPLE_TASK_COMPARE: &str = "The name of this table is fruits, and the headers of this table are name,price.\nQuestion: Which fruit has a higher price: Apple or Pear?";
-const EXAMPLE_TASK_COUNT: &str = "The name of this table is fruits, and the headers of this table are name,price.\nQuestion: How many fruits have price greater than 4?";
+const EXAMPLE_TASK_COUNT: &str =
+    "The name of this table is fruits, and the headers of this table are name,price.\nQuestion: How many fruits have price greater than 4?";
 
 fn example_final_answer() -> Value {
     example("final-answer", &[("user", EXAMPLE_TASK_COMPARE), ("assistant", "Final Answer: [\"Pear\"]")])
@@ -98,7 +99,12 @@ fn example_final_answer() -> Value {
 fn example_query_answer() -> Value {
     example(
         "query-then-answer",
-        &[("user", EXAMPLE_TASK_COUNT), ("assistant", "```sql\nSELECT COUNT(*) FROM fruits WHERE price > 4;\n```"), ("tool", "[(2,)]"), ("assistant", "Final Answer: [\"2\"]")],
+        &[
+            ("user", EXAMPLE_TASK_COUNT),
+            ("assistant", "```sql\nSELECT COUNT(*) FROM fruits WHERE price > 4;\n```"),
+            ("tool", "[(2,)]"),
+            ("assistant", "Final Answer: [\"2\"]"),
+        ],
     )
 }
 
@@ -134,85 +140,158 @@ pub fn repairs_for(cause: &str, threshold: u32) -> Vec<Repair> {
     match cause {
         codes::NEVER_COMMITTED | codes::BUDGET_EXHAUSTED | codes::ROUND_LIMIT => vec![
             r("example:query-answer", example_query_answer()),
-            r("hook:low-budget", json!({"hooks": [hook("commit-when-low", "after_tool", json!("remaining_steps_lte"), "warn", COMMIT_NOW, json!({"threshold": threshold}))]})),
-            r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
-                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
-            r("prompt:answer-format", json!({"prompt_rules": [{"slot": "answer_format", "text":
-                "First run one SELECT in a ```sql block. As soon as the result contains the answer, commit it with the line Final Answer: [\"<value>\"]. Never end an episode without committing an answer."}]})),
+            r(
+                "hook:low-budget",
+                json!({"hooks": [hook("commit-when-low", "after_tool", json!("remaining_steps_lte"), "warn", COMMIT_NOW, json!({"threshold": threshold}))]}),
+            ),
+            r(
+                "hook:after-result",
+                json!({"hooks": [hook("commit-after-result", "after_tool",
+                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]}),
+            ),
+            r(
+                "prompt:answer-format",
+                json!({"prompt_rules": [{"slot": "answer_format", "text":
+                "First run one SELECT in a ```sql block. As soon as the result contains the answer, commit it with the line Final Answer: [\"<value>\"]. Never end an episode without committing an answer."}]}),
+            ),
             r("hook:commit-stated-number", commit_stated("commit-stated-number", STATED_NUMBER_PATTERN)),
         ],
         codes::PROSE_ANSWER => vec![
             r("example:final-answer", example_final_answer()),
-            r("hook:no-prose", json!({"hooks": [hook("no-prose", "before_decision", json!("text_only_reply"), "warn", NO_PROSE, json!({}))]})),
-            r("skill:commit", json!({"skills": [{"name": "commit-answer", "text":
-                "1. Run one SELECT that computes the value.\n2. Read the value from the result, e.g. [(2,)] means 2.\n3. Call commit_final_answer with answers: [\"2\"]."}]})),
-            r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
-                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
+            r(
+                "hook:no-prose",
+                json!({"hooks": [hook("no-prose", "before_decision", json!("text_only_reply"), "warn", NO_PROSE, json!({}))]}),
+            ),
+            r(
+                "skill:commit",
+                json!({"skills": [{"name": "commit-answer", "text":
+                "1. Run one SELECT that computes the value.\n2. Read the value from the result, e.g. [(2,)] means 2.\n3. Call commit_final_answer with answers: [\"2\"]."}]}),
+            ),
+            r(
+                "hook:after-result",
+                json!({"hooks": [hook("commit-after-result", "after_tool",
+                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]}),
+            ),
             r("hook:commit-stated-name", commit_stated("commit-stated-name", STATED_NAME_PATTERN)),
             r("hook:commit-stated-answer", commit_stated("commit-stated-answer", STATED_ANSWER_PATTERN)),
         ],
         codes::UNPARSED_ACTION => vec![
-            r("prompt:sql-fence", json!({"prompt_rules": [{"slot": "answer_format", "text":
-                "Write every query inside a ```sql block; SQL anywhere else is not run."}]})),
+            r(
+                "prompt:sql-fence",
+                json!({"prompt_rules": [{"slot": "answer_format", "text":
+                "Write every query inside a ```sql block; SQL anywhere else is not run."}]}),
+            ),
             r("example:query-answer", example_query_answer()),
-            r("hook:run-stated-sql", json!({"hooks": [hook("run-stated-sql", "before_decision", json!("text_only_reply"), "force_action", "",
+            r(
+                "hook:run-stated-sql",
+                json!({"hooks": [hook("run-stated-sql", "before_decision", json!("text_only_reply"), "force_action", "",
                 json!({"max_fires": 2, "extract": extract("sql", "state.last_reply", STATED_SQL_PATTERN),
-                       "tool": "execute_sql", "args": {"query": "{{extract.sql}}"}}))]})),
+                       "tool": "execute_sql", "args": {"query": "{{extract.sql}}"}}))]}),
+            ),
         ],
         codes::RESULT_NOT_COMMITTED => vec![
-            r("hook:after-result", json!({"hooks": [hook("commit-after-result", "after_tool",
-                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]})),
+            r(
+                "hook:after-result",
+                json!({"hooks": [hook("commit-after-result", "after_tool",
+                json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "warn", COMMIT_AFTER_RESULT, json!({"max_fires": 2}))]}),
+            ),
             r("example:query-answer", example_query_answer()),
-            r("hook:commit-single-value", json!({"hooks": [hook("commit-single-value", "after_tool",
+            r(
+                "hook:commit-single-value",
+                json!({"hooks": [hook("commit-single-value", "after_tool",
                 json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"not": "last_action_failed"}]}), "force_action", "",
                 json!({"max_fires": 1, "extract": extract("value", "observation.text", SINGLE_VALUE_PATTERN),
-                       "tool": "commit_final_answer", "args": {"answers": ["{{extract.value}}"]}}))]})),
+                       "tool": "commit_final_answer", "args": {"answers": ["{{extract.value}}"]}}))]}),
+            ),
         ],
         codes::IDENTIFIER_ERROR => vec![
-            r("hook:block-unquoted", json!({"hooks": [hook("quote-identifiers", "before_action",
+            r(
+                "hook:block-unquoted",
+                json!({"hooks": [hook("quote-identifiers", "before_action",
                 json!({"all": [{"eq": ["action.tool", "execute_sql"]}, {"eq": ["state.features.difficulty", "hard"]}, {"not": {"contains": ["action.args.query", "`"]}}]}),
-                "block_and_prompt", "Blocked: table and column names with spaces must be quoted with backticks, e.g. SELECT * FROM `Employee Records`. Rewrite the query with backticks.", json!({"max_fires": 2}))]})),
-            r("prompt:quoting", json!({"prompt_rules": [{"slot": "error_recovery", "text":
-                "If a query fails on a table or column name, quote every identifier with backticks (`Table Name`.`column`) and retry once."}]})),
-            r("hook:after-error", json!({"hooks": [hook("quote-after-error", "after_tool", json!("last_action_failed"), "warn",
-                "The query failed. Check the exact table and column names in the task and quote them with backticks.", json!({"max_fires": 2}))]})),
+                "block_and_prompt", "Blocked: table and column names with spaces must be quoted with backticks, e.g. SELECT * FROM `Employee Records`. Rewrite the query with backticks.", json!({"max_fires": 2}))]}),
+            ),
+            r(
+                "prompt:quoting",
+                json!({"prompt_rules": [{"slot": "error_recovery", "text":
+                "If a query fails on a table or column name, quote every identifier with backticks (`Table Name`.`column`) and retry once."}]}),
+            ),
+            r(
+                "hook:after-error",
+                json!({"hooks": [hook("quote-after-error", "after_tool", json!("last_action_failed"), "warn",
+                "The query failed. Check the exact table and column names in the task and quote them with backticks.", json!({"max_fires": 2}))]}),
+            ),
         ],
         codes::SQL_ERROR => vec![
-            r("prompt:sql-recovery", json!({"prompt_rules": [{"slot": "error_recovery", "text":
-                "When SQL fails, read the error, fix only the part it names and run the corrected query; keep queries to one simple SELECT."}]})),
-            r("hook:after-error", json!({"hooks": [hook("fix-after-error", "after_tool", json!("last_action_failed"), "warn",
-                "The query failed. Read the error message, correct the query and run it again.", json!({"max_fires": 2}))]})),
+            r(
+                "prompt:sql-recovery",
+                json!({"prompt_rules": [{"slot": "error_recovery", "text":
+                "When SQL fails, read the error, fix only the part it names and run the corrected query; keep queries to one simple SELECT."}]}),
+            ),
+            r(
+                "hook:after-error",
+                json!({"hooks": [hook("fix-after-error", "after_tool", json!("last_action_failed"), "warn",
+                "The query failed. Read the error message, correct the query and run it again.", json!({"max_fires": 2}))]}),
+            ),
         ],
         codes::EMPTY_RESULT => vec![
-            r("hook:empty", json!({"hooks": [hook("empty-result", "after_tool",
+            r(
+                "hook:empty",
+                json!({"hooks": [hook("empty-result", "after_tool",
                 json!({"contains": ["observation.text", "No response from database"]}), "warn",
-                "The query returned no rows. Check the filter values against the table (spelling, case, numbers stored as text) before answering.", json!({"max_fires": 2}))]})),
-            r("skill:inspect", json!({"skills": [{"name": "inspect-first", "text":
-                "Run SELECT * FROM the table LIMIT 5 to see exact values before writing a WHERE clause."}]})),
+                "The query returned no rows. Check the filter values against the table (spelling, case, numbers stored as text) before answering.", json!({"max_fires": 2}))]}),
+            ),
+            r(
+                "skill:inspect",
+                json!({"skills": [{"name": "inspect-first", "text":
+                "Run SELECT * FROM the table LIMIT 5 to see exact values before writing a WHERE clause."}]}),
+            ),
         ],
         codes::WRONG_AGGREGATE => vec![
-            r("prompt:aggregate", json!({"prompt_rules": [{"slot": "action_guidance", "text":
-                "Match the aggregate to the question: how many → COUNT, total → SUM, average → AVG, lowest → MIN, highest → MAX. Compare numbers with column + 0."}]})),
-            r("context:example", json!({"context": [{"name": "aggregate-example", "text":
-                "Question: What is the average age? Query: SELECT AVG(age + 0) FROM t; Result: [(31.5,)]; Answer: commit_final_answer with answers [\"31.5\"]."}]})),
+            r(
+                "prompt:aggregate",
+                json!({"prompt_rules": [{"slot": "action_guidance", "text":
+                "Match the aggregate to the question: how many → COUNT, total → SUM, average → AVG, lowest → MIN, highest → MAX. Compare numbers with column + 0."}]}),
+            ),
+            r(
+                "context:example",
+                json!({"context": [{"name": "aggregate-example", "text":
+                "Question: What is the average age? Query: SELECT AVG(age + 0) FROM t; Result: [(31.5,)]; Answer: commit_final_answer with answers [\"31.5\"]."}]}),
+            ),
         ],
         codes::ANSWER_FORMAT | codes::WRONG_ANSWER => vec![
-            r("prompt:bare-answer", json!({"prompt_rules": [{"slot": "answer_format", "text":
-                "Commit only the bare value(s) from the last result, e.g. for [(2,)] commit answers [\"2\"]; no words, units or brackets."}]})),
-            r("memory:copy", json!({"memory": [{"key": "answer", "text": "The committed answer must be copied exactly from the query result."}]})),
+            r(
+                "prompt:bare-answer",
+                json!({"prompt_rules": [{"slot": "answer_format", "text":
+                "Commit only the bare value(s) from the last result, e.g. for [(2,)] commit answers [\"2\"]; no words, units or brackets."}]}),
+            ),
+            r(
+                "memory:copy",
+                json!({"memory": [{"key": "answer", "text": "The committed answer must be copied exactly from the query result."}]}),
+            ),
         ],
-        codes::WRITE_NOT_EXECUTED => vec![
-            r("prompt:write", json!({"prompt_rules": [{"slot": "action_guidance", "text":
-                "For insert or update tasks, run the INSERT/UPDATE statement first, then call commit_final_answer with an empty answers list."}]})),
-        ],
+        codes::WRITE_NOT_EXECUTED => vec![r(
+            "prompt:write",
+            json!({"prompt_rules": [{"slot": "action_guidance", "text":
+                "For insert or update tasks, run the INSERT/UPDATE statement first, then call commit_final_answer with an empty answers list."}]}),
+        )],
         codes::REPEATED_ACTION => vec![
-            r("hook:repeat", json!({"hooks": [hook("stop-repeating", "before_action", json!("repeated_action"), "block_and_prompt",
-                "Blocked: this repeats your previous action. Use its result, or commit the answer.", json!({"times": 2}))]})),
-            r("prompt:progress", json!({"prompt_rules": [{"slot": "action_guidance", "text": "Never repeat a query that already ran; use its result."}]})),
+            r(
+                "hook:repeat",
+                json!({"hooks": [hook("stop-repeating", "before_action", json!("repeated_action"), "block_and_prompt",
+                "Blocked: this repeats your previous action. Use its result, or commit the answer.", json!({"times": 2}))]}),
+            ),
+            r(
+                "prompt:progress",
+                json!({"prompt_rules": [{"slot": "action_guidance", "text": "Never repeat a query that already ran; use its result."}]}),
+            ),
         ],
         codes::NO_QUERY => vec![
-            r("prompt:query-first", json!({"prompt_rules": [{"slot": "action_guidance", "text":
-                "Always run at least one SQL query before committing an answer."}]})),
+            r(
+                "prompt:query-first",
+                json!({"prompt_rules": [{"slot": "action_guidance", "text":
+                "Always run at least one SQL query before committing an answer."}]}),
+            ),
             r("example:query-answer", example_query_answer()),
         ],
         _ => vec![],
@@ -374,18 +453,24 @@ impl TemplateEditor {
     /// another cause of this direction is passed over for the next one of its cause; when
     /// all are taken the cause adds nothing.
     /// Repairs that act in the policy's place are offered only with `harness_actions`.
-    pub fn diff(&self, direction: &Direction, variant: usize, taken: &[&'static str], harness_actions: bool) -> Option<(Value, Vec<&'static str>)> {
+    pub fn diff(
+        &self,
+        direction: &Direction,
+        variant: usize,
+        taken: &[&'static str],
+        harness_actions: bool,
+    ) -> Option<(Value, Vec<&'static str>)> {
         let mut merged = Map::new();
         let mut mechanisms = Vec::new();
         for cause in &direction.causes {
-            let repairs: Vec<Repair> = repairs_for(cause, self.low_budget_threshold).into_iter().filter(|r| harness_actions || !r.harness_side()).collect();
+            let repairs: Vec<Repair> =
+                repairs_for(cause, self.low_budget_threshold).into_iter().filter(|r| harness_actions || !r.harness_side()).collect();
             if repairs.is_empty() {
                 continue;
             }
             let n = repairs.len();
-            let free = (0..n)
-                .map(|j| &repairs[(variant + j) % n])
-                .find(|r| !taken.contains(&r.mechanism) && !mechanisms.contains(&r.mechanism));
+            let free =
+                (0..n).map(|j| &repairs[(variant + j) % n]).find(|r| !taken.contains(&r.mechanism) && !mechanisms.contains(&r.mechanism));
             let Some(pick) = free else { continue };
             mechanisms.push(pick.mechanism);
             for (k, v) in pick.diff.as_object().expect("repairs are objects") {
@@ -421,7 +506,8 @@ impl TemplateEditor {
                 }
                 let present = repair.diff.as_object().is_some_and(|diff| {
                     diff.iter().all(|(key, items)| {
-                        let list: Vec<Value> = have.get(key).and_then(Value::as_array).map(|l| l.iter().map(strip_id).collect()).unwrap_or_default();
+                        let list: Vec<Value> =
+                            have.get(key).and_then(Value::as_array).map(|l| l.iter().map(strip_id).collect()).unwrap_or_default();
                         items.as_array().is_some_and(|items| items.iter().all(|i| list.contains(&strip_id(i))))
                     })
                 });
@@ -520,10 +606,7 @@ impl Editor for LlmEditor<'_> {
     }
     async fn edit(&self, req: &EditRequest<'_>) -> Result<HarnessSpec, EditError> {
         let parent = serde_json::to_string(req.parent).unwrap_or_default();
-        let mut brief = format!(
-            "Parent harness:\n{parent}\n\nRepair direction: {}\nEvidence:\n",
-            req.direction.summary
-        );
+        let mut brief = format!("Parent harness:\n{parent}\n\nRepair direction: {}\nEvidence:\n", req.direction.summary);
         for (cause, tasks) in &req.direction.support {
             brief.push_str(&format!("- {cause}: failed tasks {}\n", tasks.iter().cloned().collect::<Vec<_>>().join(", ")));
         }
@@ -544,7 +627,10 @@ impl Editor for LlmEditor<'_> {
                     tracing::info!(child = %req.child_id, round, reason = %reason, "editor output invalid");
                     reasons.push(format!("version {}: {reason}", round + 1));
                     messages.push(Message::new(Role::Assistant, reply.text));
-                    messages.push(Message::new(Role::User, format!("That edit is invalid: {reason}\nAnswer with one corrected JSON object only.")));
+                    messages.push(Message::new(
+                        Role::User,
+                        format!("That edit is invalid: {reason}\nAnswer with one corrected JSON object only."),
+                    ));
                 }
             }
         }
@@ -561,7 +647,10 @@ mod tests {
     fn direction(causes: &[&str]) -> Direction {
         Direction {
             causes: causes.iter().map(|c| c.to_string()).collect(),
-            support: causes.iter().map(|c| (c.to_string(), BTreeSet::from(["t1".to_string(), "t2".to_string()]))).collect::<BTreeMap<_, _>>(),
+            support: causes
+                .iter()
+                .map(|c| (c.to_string(), BTreeSet::from(["t1".to_string(), "t2".to_string()])))
+                .collect::<BTreeMap<_, _>>(),
             summary: causes.join(" + "),
         }
     }
@@ -578,8 +667,17 @@ mod tests {
             assert!(!repairs_for(cause, 2).is_empty(), "no repair for {cause}");
             for variant in 0..3 {
                 let d = direction(&[cause, codes::PROSE_ANSWER]);
-                let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: format!("c-{cause}-{variant}"),
-                    generation: 1, variant, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
+                let req = EditRequest {
+                    parent: &HarnessSpec::h0(),
+                    direction: &d,
+                    child_id: format!("c-{cause}-{variant}"),
+                    generation: 1,
+                    variant,
+                    feedback: None,
+                    other_briefs: vec![],
+                    earlier: vec![],
+                    validate: &o,
+                };
                 let child = editor.edit(&req).await.unwrap_or_else(|e| panic!("{cause} v{variant}: {e}"));
                 assert!(check_spec(&child, &o).is_empty());
                 assert_eq!(child.parent.as_deref(), Some("h0"));
@@ -604,8 +702,17 @@ mod tests {
             assert!(repairs[first_harness_side..].iter().all(Repair::harness_side), "{cause}: harness-side mechanisms come last");
             for variant in 0..4 {
                 let d = direction(&[cause]);
-                let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: format!("c-{cause}-{variant}"),
-                    generation: 1, variant, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
+                let req = EditRequest {
+                    parent: &HarnessSpec::h0(),
+                    direction: &d,
+                    child_id: format!("c-{cause}-{variant}"),
+                    generation: 1,
+                    variant,
+                    feedback: None,
+                    other_briefs: vec![],
+                    earlier: vec![],
+                    validate: &o,
+                };
                 let child = editor.edit(&req).await.unwrap_or_else(|e| panic!("{cause} v{variant}: {e}"));
                 assert!(check_spec(&child, &o).is_empty());
                 assert!(crate::harness::harness_side_hooks(&child).is_empty(), "{cause} v{variant}: {child:?}");
@@ -613,7 +720,8 @@ mod tests {
         }
         // The same direction with the opt-in may reach a forced commit.
         let d = direction(&[codes::PROSE_ANSWER]);
-        let reached: Vec<bool> = (0..6).map(|v| editor.diff(&d, v, &[], true).is_some_and(|(diff, _)| diff.to_string().contains("force_action"))).collect();
+        let reached: Vec<bool> =
+            (0..6).map(|v| editor.diff(&d, v, &[], true).is_some_and(|(diff, _)| diff.to_string().contains("force_action"))).collect();
         assert!(reached.iter().any(|f| *f), "{reached:?}");
     }
 
@@ -624,8 +732,17 @@ mod tests {
         // Two directions whose rotations would both pick the same prose repair.
         let d1 = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
         let d2 = direction(&[codes::PROSE_ANSWER, codes::NEVER_COMMITTED]);
-        let first = EditRequest { parent: &HarnessSpec::h0(), direction: &d1, child_id: "c1".into(), generation: 1, variant: 0,
-            feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
+        let first = EditRequest {
+            parent: &HarnessSpec::h0(),
+            direction: &d1,
+            child_id: "c1".into(),
+            generation: 1,
+            variant: 0,
+            feedback: None,
+            other_briefs: vec![],
+            earlier: vec![],
+            validate: &o,
+        };
         let c1 = editor.edit(&first).await.unwrap();
         let m1 = editor.mechanisms_in(&c1);
         assert_eq!(m1.len(), 2, "{m1:?}");
@@ -646,10 +763,14 @@ mod tests {
             regex::Regex::new(pattern).unwrap().captures(text).and_then(|c| c.get(1)).map(|m| m.as_str().trim().to_string())
         };
         // Replies SmolLM2-135M gave on generated DBBench tasks.
-        assert_eq!(first(STATED_SQL_PATTERN, "Shorter version:\nSELECT COUNT(*) FROM cities WHERE city > 25;").as_deref(),
-                   Some("SELECT COUNT(*) FROM cities WHERE city > 25"));
-        assert_eq!(first(STATED_SQL_PATTERN, "Here:\n```\nSELECT * FROM Products WHERE Product = 'Fan'\n```").as_deref(),
-                   Some("SELECT * FROM Products WHERE Product = 'Fan'"));
+        assert_eq!(
+            first(STATED_SQL_PATTERN, "Shorter version:\nSELECT COUNT(*) FROM cities WHERE city > 25;").as_deref(),
+            Some("SELECT COUNT(*) FROM cities WHERE city > 25")
+        );
+        assert_eq!(
+            first(STATED_SQL_PATTERN, "Here:\n```\nSELECT * FROM Products WHERE Product = 'Fan'\n```").as_deref(),
+            Some("SELECT * FROM Products WHERE Product = 'Fan'")
+        );
         assert_eq!(first(STATED_SQL_PATTERN, "I'm ready to help. What's the question?"), None);
         assert_eq!(first(STATED_ANSWER_PATTERN, "The answer is: \"42\"").as_deref(), Some("42"));
         assert_eq!(first(STATED_ANSWER_PATTERN, "Students: 2,348\nThe answer is 751.").as_deref(), Some("751"));
@@ -658,7 +779,10 @@ mod tests {
         assert_eq!(first(STATED_NAME_PATTERN, "The answer is Mateo.").as_deref(), Some("Mateo"));
         assert_eq!(first(STATED_NAME_PATTERN, "Blue River has a higher number of copies.").as_deref(), Some("Blue River"));
         assert_eq!(first(STATED_NAME_PATTERN, "The answer is: The employee with the lowest years of service."), None);
-        assert_eq!(first(STATED_NUMBER_PATTERN, "The answer to this question is: The lowest area of all cities is 1.").as_deref(), Some("1"));
+        assert_eq!(
+            first(STATED_NUMBER_PATTERN, "The answer to this question is: The lowest area of all cities is 1.").as_deref(),
+            Some("1")
+        );
         assert_eq!(first(STATED_NUMBER_PATTERN, "I'm ready to help."), None);
         assert_eq!(first(SINGLE_VALUE_PATTERN, "[(266,)]").as_deref(), Some("266"));
         assert_eq!(first(SINGLE_VALUE_PATTERN, "[('Iron Gate',)]").as_deref(), Some("Iron Gate"));
@@ -671,7 +795,17 @@ mod tests {
         let editor = TemplateEditor::default();
         let o = opts();
         let d = direction(&[codes::NEVER_COMMITTED, codes::ROUND_LIMIT]);
-        let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: "c1".into(), generation: 1, variant: 0, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
+        let req = EditRequest {
+            parent: &HarnessSpec::h0(),
+            direction: &d,
+            child_id: "c1".into(),
+            generation: 1,
+            variant: 0,
+            feedback: None,
+            other_briefs: vec![],
+            earlier: vec![],
+            validate: &o,
+        };
         let c1 = editor.edit(&req).await.unwrap();
         let req2 = EditRequest { parent: &c1, child_id: "c2".into(), generation: 2, variant: 0, ..req.clone() };
         let c2 = editor.edit(&req2).await.unwrap();
@@ -691,7 +825,17 @@ mod tests {
                       {"id": "low", "event": "before_decision", "condition": "remaining_steps_lte", "action": "warn", "message": "Commit now.", "parameters": {"threshold": 2}}],
             "tool_view": {"tools": [{"name": "execute_sql", "description": "Run SQL."}, {"name": "commit_final_answer"}]}})).unwrap();
         let d = direction(&[codes::PROSE_ANSWER]);
-        let req = EditRequest { parent: &parent, direction: &d, child_id: "c".into(), generation: 2, variant: 0, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
+        let req = EditRequest {
+            parent: &parent,
+            direction: &d,
+            child_id: "c".into(),
+            generation: 2,
+            variant: 0,
+            feedback: None,
+            other_briefs: vec![],
+            earlier: vec![],
+            validate: &o,
+        };
         let reply = r#"{"replace": {"prompt_rules": [{"slot": "answer_format", "text": "Commit with Final Answer: [\"<value>\"]."}],
                                     "tool_view": [{"name": "execute_sql", "description": "Run one SELECT."}]},
                         "remove": {"hooks": ["nag"], "skills": ["inspect"]},
@@ -726,13 +870,28 @@ mod tests {
     fn invalid_llm_replies_are_rejected_with_the_field_named() {
         let o = opts();
         let d = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
-        let req = EditRequest { parent: &HarnessSpec::h0(), direction: &d, child_id: "x".into(), generation: 1, variant: 0, feedback: None, other_briefs: vec![], earlier: vec![], validate: &o };
+        let req = EditRequest {
+            parent: &HarnessSpec::h0(),
+            direction: &d,
+            child_id: "x".into(),
+            generation: 1,
+            variant: 0,
+            feedback: None,
+            other_briefs: vec![],
+            earlier: vec![],
+            validate: &o,
+        };
         assert!(child_from_reply(&req, "I would add a hook.").unwrap_err().contains("no JSON object"));
-        let err = child_from_reply(&req, r#"{"hooks": [{"event": "on_lunch", "condition": "always", "action": "warn", "message": "m"}]}"#).unwrap_err();
+        let err = child_from_reply(&req, r#"{"hooks": [{"event": "on_lunch", "condition": "always", "action": "warn", "message": "m"}]}"#)
+            .unwrap_err();
         assert!(err.contains("hooks[0].event: unknown event `on_lunch`"), "{err}");
         let err = child_from_reply(&req, r#"{"prompt_rules": [{"slot": "system", "text": "x"}], "magic": 1}"#).unwrap_err();
         assert!(err.contains("unknown field `magic`"), "{err}");
-        let ok = child_from_reply(&req, "Here:\n```json\n{\"prompt_rules\": [{\"slot\": \"answer_format\", \"text\": \"Commit the bare value.\"}]}\n```").unwrap();
+        let ok = child_from_reply(
+            &req,
+            "Here:\n```json\n{\"prompt_rules\": [{\"slot\": \"answer_format\", \"text\": \"Commit the bare value.\"}]}\n```",
+        )
+        .unwrap();
         assert_eq!(ok.prompt_rules.len(), 1);
         assert_eq!(ok.id, "x");
     }

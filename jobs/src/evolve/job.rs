@@ -29,9 +29,9 @@ use super::direction::{form_directions, Direction, DirectionSettings};
 use super::editor::{EditError, EditRequest, Editor};
 use super::pool::{load_pool, put_member, save_manifest, seed_pool, LocalResult, PoolEntry, PoolError, PoolManifest, Rejected};
 use super::select::{select_parents, Candidate};
+use crate::env::EnvironmentFactory;
 use crate::harness::{check_spec, Budgets, ValidateOptions};
 use crate::policy::{Policy, SamplingParams};
-use crate::env::EnvironmentFactory;
 use crate::rollout::{self, RolloutContext, RolloutError, RolloutInput};
 use infra::store::ObjectStore;
 use schemas::{job_id, keys, ErrorClass, HarnessSpec, JobIdParts, RolloutKind, Split, Termination, Trajectory};
@@ -163,11 +163,27 @@ impl infra::Transient for EvolveError {
 /// Deterministic id of one batch of evolve episodes (docs/ARCHITECTURE.md, "Durability contract").
 pub fn batch_job_id(run_id: &str, stage: &str, round: u32, harness: &HarnessSpec, tasks: &[String], seed: u64) -> String {
     let harness_key = format!("{}@{}", harness.id, harness.version_hash());
-    job_id(&JobIdParts { run_id, stage: &format!("evolve/{stage}"), step: round, task_id: &tasks.join(","), harness_id: &harness_key, attempt_index: 0, seed })
+    job_id(&JobIdParts {
+        run_id,
+        stage: &format!("evolve/{stage}"),
+        step: round,
+        task_id: &tasks.join(","),
+        harness_id: &harness_key,
+        attempt_index: 0,
+        seed,
+    })
 }
 
 /// Runs one batch as a rollout job and returns its rows (re-read when already done).
-async fn batch(ctx: &EvolveContext<'_>, input: &EvolveInput, stage: &str, round: u32, harness: &HarnessSpec, tasks: &[String], split: Split) -> Result<Vec<Trajectory>, EvolveError> {
+async fn batch(
+    ctx: &EvolveContext<'_>,
+    input: &EvolveInput,
+    stage: &str,
+    round: u32,
+    harness: &HarnessSpec,
+    tasks: &[String],
+    split: Split,
+) -> Result<Vec<Trajectory>, EvolveError> {
     if tasks.is_empty() {
         return Ok(vec![]);
     }
@@ -188,7 +204,8 @@ async fn batch(ctx: &EvolveContext<'_>, input: &EvolveInput, stage: &str, round:
     };
     rollout::run(&rctx, &rin).await?;
     let key = keys::trajectory_part(&input.run_id, 0, RolloutKind::Eval, &id);
-    let rows: Vec<Trajectory> = infra::table::read_records(ctx.store, &key).await.map_err(|e| EvolveError::Rows { key, detail: e.to_string() })?;
+    let rows: Vec<Trajectory> =
+        infra::table::read_records(ctx.store, &key).await.map_err(|e| EvolveError::Rows { key, detail: e.to_string() })?;
     let outside = |r: &Trajectory| matches!(r.error_class, Some(ErrorClass::Infra | ErrorClass::Timeout | ErrorClass::Policy));
     if !rows.is_empty() && rows.iter().all(outside) {
         return Err(EvolveError::NoEpisodes {
@@ -215,7 +232,13 @@ pub fn round_tasks(train: &[String], rounds: usize, round: usize) -> Option<Vec<
 
 /// Local-evaluation tasks (Table 8): the direction's failed tasks first, then at most
 /// `max_controls` of the parent's successes, at most `max_tasks` in all. Pure.
-pub fn local_tasks(direction: &Direction, parent_failed: &BTreeSet<String>, parent_solved: &BTreeSet<String>, max_tasks: usize, max_controls: usize) -> (Vec<String>, Vec<String>) {
+pub fn local_tasks(
+    direction: &Direction,
+    parent_failed: &BTreeSet<String>,
+    parent_solved: &BTreeSet<String>,
+    max_tasks: usize,
+    max_controls: usize,
+) -> (Vec<String>, Vec<String>) {
     let controls: Vec<String> = parent_solved.iter().take(max_controls.min(max_tasks)).cloned().collect();
     let room = max_tasks.saturating_sub(controls.len());
     let targeted: Vec<String> = direction.tasks().into_iter().filter(|t| parent_failed.contains(t)).take(room).collect();
@@ -321,15 +344,25 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
             put_member(ctx.store, &input.run_id, &h0).await?;
             let mut m = PoolManifest::new(&input.run_id);
             m.members.push(PoolEntry {
-                id: h0.id.clone(), parent: None, generation: 0, round: 0, direction: None, causes: vec![],
-                version: h0.version_hash(), editor: "base".into(), local: None, validation_coverage: vec![],
-                selected_as_parent: true, origin_run: input.run_id.clone(),
+                id: h0.id.clone(),
+                parent: None,
+                generation: 0,
+                round: 0,
+                direction: None,
+                causes: vec![],
+                version: h0.version_hash(),
+                editor: "base".into(),
+                local: None,
+                validation_coverage: vec![],
+                selected_as_parent: true,
+                origin_run: input.run_id.clone(),
             });
             (m, BTreeMap::from([(h0.id.clone(), h0)]))
         }
     };
     manifest.validation_tasks = input.validation_task_ids.clone();
-    let mut parents: Vec<HarnessSpec> = manifest.members.iter().filter(|m| m.selected_as_parent).filter_map(|m| specs.get(&m.id).cloned()).collect();
+    let mut parents: Vec<HarnessSpec> =
+        manifest.members.iter().filter(|m| m.selected_as_parent).filter_map(|m| specs.get(&m.id).cloned()).collect();
     if parents.is_empty() {
         parents = specs.values().take(s.parent_slots).cloned().collect();
     }
@@ -405,13 +438,26 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
             };
             let mut reject = |reason: String, manifest: &mut PoolManifest| {
                 tracing::info!(round, child = %child_id, reason = %reason, "candidate rejected");
-                manifest.rejected.push(Rejected { id: child_id.clone(), parent: parent.id.clone(), round, causes: direction.causes.clone(), reason });
+                manifest.rejected.push(Rejected {
+                    id: child_id.clone(),
+                    parent: parent.id.clone(),
+                    round,
+                    causes: direction.causes.clone(),
+                    reason,
+                });
                 rejected += 1;
             };
             let others: Vec<String> = briefs.iter().filter(|b| !b.starts_with(&direction.summary)).cloned().collect();
             let mut req = EditRequest {
-                parent, direction, child_id: child_id.clone(), generation: parent.generation + 1,
-                variant: k + ri, feedback: None, other_briefs: others, earlier: proposed.clone(), validate: &ctx.validate,
+                parent,
+                direction,
+                child_id: child_id.clone(),
+                generation: parent.generation + 1,
+                variant: k + ri,
+                feedback: None,
+                other_briefs: others,
+                earlier: proposed.clone(),
+                validate: &ctx.validate,
             };
             let first = match ctx.editor.edit(&req).await {
                 Ok(child) => measure(ctx, input, round, direction, failed, ok, &specs, child).await?,
@@ -432,7 +478,13 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
                 }
                 req.feedback = Some(match &kept {
                     Err(reason) => format!("invalid: {reason}"),
-                    Ok((_, l)) => format!("repaired {} of {} targeted tasks; regressed {} of {} controls", l.repaired.len(), l.targeted.len(), l.regressed.len(), l.controls.len()),
+                    Ok((_, l)) => format!(
+                        "repaired {} of {} targeted tasks; regressed {} of {} controls",
+                        l.repaired.len(),
+                        l.targeted.len(),
+                        l.regressed.len(),
+                        l.controls.len()
+                    ),
                 });
                 let second = match ctx.editor.edit(&req).await {
                     Ok(child) => measure(ctx, input, round, direction, failed, ok, &specs, child).await?,
@@ -470,10 +522,18 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
             put_member(ctx.store, &input.run_id, &child).await?;
             tracing::info!(round, child = %child.id, parent = %parent.id, repaired = local.repaired.len(), regressed = local.regressed.len(), validation = coverage.len(), "sibling added to the pool");
             manifest.members.push(PoolEntry {
-                id: child.id.clone(), parent: Some(parent.id.clone()), generation: child.generation, round,
-                direction: child.direction.clone(), causes: direction.causes.clone(), version: child.version_hash(),
-                editor: ctx.editor.name().to_string(), local: Some(local), validation_coverage: coverage.iter().cloned().collect(),
-                selected_as_parent: false, origin_run: input.run_id.clone(),
+                id: child.id.clone(),
+                parent: Some(parent.id.clone()),
+                generation: child.generation,
+                round,
+                direction: child.direction.clone(),
+                causes: direction.causes.clone(),
+                version: child.version_hash(),
+                editor: ctx.editor.name().to_string(),
+                local: Some(local),
+                validation_coverage: coverage.iter().cloned().collect(),
+                selected_as_parent: false,
+                origin_run: input.run_id.clone(),
             });
             valid.push(Candidate { id: child.id.clone(), solved: coverage });
             specs.insert(child.id.clone(), child);

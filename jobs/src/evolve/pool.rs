@@ -93,7 +93,15 @@ impl Document for PoolManifest {
 
 impl PoolManifest {
     pub fn new(run_id: &str) -> Self {
-        PoolManifest { schema_version: Self::VERSION, run_id: run_id.into(), version: 0, seeded_from: None, validation_tasks: vec![], members: vec![], rejected: vec![] }
+        PoolManifest {
+            schema_version: Self::VERSION,
+            run_id: run_id.into(),
+            version: 0,
+            seeded_from: None,
+            validation_tasks: vec![],
+            members: vec![],
+            rejected: vec![],
+        }
     }
 
     pub fn member(&self, id: &str) -> Option<&PoolEntry> {
@@ -150,7 +158,10 @@ pub async fn load_manifest(store: &dyn ObjectStore, run_id: &str) -> Result<Pool
 pub async fn load_member(store: &dyn ObjectStore, run_id: &str, id: &str) -> Result<HarnessSpec, PoolError> {
     let key = keys::pool_harness(run_id, id);
     if store.head(&key).await?.is_none() {
-        let members = load_manifest(store, run_id).await.map(|m| m.members.iter().map(|e| e.id.clone()).collect::<Vec<_>>().join(", ")).unwrap_or_default();
+        let members = load_manifest(store, run_id)
+            .await
+            .map(|m| m.members.iter().map(|e| e.id.clone()).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default();
         return Err(PoolError::NoMember { run: run_id.into(), id: id.into(), members });
     }
     let bytes = store.get(&key).await?;
@@ -194,9 +205,20 @@ mod tests {
     use infra::store::LocalStore;
 
     fn entry(id: &str, parent: Option<&str>) -> PoolEntry {
-        PoolEntry { id: id.into(), parent: parent.map(str::to_string), generation: u32::from(parent.is_some()), round: 1,
-            direction: None, causes: vec![], version: String::new(), editor: "template".into(), local: None,
-            validation_coverage: vec!["t1".into()], selected_as_parent: false, origin_run: "r1".into() }
+        PoolEntry {
+            id: id.into(),
+            parent: parent.map(str::to_string),
+            generation: u32::from(parent.is_some()),
+            round: 1,
+            direction: None,
+            causes: vec![],
+            version: String::new(),
+            editor: "template".into(),
+            local: None,
+            validation_coverage: vec!["t1".into()],
+            selected_as_parent: false,
+            origin_run: "r1".into(),
+        }
     }
 
     #[tokio::test]

@@ -11,8 +11,7 @@ use regex::Regex;
 /// statement, up to `;`, a code fence, a blank line or the end.
 pub const STATED_SQL_PATTERN: &str = r"(?is)\b((?:SELECT|INSERT\s+INTO|UPDATE|DELETE\s+FROM)\b[^;`]*?)\s*(?:;|```|\n\s*\n|$)";
 /// The answer a reply states: the words after "answer is" / "answer:", without quotes.
-pub const STATED_ANSWER_PATTERN: &str =
-    r#"(?i)\banswer\b[^:\n]{0,12}?(?:\bis\b|:)\s*:?\s*["'“*]*([^"'”*\n]{1,60}?)["'”*]*\s*(?:[.\n]|$)"#;
+pub const STATED_ANSWER_PATTERN: &str = r#"(?i)\banswer\b[^:\n]{0,12}?(?:\bis\b|:)\s*:?\s*["'“*]*([^"'”*\n]{1,60}?)["'”*]*\s*(?:[.\n]|$)"#;
 /// A name the reply gives as its answer: capitalised words after "answer is" (or opening
 /// the reply), followed by has / is / was or the end of the sentence.
 pub const STATED_NAME_PATTERN: &str = r#"(?:(?i:answer)[^:\n]{0,20}?(?i:is|:)\s*:?\s*|^\s*)["'*]*([A-Z][A-Za-z0-9_'-]*(?:\s+[A-Z][A-Za-z0-9_'-]*){0,2})["'*]*(?:\s+(?:has|had|is|was)\s|\s*[."\n]|$)"#;
@@ -41,7 +40,10 @@ mod tests {
 
     #[test]
     fn shared_readers_find_sql_in_prose_and_single_values() {
-        assert_eq!(stated_sql("Shorter version:\nSELECT COUNT(*) FROM cities WHERE area > 25;"), Some("SELECT COUNT(*) FROM cities WHERE area > 25;"));
+        assert_eq!(
+            stated_sql("Shorter version:\nSELECT COUNT(*) FROM cities WHERE area > 25;"),
+            Some("SELECT COUNT(*) FROM cities WHERE area > 25;")
+        );
         assert_eq!(stated_sql("The selected city is Oslo."), None);
         assert_eq!(stated_sql("Here:\n```\nSELECT * FROM t\n```"), Some("SELECT * FROM t"));
         assert_eq!(single_value("[(2,)]"), Some("2"));

@@ -71,7 +71,11 @@ pub fn mechanism_table(specs: &[HarnessSpec]) -> String {
             parts.push("tool view".into());
         }
         let forced = crate::harness::harness_side_hooks(s);
-        let side = if forced.is_empty() { "policy-side".to_string() } else { format!("harness-side (acts for the policy: {})", forced.join(", ")) };
+        let side = if forced.is_empty() {
+            "policy-side".to_string()
+        } else {
+            format!("harness-side (acts for the policy: {})", forced.join(", "))
+        };
         md.push_str(&format!("| {} | {} | {} |\n", s.id, if parts.is_empty() { "none".into() } else { parts.join(", ") }, side));
     }
     md
@@ -229,10 +233,14 @@ pub fn plot_overlap(counts: &[RepairCount], file: &Path) -> Result<(), PlotError
                 Some(v) => RGBColor(255 - (v * 200.0) as u8, 255 - (v * 120.0) as u8, 255),
                 None => RGBColor(230, 230, 230),
             };
-            let cell = Rectangle::new([(SegmentValue::Exact(x), SegmentValue::Exact(y)), (SegmentValue::Exact(x + 1), SegmentValue::Exact(y + 1))], color.filled());
+            let cell = Rectangle::new(
+                [(SegmentValue::Exact(x), SegmentValue::Exact(y)), (SegmentValue::Exact(x + 1), SegmentValue::Exact(y + 1))],
+                color.filled(),
+            );
             chart.draw_series(std::iter::once(cell)).map_err(|e| plot_err(file, e))?;
             if let Some(v) = v {
-                let text = Text::new(format!("{:.0}%", v * 100.0), (SegmentValue::CenterOf(x), SegmentValue::CenterOf(y)), centered.clone());
+                let text =
+                    Text::new(format!("{:.0}%", v * 100.0), (SegmentValue::CenterOf(x), SegmentValue::CenterOf(y)), centered.clone());
                 chart.draw_series(std::iter::once(text)).map_err(|e| plot_err(file, e))?;
             }
         }
@@ -247,10 +255,14 @@ mod tests {
     #[test]
     fn mechanism_table_marks_policy_side_and_harness_side_siblings() {
         let spec = |v: serde_json::Value| -> HarnessSpec { serde_json::from_value(v).unwrap() };
-        let example = spec(serde_json::json!({"id": "s1", "parent": "h0", "examples": [{"name": "e", "turns": [{"role": "user", "text": "q"}, {"role": "assistant", "text": "a"}]}],
-            "hooks": [{"id": "w", "event": "before_decision", "condition": "text_only_reply", "action": "warn", "message": "Commit."}]}));
-        let forced = spec(serde_json::json!({"id": "s2", "parent": "h0", "hooks": [{"id": "commit-stated", "event": "before_decision", "condition": "text_only_reply",
-            "action": "force_action", "message": "", "parameters": {"tool": "commit_final_answer", "args": {"answers": ["1"]}}}]}));
+        let example = spec(
+            serde_json::json!({"id": "s1", "parent": "h0", "examples": [{"name": "e", "turns": [{"role": "user", "text": "q"}, {"role": "assistant", "text": "a"}]}],
+            "hooks": [{"id": "w", "event": "before_decision", "condition": "text_only_reply", "action": "warn", "message": "Commit."}]}),
+        );
+        let forced = spec(
+            serde_json::json!({"id": "s2", "parent": "h0", "hooks": [{"id": "commit-stated", "event": "before_decision", "condition": "text_only_reply",
+            "action": "force_action", "message": "", "parameters": {"tool": "commit_final_answer", "args": {"answers": ["1"]}}}]}),
+        );
         let t = mechanism_table(&[HarnessSpec::h0(), example, forced]);
         assert!(t.contains("| s1 | 1 examples, 1 hooks | policy-side |"), "{t}");
         assert!(t.contains("| s2 | 1 hooks | harness-side (acts for the policy: commit-stated) |"), "{t}");
@@ -286,7 +298,10 @@ mod tests {
         let table = repair_table(&c);
         assert!(table.contains("| s1 | 2 | 1 | 2, 3 |"), "{table}");
         assert!(table.contains("| s3 | 0 | 0 |  |"), "{table}");
-        assert!(table.contains("Union of repairs: 3 task(s); 2 distinct non-empty repaired set(s); mean directed repair overlap: 41.7%."), "{table}");
+        assert!(
+            table.contains("Union of repairs: 3 task(s); 2 distinct non-empty repaired set(s); mean directed repair overlap: 41.7%."),
+            "{table}"
+        );
     }
 
     #[test]

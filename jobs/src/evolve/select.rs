@@ -132,11 +132,7 @@ mod tests {
     fn each_task_counts_once() {
         // Two big overlapping sets (5 tasks each, same 5) lose to one of them plus a small
         // disjoint one: overlap is not double counted.
-        let cands = vec![
-            c("big1", &["1", "2", "3", "4", "5"]),
-            c("big2", &["1", "2", "3", "4", "5"]),
-            c("small", &["6"]),
-        ];
+        let cands = vec![c("big1", &["1", "2", "3", "4", "5"]), c("big2", &["1", "2", "3", "4", "5"]), c("small", &["6"])];
         let s = select_parents(&cands, 2).unwrap();
         assert_eq!(s.parents, vec!["big1", "small"]);
         assert_eq!(s.covered.len(), 6);

@@ -40,7 +40,11 @@ impl ValueType {
 
 /// `state.<field>` paths: counters and flags the runtime maintains for every episode.
 pub const STATE_FIELDS: &[(&str, ValueType, &str)] = &[
-    ("remaining_steps", ValueType::Number, "steps left: the smallest of the environment's rounds, the action budget and the model-call budget still unused"),
+    (
+        "remaining_steps",
+        ValueType::Number,
+        "steps left: the smallest of the environment's rounds, the action budget and the model-call budget still unused",
+    ),
     ("model_calls", ValueType::Number, "policy calls made so far"),
     ("remaining_model_calls", ValueType::Number, "policy calls left in the budget"),
     ("env_actions", ValueType::Number, "environment actions taken so far"),
@@ -59,12 +63,8 @@ pub const STATE_FIELDS: &[(&str, ValueType, &str)] = &[
 ];
 
 /// `observation.<field>` paths: the latest observation (the task itself at episode start).
-pub const OBSERVATION_FIELDS: &[(&str, ValueType)] = &[
-    ("text", ValueType::String),
-    ("truncated", ValueType::Bool),
-    ("action_failed", ValueType::Bool),
-    ("done", ValueType::Bool),
-];
+pub const OBSERVATION_FIELDS: &[(&str, ValueType)] =
+    &[("text", ValueType::String), ("truncated", ValueType::Bool), ("action_failed", ValueType::Bool), ("done", ValueType::Bool)];
 
 /// A named predicate: its name, the hook parameters it reads (required?), where it may run.
 pub struct Predicate {
@@ -74,8 +74,7 @@ pub struct Predicate {
     pub doc: &'static str,
 }
 
-const ALL_EVENTS: &[HookEvent] =
-    &[HookEvent::EpisodeStart, HookEvent::BeforeDecision, HookEvent::BeforeAction, HookEvent::AfterTool];
+const ALL_EVENTS: &[HookEvent] = &[HookEvent::EpisodeStart, HookEvent::BeforeDecision, HookEvent::BeforeAction, HookEvent::AfterTool];
 
 /// Named predicates (Harness-S Appendix D, Table 7 uses the first two).
 pub const PREDICATES: &[Predicate] = &[
@@ -103,12 +102,7 @@ pub const PREDICATES: &[Predicate] = &[
         events: &[HookEvent::BeforeDecision, HookEvent::BeforeAction, HookEvent::AfterTool],
         doc: "the current (or latest) action equals the previous ones, `times` in a row (default 2)",
     },
-    Predicate {
-        name: "no_answer_committed",
-        params: &[],
-        events: ALL_EVENTS,
-        doc: "no final answer has been committed yet",
-    },
+    Predicate { name: "no_answer_committed", params: &[], events: ALL_EVENTS, doc: "no final answer has been committed yet" },
     Predicate {
         name: "text_only_reply",
         params: &[],
@@ -175,9 +169,7 @@ pub fn check_path(path: &str, event: HookEvent) -> Result<ValueType, String> {
                 Ok(ValueType::String)
             }
         }
-        _ => Err(format!(
-            "unknown path `{path}`; paths start with `state.`, `action.`, `observation.` or `extract.`"
-        )),
+        _ => Err(format!("unknown path `{path}`; paths start with `state.`, `action.`, `observation.` or `extract.`")),
     }
 }
 
@@ -200,7 +192,10 @@ pub struct Extraction {
 pub fn parse_extractions(spec: Option<&Value>) -> Result<Vec<Extraction>, Vec<(String, String)>> {
     let Some(spec) = spec else { return Ok(vec![]) };
     let Value::Object(map) = spec else {
-        return Err(vec![(String::new(), "expected an object of named extractions: {\"<name>\": {\"from\": \"<path>\", \"pattern\": \"<regex>\"}}".into())]);
+        return Err(vec![(
+            String::new(),
+            "expected an object of named extractions: {\"<name>\": {\"from\": \"<path>\", \"pattern\": \"<regex>\"}}".into(),
+        )]);
     };
     let mut out = Vec::new();
     let mut problems = Vec::new();
@@ -211,7 +206,8 @@ pub fn parse_extractions(spec: Option<&Value>) -> Result<Vec<Extraction>, Vec<(S
         }
         let from = item.get("from").and_then(Value::as_str);
         let pattern = item.get("pattern").and_then(Value::as_str);
-        let unknown: Vec<&String> = item.as_object().map(|m| m.keys().filter(|k| *k != "from" && *k != "pattern").collect()).unwrap_or_default();
+        let unknown: Vec<&String> =
+            item.as_object().map(|m| m.keys().filter(|k| *k != "from" && *k != "pattern").collect()).unwrap_or_default();
         if !unknown.is_empty() {
             problems.push((name.clone(), format!("unknown key `{}`; an extraction has `from` and `pattern`", unknown[0])));
             continue;
@@ -226,7 +222,9 @@ pub fn parse_extractions(spec: Option<&Value>) -> Result<Vec<Extraction>, Vec<(S
         }
         match regex::RegexBuilder::new(pattern).size_limit(PATTERN_SIZE_LIMIT).build() {
             Ok(re) => out.push(Extraction { name: name.clone(), from: from.to_string(), pattern: re }),
-            Err(e) => problems.push((name.clone(), format!("pattern does not compile: {}", e.to_string().lines().last().unwrap_or("invalid")))),
+            Err(e) => {
+                problems.push((name.clone(), format!("pattern does not compile: {}", e.to_string().lines().last().unwrap_or("invalid"))))
+            }
         }
     }
     if problems.is_empty() {
@@ -722,7 +720,8 @@ mod tests {
         let params: BTreeMap<String, Value> = serde_json::from_value(json!({"extract": {
             "answer": {"from": "state.last_reply", "pattern": "answer is:? \"?([^\".]*)"},
             "table": {"from": "state.features.table_name", "pattern": "\\w+"}
-        }})).unwrap();
+        }}))
+        .unwrap();
         let ex = parse_extractions(params.get("extract")).unwrap();
         f.state.features.insert("table_name".into(), json!("Team Stats"));
         let got = run_extractions(&ex, &f.scope()).unwrap();

@@ -144,17 +144,17 @@ mod tests {
     #[test]
     fn edits_match_hooks_by_id_and_show_each_change() {
         let a = spec(json!({"id": "s1", "parent": "h0", "generation": 1,
-            "prompt_rules": [{"slot": "system", "text": "a"}],
-            "hooks": [
-                {"id": "low", "event": "after_tool", "condition": "remaining_steps_lte", "action": "warn", "message": "m", "parameters": {"threshold": 3}},
-                {"id": "gone", "event": "after_tool", "condition": "always", "action": "warn", "message": "x"}
-            ]}));
+        "prompt_rules": [{"slot": "system", "text": "a"}],
+        "hooks": [
+            {"id": "low", "event": "after_tool", "condition": "remaining_steps_lte", "action": "warn", "message": "m", "parameters": {"threshold": 3}},
+            {"id": "gone", "event": "after_tool", "condition": "always", "action": "warn", "message": "x"}
+        ]}));
         let b = spec(json!({"id": "s2", "parent": "s1", "generation": 2, "direction": "commit earlier",
-            "prompt_rules": [{"slot": "system", "text": "a"}, {"slot": "action_guidance", "text": "b"}],
-            "hooks": [
-                {"id": "new", "event": "before_decision", "condition": "text_only_reply", "action": "warn", "message": "call a tool"},
-                {"id": "low", "event": "after_tool", "condition": "remaining_steps_lte", "action": "warn", "message": "m", "parameters": {"threshold": 2}}
-            ]}));
+        "prompt_rules": [{"slot": "system", "text": "a"}, {"slot": "action_guidance", "text": "b"}],
+        "hooks": [
+            {"id": "new", "event": "before_decision", "condition": "text_only_reply", "action": "warn", "message": "call a tool"},
+            {"id": "low", "event": "after_tool", "condition": "remaining_steps_lte", "action": "warn", "message": "m", "parameters": {"threshold": 2}}
+        ]}));
         let lines: Vec<String> = diff_specs(&a, &b).iter().map(|e| e.to_string()).collect();
         // Keys in alphabetical order; list entries in the old spec's order, additions last.
         assert_eq!(lines, vec![

@@ -197,16 +197,12 @@ impl Session {
     fn build_context(&mut self, task: &Observation) {
         self.push(Role::System, TurnSource::System, BASE_SYSTEM_PROMPT.to_string(), None, None);
         let spec = self.spec.clone();
-        let rules = |slot: &str| -> Vec<&str> {
-            spec.prompt_rules.iter().filter(|r| r.slot == slot).map(|r| r.text.as_str()).collect()
-        };
+        let rules = |slot: &str| -> Vec<&str> { spec.prompt_rules.iter().filter(|r| r.slot == slot).map(|r| r.text.as_str()).collect() };
         let mut system = Vec::new();
         system.extend(rules("system").into_iter().map(str::to_string));
-        for (slot, title) in [
-            ("action_guidance", "How to act"),
-            ("answer_format", "Answer format"),
-            ("error_recovery", "When an action fails"),
-        ] {
+        for (slot, title) in
+            [("action_guidance", "How to act"), ("answer_format", "Answer format"), ("error_recovery", "When an action fails")]
+        {
             let texts = rules(slot);
             if !texts.is_empty() {
                 system.push(format!("## {title}\n{}", texts.join("\n")));
@@ -497,13 +493,7 @@ impl Session {
             }
             let call = build_call(hook, action, &scope);
             mediated |= is_mediation;
-            fired.push(Fired {
-                index,
-                hook_id: hook_id(hook, index),
-                action: hook.action,
-                message: hook.message.clone(),
-                call,
-            });
+            fired.push(Fired { index, hook_id: hook_id(hook, index), action: hook.action, message: hook.message.clone(), call });
         }
         for f in &fired {
             self.fires[f.index] += 1;
@@ -585,10 +575,9 @@ fn build_call(hook: &Hook, pending: Option<&ToolCall>, scope: &Scope<'_>) -> Opt
     let tool = hook.parameters.get("tool").and_then(Value::as_str);
     let args = hook.parameters.get("args").map(|a| render_template(a, scope));
     match hook.action {
-        HookAction::ForceAction => Some(ToolCall {
-            name: tool?.to_string(),
-            args: args.unwrap_or_else(|| Value::Object(Default::default())),
-        }),
+        HookAction::ForceAction => {
+            Some(ToolCall { name: tool?.to_string(), args: args.unwrap_or_else(|| Value::Object(Default::default())) })
+        }
         HookAction::RewriteAction => {
             let pending = pending?;
             let mut new_args = pending.args.clone();
@@ -621,10 +610,7 @@ fn apply_tool_view(spec: &HarnessSpec, offered: &[ToolSpec]) -> Result<Vec<ToolS
         .iter()
         .filter_map(|t| match by_name.get(t.name.as_str()) {
             Some(e) if !e.shown => None,
-            Some(e) => Some(ToolSpec {
-                description: e.description.clone().unwrap_or_else(|| t.description.clone()),
-                ..t.clone()
-            }),
+            Some(e) => Some(ToolSpec { description: e.description.clone().unwrap_or_else(|| t.description.clone()), ..t.clone() }),
             None => Some(t.clone()),
         })
         .collect())
@@ -780,7 +766,9 @@ mod tests {
         let req = ask(&mut s);
         assert_eq!(req.messages.len(), 2, "system and user turns merge into one message each");
         let system = &req.messages[0].content;
-        for needle in ["Be exact.", "## How to act\nInspect the table first.", "## Answer format", "## Skills\n### inspect", "## Notes\n- quoting"] {
+        for needle in
+            ["Be exact.", "## How to act\nInspect the table first.", "## Answer format", "## Skills\n### inspect", "## Notes\n- quoting"]
+        {
             assert!(system.contains(needle), "system prompt lacks {needle:?}:\n{system}");
         }
         assert!(system.starts_with(BASE_SYSTEM_PROMPT));
@@ -817,7 +805,8 @@ mod tests {
 
     #[test]
     fn episode_start_warn_injects_a_hint_after_the_task() {
-        let mut s = session(json!([{"id": "w", "event": "episode_start", "condition": "always", "action": "warn", "message": "Inspect first."}]));
+        let mut s =
+            session(json!([{"id": "w", "event": "episode_start", "condition": "always", "action": "warn", "message": "Inspect first."}]));
         let req = ask(&mut s);
         assert!(req.messages[1].content.ends_with("How many rows have age > 30?\n\nInspect first."));
         let h = harness_turns(&s);

@@ -81,7 +81,8 @@ pub fn parse_spec(file: &str, text: &str, opts: &ValidateOptions) -> Result<Harn
 /// Parses a spec text as JSON, refusing duplicate keys (JSON readers keep the last of two
 /// equal keys; a spec that says a thing twice is refused).
 pub fn read_value(file: &str, text: &str) -> Result<Value, SpecError> {
-    let json_error = |e: serde_json::Error| SpecError::Json { file: file.to_string(), line: e.line(), column: e.column(), detail: e.to_string() };
+    let json_error =
+        |e: serde_json::Error| SpecError::Json { file: file.to_string(), line: e.line(), column: e.column(), detail: e.to_string() };
     serde_json::from_str::<NoDuplicateKeys>(text).map_err(json_error)?;
     serde_json::from_str(text).map_err(json_error)
 }
@@ -117,12 +118,24 @@ impl<'de> serde::Deserialize<'de> for NoDuplicateKeys {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("JSON")
             }
-            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
-            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
-            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
-            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
-            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
-            fn visit_unit<E>(self) -> Result<Self::Value, E> { Ok(NoDuplicateKeys) }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(NoDuplicateKeys)
+            }
             fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 while seq.next_element::<NoDuplicateKeys>()?.is_some() {}
                 Ok(NoDuplicateKeys)
@@ -293,7 +306,10 @@ impl Validator<'_> {
             return None;
         }
         if s.len() > 64 || !ok_chars || !s.chars().next().is_some_and(|c| c.is_ascii_alphanumeric()) {
-            self.problem(path, format!("`{s}` is not a valid id: use 1-64 letters, digits, `_`, `-` or `.`, starting with a letter or digit"));
+            self.problem(
+                path,
+                format!("`{s}` is not a valid id: use 1-64 letters, digits, `_`, `-` or `.`, starting with a letter or digit"),
+            );
             return None;
         }
         Some(s)
@@ -326,15 +342,24 @@ impl Validator<'_> {
 
     fn spec(&mut self, v: &Value) {
         const EDIT_FIELDS: &[&str] = &["prompt_rules", "skills", "context", "memory", "examples", "tool_view", "hooks"];
-        const FIELDS: &[&str] = &[
-            "id", "parent", "generation", "direction", "prompt_rules", "skills", "context", "memory", "examples", "tool_view", "hooks",
-        ];
+        const FIELDS: &[&str] =
+            &["id", "parent", "generation", "direction", "prompt_rules", "skills", "context", "memory", "examples", "tool_view", "hooks"];
         let Some(map) = self.object("", v, FIELDS, &["id"]) else { return };
         if let Some(id) = map.get("id") {
             if self.ident("id", id).as_deref() == Some(schemas::H0_ID) {
-                let edits: Vec<&str> = EDIT_FIELDS.iter().copied().filter(|f| map.get(*f).is_some_and(|v| !v.is_null() && v != &Value::Array(vec![]))).collect();
+                let edits: Vec<&str> = EDIT_FIELDS
+                    .iter()
+                    .copied()
+                    .filter(|f| map.get(*f).is_some_and(|v| !v.is_null() && v != &Value::Array(vec![])))
+                    .collect();
                 if !edits.is_empty() {
-                    self.problem("id", format!("`h0` is the base harness and carries no edits (this spec has {}); give the sibling another id", edits.join(", ")));
+                    self.problem(
+                        "id",
+                        format!(
+                            "`h0` is the base harness and carries no edits (this spec has {}); give the sibling another id",
+                            edits.join(", ")
+                        ),
+                    );
                 }
             }
         }
@@ -440,7 +465,10 @@ impl Validator<'_> {
                     self.problem(format!("{turns_path}[0].role"), "an example starts with a user turn".to_string());
                 }
                 if roles.last().map(String::as_str) != Some("assistant") {
-                    self.problem(format!("{turns_path}[{}].role", roles.len() - 1), "an example ends with an assistant turn (the answer it demonstrates)".to_string());
+                    self.problem(
+                        format!("{turns_path}[{}].role", roles.len() - 1),
+                        "an example ends with an assistant turn (the answer it demonstrates)".to_string(),
+                    );
                 }
             }
         }
@@ -545,10 +573,7 @@ impl Validator<'_> {
             match action {
                 "block_and_prompt" | "rewrite_action" if event != HookEvent::BeforeAction => self.problem(
                     join(path, "action"),
-                    format!(
-                        "`{action}` needs a pending action, so it runs only at before_action (this hook is at {})",
-                        event_name(event)
-                    ),
+                    format!("`{action}` needs a pending action, so it runs only at before_action (this hook is at {})", event_name(event)),
                 ),
                 _ => {}
             }
@@ -609,10 +634,7 @@ impl Validator<'_> {
                     _ => self.problem(p, format!("unknown operator `{op}`; expected one of: {}", OPERATORS.join(", "))),
                 }
             }
-            other => self.problem(
-                path,
-                format!("a condition is a predicate name or an expression object, found {}", type_name(other)),
-            ),
+            other => self.problem(path, format!("a condition is a predicate name or an expression object, found {}", type_name(other))),
         }
     }
 
@@ -735,29 +757,27 @@ impl Validator<'_> {
                 "max_fires" if value.as_u64().is_none_or(|n| n < 1) => {
                     self.problem(kp, format!("expected a positive integer, found {value}"));
                 }
-                "extract" => {
-                    match parse_extractions(Some(value)) {
-                        Ok(list) => {
-                            for e in list {
-                                let ep = join(&join(&kp, &e.name), "from");
-                                let check = self.check_path(&e.from, event.unwrap_or(HookEvent::AfterTool));
-                                match check {
-                                    Ok(_) if e.from.starts_with("extract.") => {
-                                        self.problem(ep, "an extraction reads a state, action or observation path, not another extraction")
-                                    }
-                                    Ok(_) => {}
-                                    Err(msg) => self.problem(ep, msg),
+                "extract" => match parse_extractions(Some(value)) {
+                    Ok(list) => {
+                        for e in list {
+                            let ep = join(&join(&kp, &e.name), "from");
+                            let check = self.check_path(&e.from, event.unwrap_or(HookEvent::AfterTool));
+                            match check {
+                                Ok(_) if e.from.starts_with("extract.") => {
+                                    self.problem(ep, "an extraction reads a state, action or observation path, not another extraction")
                                 }
-                            }
-                        }
-                        Err(problems) => {
-                            for (name, msg) in problems {
-                                let p = if name.is_empty() { kp.clone() } else { join(&kp, &name) };
-                                self.problem(p, msg);
+                                Ok(_) => {}
+                                Err(msg) => self.problem(ep, msg),
                             }
                         }
                     }
-                }
+                    Err(problems) => {
+                        for (name, msg) in problems {
+                            let p = if name.is_empty() { kp.clone() } else { join(&kp, &name) };
+                            self.problem(p, msg);
+                        }
+                    }
+                },
                 "tool" => {
                     if let Some(t) = self.text(&kp, value, true) {
                         self.known_tool(&kp, &t);
@@ -809,7 +829,10 @@ mod tests {
             {"id": "w", "event": "before_decision", "condition": "text_only_reply", "action": "warn", "message": "Commit the answer."}]});
         let refused: Vec<String> = validate_value(&spec, &ValidateOptions::default()).iter().map(|p| p.to_string()).collect();
         assert_eq!(refused.len(), 2, "{refused:?}");
-        assert!(refused[0].starts_with("hooks[0].action:") && refused[0].contains("`force_action` acts in the policy's place"), "{refused:?}");
+        assert!(
+            refused[0].starts_with("hooks[0].action:") && refused[0].contains("`force_action` acts in the policy's place"),
+            "{refused:?}"
+        );
         assert!(refused[1].starts_with("hooks[1].action:") && refused[1].contains("harness_actions = true"), "{refused:?}");
         assert!(problems(spec).is_empty());
     }
@@ -819,7 +842,9 @@ mod tests {
         let dup = r#"{"id": "s1", "id": "s2"}"#;
         let e = parse_spec("s.json", dup, &ValidateOptions::default()).unwrap_err().to_string();
         assert!(e.contains("`id` appears twice") && e.contains("s.json"), "{e}");
-        let msg = problems(json!({"id": "x", "hooks": [{"event": "before_action", "condition": "always", "action": "warn", "message": "use {{extract.x}}"}]}));
+        let msg = problems(
+            json!({"id": "x", "hooks": [{"event": "before_action", "condition": "always", "action": "warn", "message": "use {{extract.x}}"}]}),
+        );
         assert!(msg.iter().any(|p| p.contains("message") && p.contains("no placeholders")), "{msg:?}");
         let open = problems(json!({"id": "x", "hooks": [{"event": "before_action", "condition": "always", "action": "rewrite_action",
             "parameters": {"args": {"query": "SELECT {{action.args.query"}}}]}));
@@ -844,7 +869,10 @@ mod tests {
         ] {
             assert!(joined.contains(needle), "`{needle}` not reported:\n{joined}");
         }
-        assert!(problems(json!({"id": "x", "examples": [{"name": "ok", "turns": [{"role": "user", "text": "q"}, {"role": "assistant", "text": "a"}]}]})).is_empty());
+        assert!(problems(
+            json!({"id": "x", "examples": [{"name": "ok", "turns": [{"role": "user", "text": "q"}, {"role": "assistant", "text": "a"}]}]})
+        )
+        .is_empty());
     }
 
     #[test]
@@ -941,10 +969,13 @@ mod tests {
                 {"id": "h", "event": "after_tool", "condition": "always", "action": "warn", "message": "m"}
             ]
         }));
-        assert_eq!(got, vec![
-            "skills[1].name: duplicate skill name `a` (first at skills[0].name)".to_string(),
-            "hooks[1].id: duplicate hook id `h` (first at hooks[0].id)".to_string(),
-        ]);
+        assert_eq!(
+            got,
+            vec![
+                "skills[1].name: duplicate skill name `a` (first at skills[0].name)".to_string(),
+                "hooks[1].id: duplicate hook id `h` (first at hooks[0].id)".to_string(),
+            ]
+        );
     }
 
     #[test]
@@ -1017,7 +1048,19 @@ mod tests {
                     let spec = parse_spec(&path.display().to_string(), &text, &opts).unwrap_or_else(|e| panic!("{e}"));
                     if spec.id != schemas::H0_ID {
                         assert_eq!(spec.parent.as_deref(), Some("h0"), "{}", path.display());
-                        assert!(spec.direction.is_some() && spec != HarnessSpec { id: spec.id.clone(), parent: spec.parent.clone(), direction: spec.direction.clone(), generation: spec.generation, ..HarnessSpec::h0() }, "{}: a sibling is a repair", path.display());
+                        assert!(
+                            spec.direction.is_some()
+                                && spec
+                                    != HarnessSpec {
+                                        id: spec.id.clone(),
+                                        parent: spec.parent.clone(),
+                                        direction: spec.direction.clone(),
+                                        generation: spec.generation,
+                                        ..HarnessSpec::h0()
+                                    },
+                            "{}: a sibling is a repair",
+                            path.display()
+                        );
                     }
                     spec
                 })

@@ -122,7 +122,10 @@ impl infra::Transient for PolicyError {
     /// Whether retrying the same call (with backoff) may succeed.
     fn is_transient(&self) -> bool {
         match self {
-            PolicyError::Timeout { .. } | PolicyError::Unreachable { .. } | PolicyError::InvalidOutput { .. } | PolicyError::StaleWeights { .. } => true,
+            PolicyError::Timeout { .. }
+            | PolicyError::Unreachable { .. }
+            | PolicyError::InvalidOutput { .. }
+            | PolicyError::StaleWeights { .. } => true,
             PolicyError::Http { status, .. } => *status == 429 || *status >= 500,
             _ => false,
         }

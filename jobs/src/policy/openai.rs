@@ -199,7 +199,9 @@ impl std::fmt::Debug for ApiKey {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Tokenizer {
     /// llama-cpp-python: `POST /extras/tokenize {"input"}`; `prefix` ids (BOS) are dropped.
-    Extras { prefix: usize },
+    Extras {
+        prefix: usize,
+    },
     /// llama.cpp: `POST /tokenize {"content", "add_special": false}`.
     LlamaCpp,
     None,
@@ -320,7 +322,9 @@ impl OpenAiPolicy {
         if self.config.tool_protocol == ToolProtocol::Native && !tools.is_empty() {
             let wire_tools: Vec<Value> = tools
                 .iter()
-                .map(|t| json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}))
+                .map(
+                    |t| json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}),
+                )
                 .collect();
             obj.insert("tools".into(), Value::Array(wire_tools));
             obj.insert("tool_choice".into(), json!("auto"));
@@ -360,8 +364,8 @@ impl OpenAiPolicy {
         tracing::warn!(endpoint = %self.root_url, served = %served, expected = %expected, "the policy endpoint serves other weights than the synced ones; loading them again");
         let key = self.api_key.as_ref().map(|k| k.0.clone());
         let timeout = Duration::from_secs_f64(self.config.retry_budget_s);
-        let endpoint = super::weight_sync::Endpoint::new(&self.config.base_url, key, timeout)
-            .map_err(|e| PolicyError::Config(e.to_string()))?;
+        let endpoint =
+            super::weight_sync::Endpoint::new(&self.config.base_url, key, timeout).map_err(|e| PolicyError::Config(e.to_string()))?;
         if let Err(e) = endpoint.ensure(expected, timeout).await {
             tracing::warn!(error = %e, "reloading the synced weights failed");
         }
@@ -408,7 +412,10 @@ impl OpenAiPolicy {
             match self.tokenize(tokenizer, &piece.token).await {
                 Ok(one) if one.len() == 1 => ids.push(one[0]),
                 _ => {
-                    tracing::warn!(pieces = pieces.len(), "sampled pieces do not map one-to-one to token ids; token ids left empty for this turn");
+                    tracing::warn!(
+                        pieces = pieces.len(),
+                        "sampled pieces do not map one-to-one to token ids; token ids left empty for this turn"
+                    );
                     return Vec::new();
                 }
             }
@@ -434,8 +441,11 @@ impl OpenAiPolicy {
                 Ok(ids.get(*prefix..).unwrap_or_default().to_vec())
             }
             Tokenizer::LlamaCpp => {
-                self.post_tokenize(&format!("{}/tokenize", self.root_url), json!({"content": text, "add_special": false, "parse_special": true}))
-                    .await
+                self.post_tokenize(
+                    &format!("{}/tokenize", self.root_url),
+                    json!({"content": text, "add_special": false, "parse_special": true}),
+                )
+                .await
             }
             Tokenizer::None => Ok(Vec::new()),
         }

@@ -88,11 +88,7 @@ pub fn instructions(tools: &[ToolSpec]) -> String {
 /// Renders calls in the protocol's `Action:` form, for assistant turns that carry calls but
 /// no text (an action forced or rewritten by a harness hook).
 pub fn render_calls(calls: &[ToolCall]) -> String {
-    calls
-        .iter()
-        .map(|c| format!("Action: {}", json!({"name": c.name, "arguments": c.args})))
-        .collect::<Vec<_>>()
-        .join("\n")
+    calls.iter().map(|c| format!("Action: {}", json!({"name": c.name, "arguments": c.args}))).collect::<Vec<_>>().join("\n")
 }
 
 /// Reads the tool calls in an assistant reply, in order of appearance. `offered` enables
@@ -349,7 +345,10 @@ mod tests {
     #[test]
     fn sql_fence_becomes_execute_sql() {
         let calls = parse("Action: Operation\n```sql\nSELECT count(*) FROM `t` WHERE age > 30;\n```\n", &DB_TOOLS, true);
-        assert_eq!(calls, vec![ToolCall { name: "execute_sql".into(), args: json!({"query": "SELECT count(*) FROM `t` WHERE age > 30;"}) }]);
+        assert_eq!(
+            calls,
+            vec![ToolCall { name: "execute_sql".into(), args: json!({"query": "SELECT count(*) FROM `t` WHERE age > 30;"}) }]
+        );
     }
 
     #[test]
@@ -414,7 +413,10 @@ mod tests {
     fn instructions_list_tools_and_active_shorthands() {
         let tools = [
             tool("execute_sql", json!({"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})),
-            tool("commit_final_answer", json!({"type": "object", "properties": {"answers": {"type": "array", "items": {"type": "string"}}}})),
+            tool(
+                "commit_final_answer",
+                json!({"type": "object", "properties": {"answers": {"type": "array", "items": {"type": "string"}}}}),
+            ),
         ];
         let text = instructions(&tools);
         assert!(text.contains("- execute_sql: execute_sql tool. Arguments: `query` (string, required)."), "{text}");

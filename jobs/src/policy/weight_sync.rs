@@ -92,10 +92,15 @@ impl Endpoint {
         let status = response.status().as_u16();
         let text = response.text().await.map_err(unreachable)?;
         if status >= 500 || status == 429 {
-            return Err(SyncError::Unreachable { endpoint: self.root.clone(), detail: format!("HTTP {status}: {}", text.chars().take(300).collect::<String>()) });
+            return Err(SyncError::Unreachable {
+                endpoint: self.root.clone(),
+                detail: format!("HTTP {status}: {}", text.chars().take(300).collect::<String>()),
+            });
         }
-        let body = serde_json::from_str(&text)
-            .map_err(|_| SyncError::Protocol { endpoint: self.root.clone(), detail: format!("HTTP {status}, not JSON: {}", text.chars().take(200).collect::<String>()) })?;
+        let body = serde_json::from_str(&text).map_err(|_| SyncError::Protocol {
+            endpoint: self.root.clone(),
+            detail: format!("HTTP {status}, not JSON: {}", text.chars().take(200).collect::<String>()),
+        })?;
         Ok((status, body))
     }
 
@@ -104,7 +109,10 @@ impl Endpoint {
         let (status, body) = self.send(self.http.get(format!("{}/get_model_info", self.root))).await?;
         match body.get("model_path").and_then(Value::as_str) {
             Some(p) if status == 200 => Ok(p.to_string()),
-            _ => Err(SyncError::Protocol { endpoint: self.root.clone(), detail: format!("GET /get_model_info answered HTTP {status} without a model_path") }),
+            _ => Err(SyncError::Protocol {
+                endpoint: self.root.clone(),
+                detail: format!("GET /get_model_info answered HTTP {status} without a model_path"),
+            }),
         }
     }
 
@@ -116,8 +124,13 @@ impl Endpoint {
         match body.get("success").and_then(Value::as_bool) {
             Some(true) => Ok(()),
             Some(false) => Err(SyncError::Refused { endpoint: self.root.clone(), model_path: model_path.into(), message }),
-            None if status == 404 => Err(SyncError::Protocol { endpoint: self.root.clone(), detail: "POST /update_weights_from_disk answered 404".into() }),
-            None => Err(SyncError::Protocol { endpoint: self.root.clone(), detail: format!("POST /update_weights_from_disk answered HTTP {status} without `success`") }),
+            None if status == 404 => {
+                Err(SyncError::Protocol { endpoint: self.root.clone(), detail: "POST /update_weights_from_disk answered 404".into() })
+            }
+            None => Err(SyncError::Protocol {
+                endpoint: self.root.clone(),
+                detail: format!("POST /update_weights_from_disk answered HTTP {status} without `success`"),
+            }),
         }
     }
 
@@ -126,7 +139,11 @@ impl Endpoint {
     /// while `budget` lasts. Returns whether weights were loaded.
     pub async fn ensure(&self, model_path: &str, budget: Duration) -> Result<bool, SyncError> {
         let started = Instant::now();
-        let backoff = ExponentialBuilder::default().with_min_delay(Duration::from_millis(500)).with_max_delay(Duration::from_secs(10)).with_max_times(usize::MAX).with_jitter();
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(500))
+            .with_max_delay(Duration::from_secs(10))
+            .with_max_times(usize::MAX)
+            .with_jitter();
         (|| async {
             if same_weights(&self.serving().await?, model_path) {
                 return Ok(false);
@@ -180,7 +197,10 @@ mod tests {
     #[test]
     fn local_folders_are_sent_as_paths_and_others_as_urls() {
         assert_eq!(model_path_of("file:///data/runs/r/checkpoints/step=1"), "/data/runs/r/checkpoints/step=1");
-        assert_eq!(model_path_of("s3://b/p/runs/r/checkpoints/step=1?endpoint=http://127.0.0.1:8333"), "s3://b/p/runs/r/checkpoints/step=1?endpoint=http://127.0.0.1:8333");
+        assert_eq!(
+            model_path_of("s3://b/p/runs/r/checkpoints/step=1?endpoint=http://127.0.0.1:8333"),
+            "s3://b/p/runs/r/checkpoints/step=1?endpoint=http://127.0.0.1:8333"
+        );
     }
 
     #[tokio::test]

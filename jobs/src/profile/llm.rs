@@ -177,7 +177,8 @@ impl<'a> LlmProfiler<'a> {
         let mut merged: BTreeMap<(u8, String, String), (Polarity, String, String, u32, f64, u32)> = BTreeMap::new();
         let size = self.config.pairs_per_call.max(1);
         for (b, batch) in pairs.chunks(size).take(self.config.max_calls).enumerate() {
-            let mut messages = vec![Message::new(Role::System, SYSTEM), Message::new(Role::User, prompt(&meta.harness_id, description, batch))];
+            let mut messages =
+                vec![Message::new(Role::System, SYSTEM), Message::new(Role::User, prompt(&meta.harness_id, description, batch))];
             match self.ask(&mut messages, &mut outcome.calls, seed.wrapping_add(2 * b as u64)).await {
                 Ok(entries) => {
                     let delta_sum: f64 = batch.iter().map(Pair::delta).sum();
@@ -215,8 +216,8 @@ impl<'a> LlmProfiler<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::*;
     use super::super::pair_up;
+    use super::super::testing::*;
     use super::*;
     use crate::env::ToolSpec;
     use crate::policy::{FinishReason, PolicyError, PolicyOutput};
@@ -228,7 +229,10 @@ mod tests {
         let ok = r#"Here you go: ```json
 {"prefer": [{"when": "counting on big tables", "behavior": "inspects the schema first"}], "avoid": []}
 ```"#;
-        assert_eq!(parse_profile(ok).unwrap(), vec![(Polarity::Prefer, "counting on big tables".into(), "inspects the schema first".into())]);
+        assert_eq!(
+            parse_profile(ok).unwrap(),
+            vec![(Polarity::Prefer, "counting on big tables".into(), "inspects the schema first".into())]
+        );
         for (bad, needle) in [
             ("no json here", "no JSON object"),
             ("{\"prefer\": []}", "missing field `avoid`"),
@@ -258,7 +262,16 @@ mod tests {
             let mut seen = self.seen.lock().unwrap();
             let text = self.answers.get(seen.len()).copied().unwrap_or("{}");
             seen.push(m.to_vec());
-            Ok(PolicyOutput { prompt_hash: None, text: text.into(), tool_calls: vec![], token_ids: vec![], logprobs: vec![], prompt_tokens: 0, completion_tokens: 0, finish_reason: FinishReason::Stop })
+            Ok(PolicyOutput {
+                prompt_hash: None,
+                text: text.into(),
+                tool_calls: vec![],
+                token_ids: vec![],
+                logprobs: vec![],
+                prompt_tokens: 0,
+                completion_tokens: 0,
+                finish_reason: FinishReason::Stop,
+            })
         }
     }
 

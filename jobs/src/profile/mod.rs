@@ -227,9 +227,7 @@ impl Behavior {
                 let mut seen = std::collections::HashSet::new();
                 actions.iter().any(|a| !seen.insert(a))
             }
-            Self::CommitsWithoutQuery => {
-                actions.iter().any(|(t, _)| is_commit(t)) && !actions.iter().any(is_query)
-            }
+            Self::CommitsWithoutQuery => actions.iter().any(|(t, _)| is_commit(t)) && !actions.iter().any(is_query),
             Self::UsesTool(name) => actions.iter().any(|(t, _)| t == name),
             Self::HookFires(id) => traj.turns.iter().any(|t| t.hook_id.as_deref() == Some(id.as_str())),
             Self::HitsToolError => traj.turns.iter().any(|t| t.role == Role::Tool && t.text.to_ascii_lowercase().contains("error")),
@@ -311,7 +309,11 @@ pub struct Outcome {
 
 impl Outcome {
     pub fn rate(&self) -> f64 {
-        if self.episodes == 0 { 0.0 } else { f64::from(self.successes) / f64::from(self.episodes) }
+        if self.episodes == 0 {
+            0.0
+        } else {
+            f64::from(self.successes) / f64::from(self.episodes)
+        }
     }
 }
 

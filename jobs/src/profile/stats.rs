@@ -48,7 +48,15 @@ pub struct ProfileMeta {
 }
 
 impl ProfileMeta {
-    pub fn entry(&self, polarity: Polarity, when: String, behavior: String, support: u32, paired_delta: Option<f64>, source: &str) -> ProfileEntry {
+    pub fn entry(
+        &self,
+        polarity: Polarity,
+        when: String,
+        behavior: String,
+        support: u32,
+        paired_delta: Option<f64>,
+        source: &str,
+    ) -> ProfileEntry {
         ProfileEntry {
             run_id: self.run_id.clone(),
             calibration_id: self.calibration_id.clone(),
@@ -137,9 +145,8 @@ pub fn statistical_profile(meta: &ProfileMeta, pairs: &[Pair<'_>], config: &Stat
     for polarity in [Polarity::Prefer, Polarity::Avoid] {
         let mut kept: Vec<&Candidate> = Vec::new();
         for c in candidates.iter().filter(|c| c.polarity == polarity) {
-            let subsumed = |k: &&Candidate| {
-                k.kind == c.kind && (k.delta - c.delta).abs() < 1e-9 && c.support.iter().all(|i| k.support.contains(i))
-            };
+            let subsumed =
+                |k: &&Candidate| k.kind == c.kind && (k.delta - c.delta).abs() < 1e-9 && c.support.iter().all(|i| k.support.contains(i));
             if !kept.iter().any(subsumed) {
                 kept.push(c);
             }
@@ -150,9 +157,10 @@ pub fn statistical_profile(meta: &ProfileMeta, pairs: &[Pair<'_>], config: &Stat
             w(b).partial_cmp(&w(a)).unwrap_or(std::cmp::Ordering::Equal)
         });
         kept.truncate(config.max_per_list);
-        out.extend(kept.into_iter().map(|c| {
-            meta.entry(c.polarity, c.when.clone(), c.behavior.clone(), c.support.len() as u32, Some(c.delta), SOURCE)
-        }));
+        out.extend(
+            kept.into_iter()
+                .map(|c| meta.entry(c.polarity, c.when.clone(), c.behavior.clone(), c.support.len() as u32, Some(c.delta), SOURCE)),
+        );
     }
     out
 }
@@ -209,7 +217,8 @@ mod tests {
         assert!(inspects[0].behavior.contains("H0 does in 0/3"), "{}", inspects[0].behavior);
         // Tasks above the median size (60 rows) are all counting tasks: nothing new to say.
         assert!(!prefer.iter().any(|e| e.when == "rows > 60"), "{prefer:?}");
-        let small = avoid.iter().find(|e| e.when == "rows <= 60" && e.behavior.starts_with("succeeds")).unwrap_or_else(|| panic!("{avoid:?}"));
+        let small =
+            avoid.iter().find(|e| e.when == "rows <= 60" && e.behavior.starts_with("succeeds")).unwrap_or_else(|| panic!("{avoid:?}"));
         assert_eq!(small.support, 3);
         // INSERT pairs all get worse.
         let insert = avoid.iter().find(|e| e.when == "task_type = INSERT").expect("insert entry");
@@ -235,7 +244,10 @@ mod tests {
         assert_eq!((hook.polarity, hook.support, hook.paired_delta), (Polarity::Prefer, 1, Some(1.0)));
         assert!(!entries.iter().any(|e| e.behavior.starts_with("calls `execute_sql`")), "both call it: {entries:?}");
         let observed = Behavior::observed(&pairs);
-        assert!(observed.contains(&Behavior::UsesTool("execute_sql".into())) && observed.contains(&Behavior::HookFires("commit-hint".into())), "{observed:?}");
+        assert!(
+            observed.contains(&Behavior::UsesTool("execute_sql".into())) && observed.contains(&Behavior::HookFires("commit-hint".into())),
+            "{observed:?}"
+        );
         assert_eq!(&observed[..4], &Behavior::ALL, "the fixed four come first");
     }
 

@@ -151,7 +151,8 @@ mod tests {
     #[test]
     fn h_best_is_the_best_validation_success_ties_to_the_pool_order() {
         let pool: Vec<String> = ["h0", "s1", "s2", "s3"].iter().map(|s| s.to_string()).collect();
-        let success: BTreeMap<String, f64> = [("h0", 0.2), ("s1", 0.5), ("s2", 0.5), ("s3", 0.1)].iter().map(|(h, v)| (h.to_string(), *v)).collect();
+        let success: BTreeMap<String, f64> =
+            [("h0", 0.2), ("s1", 0.5), ("s2", 0.5), ("s3", 0.1)].iter().map(|(h, v)| (h.to_string(), *v)).collect();
         assert_eq!(best_harness(&success, &pool), Some(("s1".to_string(), 0.5)));
         let flat: BTreeMap<String, f64> = pool.iter().map(|h| (h.clone(), 0.0)).collect();
         assert_eq!(best_harness(&flat, &pool), Some(("h0".to_string(), 0.0)), "no harness beats H0: H0");

@@ -75,11 +75,8 @@ pub fn parse_ranking(text: &str) -> Result<Vec<String>, String> {
 /// The prompt of one vote.
 pub fn prompt(req: &VoteRequest<'_>, max_profile_entries: usize) -> String {
     let ev = req.evidence;
-    let similar: Vec<String> = req
-        .similar
-        .iter()
-        .filter_map(|(id, sim)| ev.task(id).map(|t| format!("{id} ({}, sim {sim:.2})", t.task_type)))
-        .collect();
+    let similar: Vec<String> =
+        req.similar.iter().filter_map(|(id, sim)| ev.task(id).map(|t| format!("{id} ({}, sim {sim:.2})", t.task_type))).collect();
     let mut lines = vec![
         format!("Task: {}", req.task.summary()),
         format!("Similar validation tasks: {}", if similar.is_empty() { "none".into() } else { similar.join(", ") }),

@@ -158,7 +158,11 @@ impl Variant {
 
     /// Rollouts each selected harness gets.
     pub fn rollouts_per_harness(self) -> u32 {
-        if self == Self::Llm4x2 { 2 } else { 1 }
+        if self == Self::Llm4x2 {
+            2
+        } else {
+            1
+        }
     }
 
     /// Whether voters see profile entries.
@@ -277,12 +281,27 @@ impl Router {
             (true, true, false) => {
                 return Err(RouterError::Config {
                     field: "voters",
-                    reason: format!("variant `{}` votes with LLM voters: give at least one, or choose the rule voter over profiles (rule_voter)", config.variant),
+                    reason: format!(
+                        "variant `{}` votes with LLM voters: give at least one, or choose the rule voter over profiles (rule_voter)",
+                        config.variant
+                    ),
                 })
             }
-            (true, false, true) => return Err(RouterError::Config { field: "rule_voter", reason: "give LLM voters or choose the rule voter, not both".into() }),
-            (false, false, _) => return Err(RouterError::Config { field: "voters", reason: format!("variant `{}` takes no voters", config.variant) }),
-            (false, true, true) => return Err(RouterError::Config { field: "rule_voter", reason: format!("variant `{}` has no LLM voters to replace", config.variant) }),
+            (true, false, true) => {
+                return Err(RouterError::Config {
+                    field: "rule_voter",
+                    reason: "give LLM voters or choose the rule voter, not both".into(),
+                })
+            }
+            (false, false, _) => {
+                return Err(RouterError::Config { field: "voters", reason: format!("variant `{}` takes no voters", config.variant) })
+            }
+            (false, true, true) => {
+                return Err(RouterError::Config {
+                    field: "rule_voter",
+                    reason: format!("variant `{}` has no LLM voters to replace", config.variant),
+                })
+            }
             _ => {}
         }
         if config.rollouts == 0 {
@@ -339,12 +358,21 @@ impl Router {
             };
             let ranked = rule.ranked(&vr);
             let ranking = ranked.iter().map(|(h, _)| h.clone()).collect();
-            let ballot = schemas::Ballot { voter: rule.name(), ranking, valid: true, invalid_reason: None, raw: None, prompt_tokens: 0, completion_tokens: 0 };
+            let ballot = schemas::Ballot {
+                voter: rule.name(),
+                ranking,
+                valid: true,
+                invalid_reason: None,
+                raw: None,
+                prompt_tokens: 0,
+                completion_tokens: 0,
+            };
             (vec![ballot], ranked)
         } else {
             // `Router::new` allows no voters only when the rule voter was chosen.
             let rule_voter = RuleVoter { use_profiles: true };
-            let voters: Vec<&dyn Voter> = if self.voters.is_empty() { vec![&rule_voter] } else { self.voters.iter().map(|v| v.as_ref()).collect() };
+            let voters: Vec<&dyn Voter> =
+                if self.voters.is_empty() { vec![&rule_voter] } else { self.voters.iter().map(|v| v.as_ref()).collect() };
             let similar = req.evidence.similar_tasks(req.task, cfg.similar_tasks);
             let ballot_len = vote::required_len(order.len());
             let raws = join_all(voters.iter().enumerate().map(|(i, v)| {
@@ -593,7 +621,12 @@ mod tests {
             "llm:broken".into()
         }
         async fn vote(&self, req: &VoteRequest<'_>) -> RawBallot {
-            RawBallot { voter: self.name(), ranking: Ok(vec![req.candidates[0].clone(); 4]), raw: Some("dup".into()), usage: Default::default() }
+            RawBallot {
+                voter: self.name(),
+                ranking: Ok(vec![req.candidates[0].clone(); 4]),
+                raw: Some("dup".into()),
+                usage: Default::default(),
+            }
         }
     }
 

@@ -59,12 +59,8 @@ impl RuleVoter {
     /// Every candidate with its score, best first (ties as in the module docs).
     pub fn ranked(&self, req: &VoteRequest<'_>) -> Vec<(String, f64)> {
         let success = req.evidence.validation_success();
-        let mut scored: Vec<(usize, &String, f64, f64)> = req
-            .candidates
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (i, c, self.score(c, req), success.get(c).copied().unwrap_or(0.0)))
-            .collect();
+        let mut scored: Vec<(usize, &String, f64, f64)> =
+            req.candidates.iter().enumerate().map(|(i, c)| (i, c, self.score(c, req), success.get(c).copied().unwrap_or(0.0))).collect();
         scored.sort_by(|a, b| {
             b.2.partial_cmp(&a.2)
                 .unwrap_or(std::cmp::Ordering::Equal)
@@ -78,7 +74,11 @@ impl RuleVoter {
 #[async_trait]
 impl Voter for RuleVoter {
     fn name(&self) -> String {
-        if self.use_profiles { "rule+profiles".into() } else { "rule".into() }
+        if self.use_profiles {
+            "rule+profiles".into()
+        } else {
+            "rule".into()
+        }
     }
 
     async fn vote(&self, req: &VoteRequest<'_>) -> RawBallot {

@@ -51,7 +51,13 @@ impl SimilarityIndex {
     }
 
     fn weigh(&self, counts: HashMap<String, f64>) -> HashMap<String, f64> {
-        let mut v: HashMap<String, f64> = counts.into_iter().map(|(t, c)| { let w = c * self.idf(&t); (t, w) }).collect();
+        let mut v: HashMap<String, f64> = counts
+            .into_iter()
+            .map(|(t, c)| {
+                let w = c * self.idf(&t);
+                (t, w)
+            })
+            .collect();
         let norm = v.values().map(|w| w * w).sum::<f64>().sqrt();
         if norm > 0.0 {
             v.values_mut().for_each(|w| *w /= norm);

@@ -259,7 +259,12 @@ mod tests {
         let long = ballot("l", &["h1", "h2", "h3", "h4", "h0"], &c);
         assert!(long.invalid_reason.as_deref().unwrap().contains("exactly 4"));
         let unparsable = validate_ballot(
-            RawBallot { voter: "p".into(), ranking: Err("unparsable: expected `{`".into()), raw: Some("I like h1".into()), usage: Default::default() },
+            RawBallot {
+                voter: "p".into(),
+                ranking: Err("unparsable: expected `{`".into()),
+                raw: Some("I like h1".into()),
+                usage: Default::default(),
+            },
             &c,
         );
         assert_eq!((unparsable.valid, unparsable.raw.as_deref()), (false, Some("I like h1")));
@@ -296,8 +301,7 @@ mod tests {
         let mut sorted = shuffled(&c, s1);
         sorted.sort();
         assert_eq!(sorted, c, "a permutation");
-        let orders: HashSet<Vec<String>> =
-            (0..20).map(|i| shuffled(&c, call_seed(7, 3, &format!("t{i}"), "rescue"))).collect();
+        let orders: HashSet<Vec<String>> = (0..20).map(|i| shuffled(&c, call_seed(7, 3, &format!("t{i}"), "rescue"))).collect();
         assert!(orders.len() > 15, "orders vary across calls ({} distinct of 20)", orders.len());
         assert_ne!(call_seed(7, 3, "t1", "rescue"), call_seed(8, 3, "t1", "rescue"));
         assert_ne!(call_seed(7, 3, "t1", "rescue"), call_seed(7, 3, "t1", "inference"));

@@ -54,10 +54,17 @@ fn run_blocking(args: &LearnerArgs) -> anyhow::Result<u8> {
     };
     let vocab = model.config.vocab_size as u32;
     let params: i64 = model.named_tensors().iter().map(|(_, t)| t.numel() as i64).sum();
-    let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 1e-5, ..Default::default() }, micro_batch_tokens: args.micro_batch_tokens, ..Default::default() };
+    let cfg = LearnerConfig {
+        optimizer: AdamWConfig { lr: 1e-5, ..Default::default() },
+        micro_batch_tokens: args.micro_batch_tokens,
+        ..Default::default()
+    };
     let mut learner = Learner::new(model, cfg);
     println!("model: {} parameters  micro-batch budget: {} tokens  threads: {}", params, args.micro_batch_tokens, args.threads);
-    println!("{:>8} {:>6} {:>8} {:>13} {:>9} {:>13} {:>12}", "seq len", "group", "micro", "policy tok", "seconds", "policy tok/s", "peak RSS");
+    println!(
+        "{:>8} {:>6} {:>8} {:>13} {:>9} {:>13} {:>12}",
+        "seq len", "group", "micro", "policy tok", "seconds", "policy tok/s", "peak RSS"
+    );
     for &len in &args.seq_lens {
         for &group in &args.groups {
             let ctx = len / 2;
@@ -82,7 +89,12 @@ fn run_blocking(args: &LearnerArgs) -> anyhow::Result<u8> {
             let m = learner.update(&batch)?;
             let secs = t.elapsed().as_secs_f64();
             let peak = crate::bench::peak_rss_bytes().map(crate::bench::human_bytes).unwrap_or_else(|| "n/a".into());
-            println!("{len:>8} {group:>6} {:>8} {:>13} {secs:>9.2} {:>13.1} {peak:>12}", m.micro_batches, m.policy_tokens, m.policy_tokens as f64 / secs);
+            println!(
+                "{len:>8} {group:>6} {:>8} {:>13} {secs:>9.2} {:>13.1} {peak:>12}",
+                m.micro_batches,
+                m.policy_tokens,
+                m.policy_tokens as f64 / secs
+            );
         }
     }
     Ok(0)

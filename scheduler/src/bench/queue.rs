@@ -138,17 +138,9 @@ async fn ack_only(
 
 /// Measures one backend; `durable`: full workers (done-marker check, output, marker,
 /// ack), otherwise [`ack_only`] consumers.
-async fn measure(
-    label: &str,
-    url: &str,
-    store: Arc<dyn ObjectStore>,
-    args: &QueueArgs,
-    durable: bool,
-) -> anyhow::Result<Row> {
+async fn measure(label: &str, url: &str, store: Arc<dyn ObjectStore>, args: &QueueArgs, durable: bool) -> anyhow::Result<Row> {
     let tag = format!("bench-{}-{}", std::process::id(), schemas::now_unix_ms());
-    let queue = open_queue(&with_prefix(url, &tag))
-        .await
-        .with_context(|| format!("opening {}", infra::redact_url(url)))?;
+    let queue = open_queue(&with_prefix(url, &tag)).await.with_context(|| format!("opening {}", infra::redact_url(url)))?;
     let input = SleepInput { millis: 0, fail: false, fail_attempts: 0 };
 
     // Phase 1 (throughput): everything queued before the workers start.
@@ -168,8 +160,7 @@ async fn measure(
         if durable {
             let mut config = WorkerConfig::new(vec![JobKind::Sleep], 1);
             config.worker_id = format!("bench-{w}");
-            let worker =
-                Worker::new(queue.clone(), store.clone(), Registry::builtin(), config)?.with_events(events_tx.clone());
+            let worker = Worker::new(queue.clone(), store.clone(), Registry::builtin(), config)?.with_events(events_tx.clone());
             handles.push(tokio::spawn(async move {
                 worker.run(shutdown).await?;
                 Ok(())
@@ -199,8 +190,7 @@ async fn measure(
         queue.publish(job).await?;
     }
     let acked = collect(label, &mut events, &ids).await?;
-    let mut latencies: Vec<f64> =
-        acked.iter().zip(&issued).map(|(a, i)| a.duration_since(*i).as_secs_f64() * 1000.0).collect();
+    let mut latencies: Vec<f64> = acked.iter().zip(&issued).map(|(a, i)| a.duration_since(*i).as_secs_f64() * 1000.0).collect();
 
     let _ = stop_tx.send(true);
     for h in handles {

@@ -235,20 +235,39 @@ async fn llama_server(model: &std::path::Path, args: &SamplerArgs, prompt: &str)
         let body = serde_json::json!({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.0, "stop": [], "ignore_eos": true});
         async move {
             let t = Instant::now();
-            let r: serde_json::Value = http.post(format!("{base}/v1/completions")).json(&body).send().await?.error_for_status()?.json().await?;
+            let r: serde_json::Value =
+                http.post(format!("{base}/v1/completions")).json(&body).send().await?.error_for_status()?.json().await?;
             let n = r["usage"]["completion_tokens"].as_u64().context("server answer lacks usage.completion_tokens")?;
             anyhow::Ok((n, t.elapsed().as_secs_f64()))
         }
     };
     complete(format!("Warm-up. {prompt}")).await?;
     let (n, s) = complete(prompt.to_string()).await?;
-    Ok(Row { backend: "llama.cpp server".into(), streams: 1, prefill_tokens: 0, prefill_seconds: 0.0, decode_tokens: 0, decode_seconds: 0.0, aggregate: n as f64 / s })
+    Ok(Row {
+        backend: "llama.cpp server".into(),
+        streams: 1,
+        prefill_tokens: 0,
+        prefill_seconds: 0.0,
+        decode_tokens: 0,
+        decode_seconds: 0.0,
+        aggregate: n as f64 / s,
+    })
 }
 
 /// The engine at `streams` concurrent streams: each its own prompt, greedy; or with
 /// `group`, one prompt for all, sampled with a seed each.
-fn engine_row(streams: usize, group: bool, weights: WeightFormat, model: &native::Llama, tok: &native::Tokenizer, args: &SamplerArgs) -> anyhow::Result<Row> {
-    let engine = Engine::start(model.clone_weights()?, EngineConfig { max_batch: streams.max(1), weights, threads: Some(args.threads as usize), ..Default::default() })?;
+fn engine_row(
+    streams: usize,
+    group: bool,
+    weights: WeightFormat,
+    model: &native::Llama,
+    tok: &native::Tokenizer,
+    args: &SamplerArgs,
+) -> anyhow::Result<Row> {
+    let engine = Engine::start(
+        model.clone_weights()?,
+        EngineConfig { max_batch: streams.max(1), weights, threads: Some(args.threads as usize), ..Default::default() },
+    )?;
     // warm-up
     engine.generate(Request::new(prompt_ids(tok, 32, 999)?, GenerateOptions::greedy(4)))?;
     let before = engine.stats();
@@ -257,7 +276,10 @@ fn engine_row(streams: usize, group: bool, weights: WeightFormat, model: &native
         .map(|k| {
             let (prompt, opts) = match group {
                 false => (prompt_ids(tok, args.prompt_tokens, k)?, GenerateOptions::greedy(args.max_tokens)),
-                true => (prompt_ids(tok, args.prompt_tokens, 0)?, GenerateOptions { max_tokens: args.max_tokens, temperature: 0.7, top_p: 0.95, seed: k as u64 }),
+                true => (
+                    prompt_ids(tok, args.prompt_tokens, 0)?,
+                    GenerateOptions { max_tokens: args.max_tokens, temperature: 0.7, top_p: 0.95, seed: k as u64 },
+                ),
             };
             Ok(engine.submit(Request::new(prompt, opts)))
         })
@@ -282,7 +304,12 @@ fn engine_row(streams: usize, group: bool, weights: WeightFormat, model: &native
 /// Prefill positions computed over a 4-turn episode (each turn: the conversation so far, a
 /// 24-token reply, then a 40-token tool result), with the engine's prefix reuse and with
 /// no cache; and the final context's length.
-fn episode_prefill(model: &native::Llama, tok: &native::Tokenizer, args: &SamplerArgs, cache_tokens: usize) -> anyhow::Result<(u64, usize)> {
+fn episode_prefill(
+    model: &native::Llama,
+    tok: &native::Tokenizer,
+    args: &SamplerArgs,
+    cache_tokens: usize,
+) -> anyhow::Result<(u64, usize)> {
     let engine = Engine::start(model.clone_weights()?, EngineConfig { cache_tokens, ..Default::default() })?;
     let mut context = prompt_ids(tok, args.prompt_tokens, 0)?;
     let tool_result = prompt_ids(tok, 40, 77)?;
@@ -297,7 +324,10 @@ fn episode_prefill(model: &native::Llama, tok: &native::Tokenizer, args: &Sample
 }
 
 pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
-    anyhow::ensure!(args.threads > 0 && args.max_tokens > 0 && args.prompt_tokens > 0, "--threads, --prompt-tokens and --max-tokens must be positive");
+    anyhow::ensure!(
+        args.threads > 0 && args.max_tokens > 0 && args.prompt_tokens > 0,
+        "--threads, --prompt-tokens and --max-tokens must be positive"
+    );
     anyhow::ensure!(args.streams.iter().all(|&s| s > 0), "--streams must be positive");
     let formats = args.weights.iter().map(|w| WeightFormat::parse(w)).collect::<Result<Vec<_>, _>>().context("--weights")?;
     let model_path = match &args.model {
@@ -362,10 +392,23 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
 
     let base = rows[0].decode_rate();
     let base_agg = rows[0].aggregate;
-    println!("model: {}  prompt: {} tokens  generated: {} tokens per stream  threads: {}", model_path.display(), args.prompt_tokens, args.max_tokens, args.threads);
-    println!("{:<26} {:>7} {:>11} {:>11} {:>11} {:>9} {:>9}", "backend", "streams", "prefill t/s", "decode t/s", "aggreg. t/s", "decode ×", "aggreg. ×");
+    println!(
+        "model: {}  prompt: {} tokens  generated: {} tokens per stream  threads: {}",
+        model_path.display(),
+        args.prompt_tokens,
+        args.max_tokens,
+        args.threads
+    );
+    println!(
+        "{:<26} {:>7} {:>11} {:>11} {:>11} {:>9} {:>9}",
+        "backend", "streams", "prefill t/s", "decode t/s", "aggreg. t/s", "decode ×", "aggreg. ×"
+    );
     for r in &rows {
-        let (p, d) = if r.decode_tokens > 0 { (format!("{:.1}", r.prefill_rate()), format!("{:.1}", r.decode_rate())) } else { ("–".into(), "–".into()) };
+        let (p, d) = if r.decode_tokens > 0 {
+            (format!("{:.1}", r.prefill_rate()), format!("{:.1}", r.decode_rate()))
+        } else {
+            ("–".into(), "–".into())
+        };
         let dx = if r.decode_tokens > 0 { format!("{:.2}", r.decode_rate() / base) } else { "–".into() };
         println!("{:<26} {:>7} {:>11} {:>11} {:>11.1} {:>9} {:>9.2}", r.backend, r.streams, p, d, r.aggregate, dx, r.aggregate / base_agg);
     }

@@ -95,7 +95,10 @@ async fn load(server: &'static str, base: &str, model: &str, clients: usize, arg
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
-    anyhow::ensure!(args.threads > 0 && args.requests > 0 && args.max_tokens > 0, "--threads, --requests and --max-tokens must be positive");
+    anyhow::ensure!(
+        args.threads > 0 && args.requests > 0 && args.max_tokens > 0,
+        "--threads, --requests and --max-tokens must be positive"
+    );
     anyhow::ensure!(!args.clients.is_empty() && args.clients.iter().all(|&c| c > 0), "--clients must be positive");
     let weights = WeightFormat::parse(&args.weights).map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
     let model = match &args.model {
@@ -108,7 +111,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     eprintln!("harness-s serve ({}) ...", weights.name());
     let engine = EngineConfig { max_batch: most, weights, threads: Some(args.threads as usize), ..Default::default() };
     let path = model.clone();
-    let state = tokio::task::spawn_blocking(move || serve::AppState::load(&path, "bench".into(), native::device::Device::Cpu, engine)).await??;
+    let state =
+        tokio::task::spawn_blocking(move || serve::AppState::load(&path, "bench".into(), native::device::Device::Cpu, engine)).await??;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let ours = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -174,8 +174,7 @@ async fn write_all(store: &dyn ObjectStore, args: &StorageArgs) -> anyhow::Resul
         let mut i = start;
         while i < end {
             let n = chunk.min(end - i);
-            let rows: Vec<Trajectory> =
-                (i..i + n).map(|j| synthetic_rollout(&mut rng, j, kind, step, &job_id, args.turns)).collect();
+            let rows: Vec<Trajectory> = (i..i + n).map(|j| synthetic_rollout(&mut rng, j, kind, step, &job_id, args.turns)).collect();
             for r in &rows {
                 summary.json_bytes += serde_json::to_vec(r)?.len() as u64 + 1;
                 *summary.reward_sum_by_harness.entry(r.harness_id.clone()).or_default() += r.reward;
@@ -243,13 +242,7 @@ pub async fn run(args: StorageArgs) -> anyhow::Result<u8> {
     println!("| phase | rows/s | turns/s | MB/s (Parquet) | seconds |");
     println!("|---|---:|---:|---:|---:|");
     for (phase, s) in [("write", write_s), ("read", read_s)] {
-        println!(
-            "| {phase} | {:.0} | {:.0} | {:.1} | {:.2} |",
-            summary.rollouts as f64 / s,
-            summary.turns as f64 / s,
-            mb / s,
-            s
-        );
+        println!("| {phase} | {:.0} | {:.0} | {:.1} | {:.2} |", summary.rollouts as f64 / s, summary.turns as f64 / s, mb / s, s);
     }
     println!();
     println!("| format | bytes | human |");

@@ -132,7 +132,9 @@ async fn serve(args: EnvServeArgs) -> anyhow::Result<u8> {
         .with_max_rounds(args.max_rounds)?
         .with_db_prefix(&args.db_prefix);
     if let jobs::env::dbbench::Engine::Mysql { url } = &db.engine {
-        jobs::env::dbbench::check_server(url, Duration::from_secs(10)).await.with_context(|| format!("--db-url {}", infra::redact_url(url)))?;
+        jobs::env::dbbench::check_server(url, Duration::from_secs(10))
+            .await
+            .with_context(|| format!("--db-url {}", infra::redact_url(url)))?;
     }
     let mut config = serve::env::EnvServerConfig::new(&args.name, &tasks, db);
     config.session_ttl = Duration::from_secs(args.session_ttl);
@@ -148,7 +150,13 @@ async fn serve(args: EnvServeArgs) -> anyhow::Result<u8> {
             _ = int.recv() => tracing::info!("SIGINT received; closing the open sessions"),
         }
     };
-    println!("serving {} DBBench samples (0 to {}) of task set `{}` on {} at http://{bound}", server.len(), server.len() - 1, args.name, args.engine);
+    println!(
+        "serving {} DBBench samples (0 to {}) of task set `{}` on {} at http://{bound}",
+        server.len(),
+        server.len() - 1,
+        args.name,
+        args.engine
+    );
     tracing::info!(addr = %bound, "listening");
     serve::env::serve(listener, Arc::clone(&server), shutdown).await?;
     Ok(crate::exit::OK)

@@ -69,10 +69,12 @@ async fn gguf(args: GgufArgs) -> anyhow::Result<u8> {
     let base = native::gguf::GgufFile::open(base).with_context(|| format!("reading the run's starting GGUF {}", base.display()))?;
     let step = match args.step {
         Some(s) => s,
-        None => native::checkpoint::latest(store.as_ref(), &args.run)
-            .await?
-            .with_context(|| format!("run `{}` has no checkpoint yet (nothing was trained)", args.run))?
-            .step,
+        None => {
+            native::checkpoint::latest(store.as_ref(), &args.run)
+                .await?
+                .with_context(|| format!("run `{}` has no checkpoint yet (nothing was trained)", args.run))?
+                .step
+        }
     };
     let (model, _, manifest) = native::checkpoint::load_model(store.as_ref(), &args.run, step, native::device::Device::Cpu)
         .await

@@ -82,7 +82,12 @@ fn run_blocking(args: &GenerateArgs) -> anyhow::Result<u8> {
             writeln!(stdout, "{i:>5}  {id:>7}  {lp:>9.4}  {piece:?}")?;
         }
         let total: f32 = out.logprobs.iter().sum();
-        writeln!(stdout, "total logprob {total:.4} over {} tokens; finish: {}", out.tokens.len(), if out.finish == Finish::Stop { "stop" } else { "length" })?;
+        writeln!(
+            stdout,
+            "total logprob {total:.4} over {} tokens; finish: {}",
+            out.tokens.len(),
+            if out.finish == Finish::Stop { "stop" } else { "length" }
+        )?;
     }
     Ok(0)
 }

@@ -59,8 +59,8 @@ fn validate(args: ValidateArgs) -> anyhow::Result<u8> {
     let problems = validate_value(&value, &ValidateOptions { tools: args.tools, harness_actions: args.harness_actions });
     let mut out = std::io::stdout().lock();
     if problems.is_empty() {
-        let spec: HarnessSpec = serde_json::from_value(value)
-            .with_context(|| format!("{}: passes validation but does not parse", args.file.display()))?;
+        let spec: HarnessSpec =
+            serde_json::from_value(value).with_context(|| format!("{}: passes validation but does not parse", args.file.display()))?;
         writeln!(
             out,
             "{}: valid harness `{}` (parent {}, generation {}): {} prompt rules, {} skills, {} context items, {} memory items, {} hooks{}",

@@ -42,9 +42,14 @@ pub async fn run(args: MetricsArgs) -> anyhow::Result<u8> {
         ("csv", Some(path)) => std::fs::write(path, wide_csv(&rows)).with_context(|| format!("--out {}", path.display()))?,
         ("parquet", Some(path)) => {
             let abs = std::path::absolute(path).with_context(|| format!("--out {}", path.display()))?;
-            let (dir, name) = (abs.parent().unwrap_or(std::path::Path::new("/")), abs.file_name().with_context(|| format!("--out {}: give a file name", path.display()))?);
+            let (dir, name) = (
+                abs.parent().unwrap_or(std::path::Path::new("/")),
+                abs.file_name().with_context(|| format!("--out {}: give a file name", path.display()))?,
+            );
             let local = infra::store::LocalStore::new(dir).with_context(|| format!("--out {}", path.display()))?;
-            infra::table::write_records(&local, &name.to_string_lossy(), &rows).await.with_context(|| format!("--out {}", path.display()))?;
+            infra::table::write_records(&local, &name.to_string_lossy(), &rows)
+                .await
+                .with_context(|| format!("--out {}", path.display()))?;
         }
         ("tensorboard", Some(dir)) => {
             std::fs::create_dir_all(dir).with_context(|| format!("--out {}: cannot create the folder", dir.display()))?;
@@ -99,7 +104,12 @@ mod tests {
 
     #[test]
     fn wide_csv_has_a_column_per_metric_and_a_row_per_step() {
-        let rows = [row(1, "update", "rescue_rate", 0.5), row(1, "learn", "loss", 0.25), row(2, "learn", "loss", 0.125), row(0, "calibration", "validation_success/s1,x", 1.0)];
+        let rows = [
+            row(1, "update", "rescue_rate", 0.5),
+            row(1, "learn", "loss", 0.25),
+            row(2, "learn", "loss", 0.125),
+            row(0, "calibration", "validation_success/s1,x", 1.0),
+        ];
         let csv = wide_csv(&rows);
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines[0], "step,\"calibration/validation_success/s1,x\",learn/loss,update/rescue_rate");

@@ -9,9 +9,9 @@ mod generate;
 mod harness;
 mod metrics;
 mod pool;
+mod queue;
 mod rollout;
 mod run;
-mod queue;
 mod serve;
 mod spec;
 mod store;
@@ -109,11 +109,24 @@ pub struct CompletionsArgs {
 
 /// Sets up tracing to stderr in the chosen format.
 pub fn init_tracing(global: &GlobalArgs) {
-    let mut filter = tracing_subscriber::EnvFilter::try_new(&global.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let mut filter = tracing_subscriber::EnvFilter::try_new(&global.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // The AWS SDK logs credentials (the access key id) and signed requests at DEBUG and
     // TRACE: its crates stay at INFO whatever the filter asks for.
-    for target in ["aws_config", "aws_credential_types", "aws_sigv4", "aws_runtime", "aws_smithy_runtime", "aws_smithy_runtime_api", "aws_sdk_s3", "aws_sdk_sts", "aws_sdk_sso", "aws_sdk_ssooidc", "hyper", "hyper_util", "reqwest"] {
+    for target in [
+        "aws_config",
+        "aws_credential_types",
+        "aws_sigv4",
+        "aws_runtime",
+        "aws_smithy_runtime",
+        "aws_smithy_runtime_api",
+        "aws_sdk_s3",
+        "aws_sdk_sts",
+        "aws_sdk_sso",
+        "aws_sdk_ssooidc",
+        "hyper",
+        "hyper_util",
+        "reqwest",
+    ] {
         if let Ok(d) = format!("{target}=info").parse() {
             filter = filter.add_directive(d);
         }

@@ -147,7 +147,12 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
                 bail!("--task-ids: `{id}` is given twice; use --n for several rollouts of a task");
             }
             if all.get(id).is_none() {
-                bail!("--task-ids: task `{id}` is not in {} (it has {} tasks, e.g. `{}`)", args.tasks.display(), all.len(), all.ids().first().map(String::as_str).unwrap_or("-"));
+                bail!(
+                    "--task-ids: task `{id}` is not in {} (it has {} tasks, e.g. `{}`)",
+                    args.tasks.display(),
+                    all.len(),
+                    all.ids().first().map(String::as_str).unwrap_or("-")
+                );
             }
         }
         args.task_ids.clone()
@@ -168,16 +173,26 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
     let factory = DbBenchFactory { tasks: Arc::new(all), config: env_config };
     let policy: Box<dyn jobs::policy::Policy> = match &args.native {
         Some(reference) => {
-            let path = native::loader::resolve_model(reference, &std::env::current_dir()?).with_context(|| format!("--native {reference}"))?;
+            let path =
+                native::loader::resolve_model(reference, &std::env::current_dir()?).with_context(|| format!("--native {reference}"))?;
             if let Some(n) = args.threads {
                 native::device::set_cpu_threads(n);
             }
             let threads = args.threads.and_then(|n| usize::try_from(n).ok()).filter(|&n| n > 0);
-            let engine = native::engine::EngineConfig { weights: native::packed::WeightFormat::parse(&args.rollout_weights)?, threads, ..Default::default() };
-            Box::new(native::policy::NativePolicy::load(&path, native::device::Device::Cpu, engine).with_context(|| format!("--native {}", path.display()))?)
+            let engine = native::engine::EngineConfig {
+                weights: native::packed::WeightFormat::parse(&args.rollout_weights)?,
+                threads,
+                ..Default::default()
+            };
+            Box::new(
+                native::policy::NativePolicy::load(&path, native::device::Device::Cpu, engine)
+                    .with_context(|| format!("--native {}", path.display()))?,
+            )
         }
         None => {
-            let (Some(url), Some(model)) = (&args.policy, &args.model) else { bail!("--policy and --model are required unless --native is given") };
+            let (Some(url), Some(model)) = (&args.policy, &args.model) else {
+                bail!("--policy and --model are required unless --native is given")
+            };
             let mut policy_config = OpenAiConfig::new(url, model);
             policy_config.api_key_env = args.api_key_env.clone();
             policy_config.tool_protocol = args.tool_protocol;

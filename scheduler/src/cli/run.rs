@@ -105,7 +105,9 @@ async fn finish(store_url: &str, run_id: &str, result: anyhow::Result<Finish>) -
             print_summary(store.as_ref(), run_id).await?;
             match f {
                 Finish::Completed => println!("run `{run_id}` completed"),
-                Finish::Degraded => println!("run `{run_id}` finished degraded: some rollouts failed within their budgets (see `harness-s status {run_id}`)"),
+                Finish::Degraded => println!(
+                    "run `{run_id}` finished degraded: some rollouts failed within their budgets (see `harness-s status {run_id}`)"
+                ),
             }
             Ok(run::exit_code(f))
         }
@@ -252,4 +254,3 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     println!("comparison: {url}");
     Ok(crate::exit::OK)
 }
-

@@ -38,16 +38,24 @@ pub struct ServeArgs {
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     let device = match args.device.as_str() {
-        "cuda" if !native::device::cuda_available() => anyhow::bail!("--device cuda: CUDA is not available in this build or on this machine; use --device cpu"),
+        "cuda" if !native::device::cuda_available() => {
+            anyhow::bail!("--device cuda: CUDA is not available in this build or on this machine; use --device cpu")
+        }
         "cuda" => native::device::Device::Cuda(0),
         _ => native::device::Device::Cpu,
     };
     let path = native::loader::resolve_model(&args.model, std::path::Path::new(".")).with_context(|| format!("--model {}", args.model))?;
-    let name = args.served_model_name.clone().unwrap_or_else(|| {
-        path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| args.model.clone())
-    });
+    let name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| args.model.clone()));
     let weights = native::packed::WeightFormat::parse(&args.weights).map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
-    let engine = native::engine::EngineConfig { max_batch: args.max_concurrent_sequences, weights, threads: Some(args.threads), ..Default::default() };
+    let engine = native::engine::EngineConfig {
+        max_batch: args.max_concurrent_sequences,
+        weights,
+        threads: Some(args.threads),
+        ..Default::default()
+    };
     native::device::set_cpu_threads(args.threads as i32);
     let addr = SocketAddr::new(args.host, args.port);
     // Bind before loading, so that a taken port fails at once.

@@ -59,7 +59,9 @@ fn split_sizes(loaded: &LoadedSpec) -> anyhow::Result<[usize; 3]> {
         return Ok([g.train, g.validation, g.test]);
     }
     let mut sizes = [0; 3];
-    for (i, (name, file)) in [("train", &spec.tasks.train), ("validation", &spec.tasks.validation), ("test", &spec.tasks.test)].into_iter().enumerate() {
+    for (i, (name, file)) in
+        [("train", &spec.tasks.train), ("validation", &spec.tasks.validation), ("test", &spec.tasks.test)].into_iter().enumerate()
+    {
         let path = loaded.resolve(file.as_ref().with_context(|| format!("tasks.{name} is not set"))?);
         let text = std::fs::read_to_string(&path).with_context(|| format!("tasks.{name}: cannot read {}", path.display()))?;
         sizes[i] = text.lines().filter(|l| !l.trim().is_empty()).count();
@@ -90,7 +92,8 @@ fn plan(loaded: &LoadedSpec) -> anyhow::Result<Vec<String>> {
     let calibration_tasks = spec.calibration.tasks.map(|n| n as usize).unwrap_or(validation).min(validation);
     let calibrations = stages.iter().filter(|s| matches!(s, Stage::Calibration(_) | Stage::FinalCalibration(_))).count();
     let harnesses = pool.map(|p| (p + 1).to_string()).unwrap_or_else(|| "1 + the pool's".into());
-    let per_calibration = pool.map(|p| ((p + 1) * calibration_tasks).to_string()).unwrap_or_else(|| format!("{calibration_tasks} per harness"));
+    let per_calibration =
+        pool.map(|p| ((p + 1) * calibration_tasks).to_string()).unwrap_or_else(|| format!("{calibration_tasks} per harness"));
     let per_update = a.tasks_per_update as usize * a.k as usize;
     let eval_harnesses = 1 + spec.eval_ranks() as usize + usize::from(spec.has_pool());
     let labels: Vec<String> = stages.iter().map(Stage::to_string).collect();
@@ -98,12 +101,18 @@ fn plan(loaded: &LoadedSpec) -> anyhow::Result<Vec<String>> {
     lines.push(format!("router: {}; rescue: {}; learn: {}", spec.router.variant_name(), a.rescue.as_str(), a.learn));
     lines.push("rollouts, at most:".into());
     if let Some(e) = &spec.evolution {
-        lines.push(format!("  evolve: {} round(s), {} proposal(s) in all", e.proposal_budgets.len(), e.proposal_budgets.iter().sum::<u32>()));
+        lines.push(format!(
+            "  evolve: {} round(s), {} proposal(s) in all",
+            e.proposal_budgets.len(),
+            e.proposal_budgets.iter().sum::<u32>()
+        ));
     }
     if stages.contains(&Stage::Baseline) {
         lines.push(format!("  baseline: {} (test tasks {test} × k {}, under H0)", test * spec.evaluation.k as usize, spec.evaluation.k));
     }
-    lines.push(format!("  calibration: {calibrations} × {per_calibration} ({harnesses} harness(es) × {calibration_tasks} validation task(s))"));
+    lines.push(format!(
+        "  calibration: {calibrations} × {per_calibration} ({harnesses} harness(es) × {calibration_tasks} validation task(s))"
+    ));
     if a.updates > 0 {
         lines.push(format!("  base: {} × {per_update} (tasks per update {} × K {})", a.updates, a.tasks_per_update, a.k));
         if matches!(a.rescue, jobs::rescue::RescueStrategy::H0 | jobs::rescue::RescueStrategy::Router) {

@@ -65,7 +65,10 @@ async fn ls(args: LsArgs) -> anyhow::Result<u8> {
                 Some(l) if !is_url(l) => format!(" to list `{l}` in (a location without `://` is a key prefix in --store)"),
                 _ => String::new(),
             };
-            anyhow::bail!("no store at `{}`{looked_for}: the folder does not exist (give file:///abs/dir or s3://bucket/prefix)", infra::redact_url(&url));
+            anyhow::bail!(
+                "no store at `{}`{looked_for}: the folder does not exist (give file:///abs/dir or s3://bucket/prefix)",
+                infra::redact_url(&url)
+            );
         }
     }
     let store = open_store(&url).await?;
@@ -81,7 +84,8 @@ async fn ls(args: LsArgs) -> anyhow::Result<u8> {
 }
 
 async fn cat(args: CatArgs) -> anyhow::Result<u8> {
-    let (store, key) = if is_url(&args.object) { open_object(&args.object).await? } else { (args.store.open().await?, args.object.clone()) };
+    let (store, key) =
+        if is_url(&args.object) { open_object(&args.object).await? } else { (args.store.open().await?, args.object.clone()) };
     let mut out = std::io::stdout().lock();
     if key.ends_with(".parquet") {
         let file = ParquetFile::open(store.as_ref(), &key).await?;

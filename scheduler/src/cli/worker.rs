@@ -101,4 +101,3 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<u8> {
     println!("worker stopped: {summary}");
     Ok(crate::exit::OK)
 }
-

@@ -35,7 +35,11 @@ impl StageCost {
     pub fn add_rows(&mut self, rows: &[Trajectory]) {
         self.rollouts += rows.len() as u64;
         for r in rows {
-            self.policy.add(LlmUsage { calls: u64::from(r.model_calls), prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens });
+            self.policy.add(LlmUsage {
+                calls: u64::from(r.model_calls),
+                prompt_tokens: r.prompt_tokens,
+                completion_tokens: r.completion_tokens,
+            });
         }
     }
 

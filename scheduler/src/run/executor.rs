@@ -104,7 +104,11 @@ impl Executor {
                 repairs += 1;
                 if repairs > REPAIRS {
                     bar.abandon();
-                    return Err(anyhow::anyhow!("{label}: {} job(s) wrote damaged outputs {REPAIRS} times in a row; see the WARN lines above", again.len()).into());
+                    return Err(anyhow::anyhow!(
+                        "{label}: {} job(s) wrote damaged outputs {REPAIRS} times in a row; see the WARN lines above",
+                        again.len()
+                    )
+                    .into());
                 }
                 for j in &again {
                     done.remove(&j.job_id);

@@ -100,7 +100,8 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
             let device = native::device::parse(&spec.policy.device).map_err(|e| JobFailure::Fatal(e.to_string()))?;
             match step {
                 None => {
-                    let path = inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("native policy without a model path".into()))?;
+                    let path =
+                        inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("native policy without a model path".into()))?;
                     let engine = spec.policy.engine();
                     let policy = tokio::task::spawn_blocking(move || native::policy::NativePolicy::load(&path, device, engine))
                         .await
@@ -110,18 +111,22 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                 }
                 Some(s) => {
                     let run_id = &inputs.stored.run_id;
-                    let (model, tokenizer, _) = native::checkpoint::load_model(store, run_id, s, device)
-                        .await
-                        .map_err(|e| JobFailure::Retryable(e.to_string()))?;
+                    let (model, tokenizer, _) =
+                        native::checkpoint::load_model(store, run_id, s, device).await.map_err(|e| JobFailure::Retryable(e.to_string()))?;
                     let tokenizer = match tokenizer {
                         Some(t) => t,
                         None => {
-                            let path = inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("checkpoint without tokenizer and no base model".into()))?;
+                            let path = inputs
+                                .stored
+                                .base_model
+                                .clone()
+                                .ok_or_else(|| JobFailure::Fatal("checkpoint without tokenizer and no base model".into()))?;
                             native::loader::load(&path, native::device::Device::Cpu).map_err(|e| JobFailure::Fatal(e.to_string()))?.1
                         }
                     };
                     let key = native::checkpoint::manifest_key(run_id, s);
-                    let policy = native::policy::NativePolicy::new(model, tokenizer, key, spec.policy.engine()).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+                    let policy = native::policy::NativePolicy::new(model, tokenizer, key, spec.policy.engine())
+                        .map_err(|e| JobFailure::Fatal(e.to_string()))?;
                     Ok(Arc::new(policy))
                 }
             }
@@ -160,19 +165,14 @@ pub struct RolloutHandler {
 #[async_trait]
 impl Handler for RolloutHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
-        let payload: RolloutJob = serde_json::from_value(job.payload.clone())
-            .map_err(|e| JobFailure::Fatal(format!("invalid {} payload: {e}", job.kind)))?;
+        let payload: RolloutJob =
+            serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(format!("invalid {} payload: {e}", job.kind)))?;
         let store = ctx.store.as_ref();
         let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
         let policy = self.shared.policy(store, &inputs, payload.checkpoint_step).await?;
         let envs = inputs.env_factory(payload.input.split).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
-        let rctx = RolloutContext {
-            store,
-            policy: policy.as_ref(),
-            envs: envs.as_ref(),
-            job_id: &job.job_id,
-            delivery_attempt: job.attempt,
-        };
+        let rctx =
+            RolloutContext { store, policy: policy.as_ref(), envs: envs.as_ref(), job_id: &job.job_id, delivery_attempt: job.attempt };
         let out = jobs::rollout::run(&rctx, &payload.input).await.map_err(JobFailure::of)?;
         Ok(JobOutput { outputs: out.outputs, result: serde_json::to_value(&out.summary).unwrap_or_default(), committed: true })
     }
@@ -188,8 +188,8 @@ pub struct ReanchorHandler {
 #[async_trait]
 impl Handler for ReanchorHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
-        let payload: ReanchorJob = serde_json::from_value(job.payload.clone())
-            .map_err(|e| JobFailure::Fatal(format!("invalid reanchor payload: {e}")))?;
+        let payload: ReanchorJob =
+            serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(format!("invalid reanchor payload: {e}")))?;
         let store = ctx.store.as_ref();
         let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
         let policy = self.shared.policy(store, &inputs, payload.checkpoint_step).await?;
@@ -222,8 +222,8 @@ pub struct EvolveHandler {
 #[async_trait]
 impl Handler for EvolveHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
-        let payload: EvolveJob = serde_json::from_value(job.payload.clone())
-            .map_err(|e| JobFailure::Fatal(format!("invalid evolve payload: {e}")))?;
+        let payload: EvolveJob =
+            serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(format!("invalid evolve payload: {e}")))?;
         let store = ctx.store.as_ref();
         let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
         let Some(settings) = inputs.spec().evolution.clone() else {
@@ -282,8 +282,8 @@ pub struct LearnHandler;
 #[async_trait]
 impl Handler for LearnHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
-        let input: LearnJob = serde_json::from_value(job.payload.clone())
-            .map_err(|e| JobFailure::Fatal(format!("invalid learn payload: {e}")))?;
+        let input: LearnJob =
+            serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(format!("invalid learn payload: {e}")))?;
         // Training is CPU/GPU-bound and its state is not `Send`: it runs on a blocking
         // thread that drives the learn job's own IO to completion.
         let store = ctx.store.clone();

@@ -141,7 +141,12 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
                 Some(d) => Some(d.parse::<Difficulty>().map_err(|e| anyhow::anyhow!("tasks.generate.difficulty: {e}"))?),
             };
             for (i, (name, n)) in [("train", g.train), ("validation", g.validation), ("test", g.test)].into_iter().enumerate() {
-                let opts = GenerateOptions { seed: jobs::env::dbbench::generate::split_seed(g.seed, i), n, difficulty, kinds: g.kinds.clone().unwrap_or_default() };
+                let opts = GenerateOptions {
+                    seed: jobs::env::dbbench::generate::split_seed(g.seed, i),
+                    n,
+                    difficulty,
+                    kinds: g.kinds.clone().unwrap_or_default(),
+                };
                 texts.insert(name, generate_jsonl(&opts).map_err(|e| anyhow::anyhow!("tasks.generate: {e}"))?);
             }
         }
@@ -265,7 +270,11 @@ impl RunInputs {
         if let Some(http) = &self.http {
             let known = self.task_ids(split);
             let task_set = &http.config().task_set;
-            return ids.iter().filter(|id| known.contains(id)).map(|id| jobs::profile::TaskInfo::new(id.clone(), task_set.clone(), "")).collect();
+            return ids
+                .iter()
+                .filter(|id| known.contains(id))
+                .map(|id| jobs::profile::TaskInfo::new(id.clone(), task_set.clone(), ""))
+                .collect();
         }
         let set = &self.tasks[&split];
         ids.iter().filter_map(|id| set.get(id)).map(|t| jobs::profile::TaskInfo::from_db_task(t)).collect()
@@ -278,8 +287,7 @@ impl RunInputs {
             return Ok(Arc::new(http.clone()));
         }
         let mut factory = self.dbbench_factory(splits[0])?;
-        let tasks: Vec<jobs::env::dbbench::DbTask> =
-            splits.iter().flat_map(|s| self.tasks[s].iter().map(|t| t.as_ref().clone())).collect();
+        let tasks: Vec<jobs::env::dbbench::DbTask> = splits.iter().flat_map(|s| self.tasks[s].iter().map(|t| t.as_ref().clone())).collect();
         let merged = TaskSet::from_tasks(tasks).map_err(|e| anyhow::anyhow!("the train and validation task files share ids: {e}"))?;
         factory.tasks = Arc::new(merged);
         Ok(Arc::new(factory))

@@ -17,16 +17,16 @@ use anyhow::{bail, Context};
 use infra::store::ObjectStore;
 use infra::table::{read_records, write_records};
 use jobs::policy::SamplingParams;
-use jobs::rescue::{self, Outcome, RescueStrategy};
 use jobs::reanchor::{calibration_id_for_step, ReanchorInput};
+use jobs::rescue::{self, Outcome, RescueStrategy};
 use jobs::rollout::RolloutInput;
 use jobs::router::{Evidence, RouteRequest, Router, RouterConfig};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use schemas::{
-    job_id, keys, Group, HarnessSpec, JobEnvelope, JobIdParts, JobKind, MetricRow, RetainedKind, RolloutKind, RoutingDecision,
-    Split, Trajectory, H0_ID,
+    job_id, keys, Group, HarnessSpec, JobEnvelope, JobIdParts, JobKind, MetricRow, RetainedKind, RolloutKind, RoutingDecision, Split,
+    Trajectory, H0_ID,
 };
 
 use super::executor::{output_keys, Executor, StageError};
@@ -216,7 +216,8 @@ impl Scheduler {
         let Some(want) = self.inputs.stored.served_weights(self.store.as_ref(), step) else {
             return Ok(());
         };
-        let endpoint = jobs::policy::weight_sync::Endpoint::of_policy(&p.openai_config(), std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))?;
+        let endpoint =
+            jobs::policy::weight_sync::Endpoint::of_policy(&p.openai_config(), std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))?;
         let started = std::time::Instant::now();
         let loaded = endpoint
             .ensure(&want, std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))
@@ -248,7 +249,13 @@ impl Scheduler {
             local_max_controls: e.local_max_controls,
             budgets: self.episode_budgets(),
             // Table 8: greedy decoding, one rollout per task.
-            sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: spec.policy.max_tokens, seed: Some(spec.run.seed), stop: vec![] },
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_p: 1.0,
+                max_tokens: spec.policy.max_tokens,
+                seed: Some(spec.run.seed),
+                stop: vec![],
+            },
             ..Default::default()
         };
         let input = jobs::evolve::EvolveInput {
@@ -381,7 +388,12 @@ impl Scheduler {
             }
         }
         let budgets = &self.spec().budgets;
-        let service = |r: &&Trajectory| matches!(r.error_class, Some(schemas::ErrorClass::Infra | schemas::ErrorClass::Env | schemas::ErrorClass::Policy | schemas::ErrorClass::Timeout));
+        let service = |r: &&Trajectory| {
+            matches!(
+                r.error_class,
+                Some(schemas::ErrorClass::Infra | schemas::ErrorClass::Env | schemas::ErrorClass::Policy | schemas::ErrorClass::Timeout)
+            )
+        };
         let failed = rows.iter().filter(service).count();
         let share = budgets.stage_failure_share();
         if !rows.is_empty() && share < 1.0 && failed as f64 > share * rows.len() as f64 {
@@ -473,7 +485,20 @@ impl Scheduler {
         let k = spec.evaluation.k;
         let mut jobs: Vec<JobEnvelope> = tasks
             .iter()
-            .map(|t| self.rollout_job(JobKind::Eval, stage, step, RolloutKind::Eval, Split::Test, vec![t.clone()], HarnessSpec::h0(), k, seed, checkpoint))
+            .map(|t| {
+                self.rollout_job(
+                    JobKind::Eval,
+                    stage,
+                    step,
+                    RolloutKind::Eval,
+                    Split::Test,
+                    vec![t.clone()],
+                    HarnessSpec::h0(),
+                    k,
+                    seed,
+                    checkpoint,
+                )
+            })
             .collect();
         let ranks = if stage == "evaluation" { spec.eval_ranks() as usize } else { 0 };
         let mut decisions = Vec::new();
@@ -496,7 +521,18 @@ impl Scheduler {
                         continue;
                     }
                     let harness = self.inputs.harness(h).with_context(|| format!("router ranked unknown harness `{h}`"))?;
-                    jobs.push(self.rollout_job(JobKind::Eval, stage, step, RolloutKind::Eval, Split::Test, vec![info.task_id.clone()], harness, k, seed, checkpoint));
+                    jobs.push(self.rollout_job(
+                        JobKind::Eval,
+                        stage,
+                        step,
+                        RolloutKind::Eval,
+                        Split::Test,
+                        vec![info.task_id.clone()],
+                        harness,
+                        k,
+                        seed,
+                        checkpoint,
+                    ));
                 }
                 decisions.push(routed.decision);
             }
@@ -507,14 +543,26 @@ impl Scheduler {
             for t in &tasks {
                 if units.insert((t.clone(), h.clone())) {
                     let harness = self.inputs.harness(h).with_context(|| format!("H_best is an unknown harness `{h}`"))?;
-                    jobs.push(self.rollout_job(JobKind::Eval, stage, step, RolloutKind::Eval, Split::Test, vec![t.clone()], harness, k, seed, checkpoint));
+                    jobs.push(self.rollout_job(
+                        JobKind::Eval,
+                        stage,
+                        step,
+                        RolloutKind::Eval,
+                        Split::Test,
+                        vec![t.clone()],
+                        harness,
+                        k,
+                        seed,
+                        checkpoint,
+                    ));
                 }
             }
         }
         let rows = self.rollouts(stage, jobs, st).await?;
         let outcomes = jobs::router::analysis::outcomes(&rows);
         let under = |h: &str| -> (f64, f64) {
-            let per_task: Vec<&[bool]> = tasks.iter().filter_map(|t| outcomes.get(&(t.clone(), h.to_string())).map(|v| v.as_slice())).collect();
+            let per_task: Vec<&[bool]> =
+                tasks.iter().filter_map(|t| outcomes.get(&(t.clone(), h.to_string())).map(|v| v.as_slice())).collect();
             jobs::router::analysis::pass_avg(&per_task)
         };
         let (pass, avg) = under(H0_ID);
@@ -600,7 +648,18 @@ impl Scheduler {
                     attempt_index: 0,
                     seed,
                 });
-                self.rollout_job_with_id(id, JobKind::Rollout, step, RolloutKind::Calibration, Split::Validation, task_ids.clone(), h.clone(), 1, seed, st.latest_checkpoint)
+                self.rollout_job_with_id(
+                    id,
+                    JobKind::Rollout,
+                    step,
+                    RolloutKind::Calibration,
+                    Split::Validation,
+                    task_ids.clone(),
+                    h.clone(),
+                    1,
+                    seed,
+                    st.latest_checkpoint,
+                )
             })
             .collect();
         self.rollouts(stage, rollout_jobs, st).await?;
@@ -674,10 +733,32 @@ impl Scheduler {
                 let mixture = self.mixture()?;
                 for i in 0..k {
                     let h = mixture[i as usize % mixture.len()].clone();
-                    jobs.push(self.rollout_job(JobKind::Rollout, &stage, u, RolloutKind::Base, Split::Train, vec![task.clone()], h, 1, seed + i as u64, st.latest_checkpoint));
+                    jobs.push(self.rollout_job(
+                        JobKind::Rollout,
+                        &stage,
+                        u,
+                        RolloutKind::Base,
+                        Split::Train,
+                        vec![task.clone()],
+                        h,
+                        1,
+                        seed + i as u64,
+                        st.latest_checkpoint,
+                    ));
                 }
             } else {
-                jobs.push(self.rollout_job(JobKind::Rollout, &stage, u, RolloutKind::Base, Split::Train, vec![task], HarnessSpec::h0(), k, seed, st.latest_checkpoint));
+                jobs.push(self.rollout_job(
+                    JobKind::Rollout,
+                    &stage,
+                    u,
+                    RolloutKind::Base,
+                    Split::Train,
+                    vec![task],
+                    HarnessSpec::h0(),
+                    k,
+                    seed,
+                    st.latest_checkpoint,
+                ));
             }
         }
         self.rollouts(&stage, jobs, st).await?;
@@ -725,7 +806,18 @@ impl Scheduler {
             let seed = unit_seed(spec.run.seed, &["rescue", &u.to_string(), task]);
             match (strategy, &routing) {
                 (RescueStrategy::H0, _) => {
-                    jobs.push(self.rollout_job(JobKind::Rescue, &stage, u, RolloutKind::Rescue, Split::Train, vec![task.clone()], HarnessSpec::h0(), spec.algorithm.k, seed, st.latest_checkpoint));
+                    jobs.push(self.rollout_job(
+                        JobKind::Rescue,
+                        &stage,
+                        u,
+                        RolloutKind::Rescue,
+                        Split::Train,
+                        vec![task.clone()],
+                        HarnessSpec::h0(),
+                        spec.algorithm.k,
+                        seed,
+                        st.latest_checkpoint,
+                    ));
                 }
                 (RescueStrategy::Router, Some((router, evidence, pool))) => {
                     let info = self
@@ -739,7 +831,18 @@ impl Scheduler {
                     let mut offset = 0u64;
                     for (h, n) in &routed.allocation {
                         let harness = self.inputs.harness(h).with_context(|| format!("router chose unknown harness `{h}`"))?;
-                        jobs.push(self.rollout_job(JobKind::Rescue, &stage, u, RolloutKind::Rescue, Split::Train, vec![task.clone()], harness, *n, seed.wrapping_add(offset), st.latest_checkpoint));
+                        jobs.push(self.rollout_job(
+                            JobKind::Rescue,
+                            &stage,
+                            u,
+                            RolloutKind::Rescue,
+                            Split::Train,
+                            vec![task.clone()],
+                            harness,
+                            *n,
+                            seed.wrapping_add(offset),
+                            st.latest_checkpoint,
+                        ));
                         offset += u64::from(*n);
                     }
                     decisions.push(routed.decision);
@@ -855,17 +958,27 @@ impl Scheduler {
         if spec.policy.backend != super::spec::Backend::Native && !spec.policy.syncs_weights() {
             bail!("policy.backend = \"{}\" cannot be trained without [policy] weight_sync; use backend = \"native\"", spec.policy.backend);
         }
-        let base_model = self.inputs.stored.base_model.clone().context("the run names no starting weights for the learner (policy.model, or policy.weights behind an endpoint)")?;
+        let base_model = self
+            .inputs
+            .stored
+            .base_model
+            .clone()
+            .context("the run names no starting weights for the learner (policy.model, or policy.weights behind an endpoint)")?;
         let input = learn_job(spec, self.run_id(), u, st, base_model);
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
         let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);
         let markers = self.exec.run(self.run_id(), &Stage::Update(u, UpdatePart::Learn).to_string(), vec![job]).await?;
-        let out: native::learn::LearnOutput = serde_json::from_value(markers[0].result.clone()).context("reading the learn job's result")?;
+        let out: native::learn::LearnOutput =
+            serde_json::from_value(markers[0].result.clone()).context("reading the learn job's result")?;
         let m = &out.metrics;
         self.cost_mut().learner_forward_tokens += m.forward_tokens;
         // A step that trained nothing has no loss, gradient or mismatch to report: only
         // that it trained nothing (the report shows "–" there, not a measured zero).
-        let mut values = vec![("policy_tokens_trained", m.policy_tokens as f64), ("tasks", m.tasks as f64), ("trained", if out.trained { 1.0 } else { 0.0 })];
+        let mut values = vec![
+            ("policy_tokens_trained", m.policy_tokens as f64),
+            ("tasks", m.tasks as f64),
+            ("trained", if out.trained { 1.0 } else { 0.0 }),
+        ];
         if out.trained {
             values.extend([
                 ("loss", m.loss),

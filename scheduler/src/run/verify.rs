@@ -73,13 +73,8 @@ pub async fn verify_run(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result
             Err(e) => return Err(e).with_context(|| format!("reading {url}")),
         }
     }
-    let markers: Vec<String> = store
-        .list(&keys::jobs_prefix(run_id))
-        .await?
-        .into_iter()
-        .map(|o| o.key)
-        .filter(|k| k.ends_with(".done.json"))
-        .collect();
+    let markers: Vec<String> =
+        store.list(&keys::jobs_prefix(run_id)).await?.into_iter().map(|o| o.key).filter(|k| k.ends_with(".done.json")).collect();
     for key in &markers {
         if let Err(d) = check_marker(store, key).await? {
             damage.push(d);

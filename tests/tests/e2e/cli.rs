@@ -13,7 +13,11 @@ fn completions_are_printed_for_each_shell() {
     for shell in ["bash", "zsh", "fish"] {
         let (code, out, err) = harness_s(&["completions", shell]);
         assert_eq!(code, 0, "{shell}: {err}");
-        assert!(out.contains("harness-s") && out.contains("store") && out.contains("completions") && out.contains("metrics-addr"), "{shell}:\n{}", &out[..out.len().min(400)]);
+        assert!(
+            out.contains("harness-s") && out.contains("store") && out.contains("completions") && out.contains("metrics-addr"),
+            "{shell}:\n{}",
+            &out[..out.len().min(400)]
+        );
     }
     let (code, _, err) = harness_s(&["completions", "tcsh"]);
     assert_eq!(code, 2, "an unknown shell is a usage error: {err}");
@@ -24,9 +28,29 @@ fn completions_are_printed_for_each_shell() {
 fn spec_show_fills_in_defaults_and_applies_overrides() {
     let spec = repo_root().join("examples/quickstart.toml");
     let spec = spec.to_str().unwrap();
-    let (code, out, err) = harness_s(&["spec", "show", spec, "--set", "algorithm.updates=5", "--set", "learner.weight_decay=0.05", "--set", "router.variant=random"]);
+    let (code, out, err) = harness_s(&[
+        "spec",
+        "show",
+        spec,
+        "--set",
+        "algorithm.updates=5",
+        "--set",
+        "learner.weight_decay=0.05",
+        "--set",
+        "router.variant=random",
+    ]);
     assert_eq!(code, 0, "{err}");
-    for needle in ["updates = 5", "weight_decay = 0.05", "beta2 = 0.999", "micro_batch_tokens = 1024", "variant = \"random\"", "[learner]", "update:5:learn", "learn steps: 5", "router: random"] {
+    for needle in [
+        "updates = 5",
+        "weight_decay = 0.05",
+        "beta2 = 0.999",
+        "micro_batch_tokens = 1024",
+        "variant = \"random\"",
+        "[learner]",
+        "update:5:learn",
+        "learn steps: 5",
+        "router: random",
+    ] {
         assert!(out.contains(needle), "`{needle}` missing:\n{out}");
     }
     // Overrides are checked like the file, and name what was wrong.

@@ -102,7 +102,10 @@ async fn a_wrong_answer_fails_on_both_engines() {
         assert!(env.evaluate().await.unwrap().success);
         // A write task whose table was changed wrongly fails its hash.
         env.reset("dev-24", 0).await.unwrap();
-        let obs = env.step(&sql("INSERT INTO `Olympic Medals` (`Rank`, `Gold`, `Silver`, `Bronze`, `Total`) VALUES ('7', '0', '1', '0', '2')")).await.unwrap();
+        let obs = env
+            .step(&sql("INSERT INTO `Olympic Medals` (`Rank`, `Gold`, `Silver`, `Bronze`, `Total`) VALUES ('7', '0', '1', '0', '2')"))
+            .await
+            .unwrap();
         assert!(!obs.action_failed, "{}", obs.text);
         env.step(&commit(json!([]))).await.unwrap();
         let ev = env.evaluate().await.unwrap();
@@ -146,10 +149,7 @@ async fn results_render_like_agentbench_on_mariadb() {
     env.reset("dev-6", 0).await.unwrap();
     // mysql-connector types: COUNT → int, SUM over TEXT → float, text → str, NULL → None,
     // a decimal literal → Decimal.
-    let obs = env
-        .step(&sql("SELECT COUNT(*), SUM(`column_1`), MIN(`City or town`), NULL, 1.50 FROM historic_sites"))
-        .await
-        .unwrap();
+    let obs = env.step(&sql("SELECT COUNT(*), SUM(`column_1`), MIN(`City or town`), NULL, 1.50 FROM historic_sites")).await.unwrap();
     assert!(!obs.action_failed, "{}", obs.text);
     let text = obs.text;
     assert!(text.starts_with("[(") && text.ends_with(")]"), "{text}");
@@ -255,12 +255,7 @@ fn tasks_check_reports_a_malformed_line_with_its_number_and_checks_the_rest() {
     assert_eq!(loaded.problems.len(), 1);
     assert_eq!(loaded.problems[0].line, 3);
 
-    let out = Command::new(harness_s_bin())
-        .args(["tasks", "check"])
-        .arg(&file)
-        .args(["--engine", "sqlite"])
-        .output()
-        .unwrap();
+    let out = Command::new(harness_s_bin()).args(["tasks", "check"]).arg(&file).args(["--engine", "sqlite"]).output().unwrap();
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert_eq!(out.status.code(), Some(1), "a bad line makes the check fail\n{stdout}\n{stderr}");
     assert!(stderr.contains("dev-broken.jsonl:3: not valid JSON"), "{stderr}");
@@ -277,11 +272,9 @@ fn tasks_check_cli_prints_the_table_for_mariadb() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    for row in [
-        "INSERT              20      20   100.0%",
-        "UPDATE              20      20   100.0%",
-        "all                 60      60   100.0%",
-    ] {
+    for row in
+        ["INSERT              20      20   100.0%", "UPDATE              20      20   100.0%", "all                 60      60   100.0%"]
+    {
         assert!(stdout.contains(row), "missing `{row}` in\n{stdout}");
     }
     let bad = Command::new(harness_s_bin())
@@ -292,11 +285,7 @@ fn tasks_check_cli_prints_the_table_for_mariadb() {
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(1));
-    assert!(
-        String::from_utf8_lossy(&bad.stderr).contains("needs a server URL"),
-        "{}",
-        String::from_utf8_lossy(&bad.stderr)
-    );
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("needs a server URL"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
 
 #[test]
@@ -304,11 +293,7 @@ fn generated_tasks_are_deterministic_and_agree_on_both_engines() {
     let dir = tempfile::tempdir().unwrap();
     let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
     for f in [&a, &b] {
-        let out = Command::new(harness_s_bin())
-            .args(["tasks", "generate", "--seed", "5", "--n", "48", "--out"])
-            .arg(f)
-            .output()
-            .unwrap();
+        let out = Command::new(harness_s_bin()).args(["tasks", "generate", "--seed", "5", "--n", "48", "--out"]).arg(f).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stdout).contains("wrote 48 tasks"));
     }
@@ -317,8 +302,7 @@ fn generated_tasks_are_deterministic_and_agree_on_both_engines() {
         let out = Command::new(harness_s_bin()).args(["tasks", "check"]).arg(&a).args(&engine).output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(out.status.code(), Some(0), "{engine:?}\n{stdout}");
-        let total: Vec<&str> =
-            stdout.lines().find(|l| l.starts_with("all ")).unwrap_or_default().split_whitespace().collect();
+        let total: Vec<&str> = stdout.lines().find(|l| l.starts_with("all ")).unwrap_or_default().split_whitespace().collect();
         assert_eq!(total, ["all", "48", "48", "100.0%"], "{stdout}");
     }
 }
@@ -330,7 +314,20 @@ fn tasks_check_verify_labels_runs_the_gold_sql() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("tasks.jsonl");
     let out = Command::new(harness_s_bin())
-        .args(["tasks", "generate", "--seed", "3", "--n", "6", "--difficulty", "easy", "--kinds", "counting", "--out", file.to_str().unwrap()])
+        .args([
+            "tasks",
+            "generate",
+            "--seed",
+            "3",
+            "--n",
+            "6",
+            "--difficulty",
+            "easy",
+            "--kinds",
+            "counting",
+            "--out",
+            file.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

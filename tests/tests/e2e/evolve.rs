@@ -59,7 +59,8 @@ async fn llm_editor_output_is_validated_and_invalid_edits_never_enter_the_pool()
         policy: &editor_llm,
         sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 200, seed: Some(42), stop: vec![] },
     };
-    let ctx = EvolveContext { store: &store, policy: &policy, envs: &factory, diagnoser: &RuleDiagnoser, editor: &editor, validate: validate() };
+    let ctx =
+        EvolveContext { store: &store, policy: &policy, envs: &factory, diagnoser: &RuleDiagnoser, editor: &editor, validate: validate() };
     let run = unique("evolve-llm");
     let input = EvolveInput {
         run_id: run.clone(),
@@ -212,7 +213,10 @@ async fn a_run_evolves_its_pool_and_a_training_run_rescues_with_it() {
     // template editor spend no LLM tokens.
     let metrics: Vec<schemas::MetricRow> = infra::table::read_prefix(store.as_ref(), "runs/evolve-pool/metrics/").await.unwrap();
     let evolve_cost = |name: &str| metrics.iter().find(|m| m.stage == "cost:evolve" && m.name == name).map(|m| m.value);
-    assert!(evolve_cost("policy_completion_tokens").is_some_and(|v| v > 0.0) && evolve_cost("policy_calls").is_some_and(|v| v > 0.0), "{metrics:?}");
+    assert!(
+        evolve_cost("policy_completion_tokens").is_some_and(|v| v > 0.0) && evolve_cost("policy_calls").is_some_and(|v| v > 0.0),
+        "{metrics:?}"
+    );
     assert!(evolve_cost("wall_seconds").is_some_and(|v| v > 0.0));
     assert_eq!((evolve_cost("diagnoser_calls"), evolve_cost("editor_calls")), (None, None));
 
@@ -232,9 +236,11 @@ async fn a_run_evolves_its_pool_and_a_training_run_rescues_with_it() {
     // The learn step is honest about what it trained: the manifest's policy tokens are the
     // policy-sampled (loss-masked) tokens of the retained groups' rows, and a step with
     // none says so and writes no weights.
-    let m: schemas::CheckpointManifest = serde_json::from_slice(&store.get("runs/reuse-pool/checkpoints/step=1/manifest.json").await.unwrap()).unwrap();
+    let m: schemas::CheckpointManifest =
+        serde_json::from_slice(&store.get("runs/reuse-pool/checkpoints/step=1/manifest.json").await.unwrap()).unwrap();
     let step_groups: Vec<schemas::Group> = infra::table::read_prefix(store.as_ref(), "runs/reuse-pool/groups/step=1/").await.unwrap();
-    let step_rows: Vec<schemas::Trajectory> = infra::table::read_prefix(store.as_ref(), "runs/reuse-pool/trajectories/step=1/").await.unwrap();
+    let step_rows: Vec<schemas::Trajectory> =
+        infra::table::read_prefix(store.as_ref(), "runs/reuse-pool/trajectories/step=1/").await.unwrap();
     let retained_tokens: usize = step_groups
         .iter()
         .filter(|g| g.retained)
@@ -253,6 +259,9 @@ async fn a_run_evolves_its_pool_and_a_training_run_rescues_with_it() {
     let rescued: Vec<&schemas::Group> = groups.iter().filter(|g| g.rescue_fired).collect();
     assert!(!rescued.is_empty(), "the small policy fails a group, so rescue fires: {groups:?}");
     for g in rescued {
-        assert!(!g.harnesses.is_empty() && g.harnesses.iter().all(|h| pool.contains(&h.as_str())), "rescue used the evolved siblings: {g:?}");
+        assert!(
+            !g.harnesses.is_empty() && g.harnesses.iter().all(|h| pool.contains(&h.as_str())),
+            "rescue used the evolved siblings: {g:?}"
+        );
     }
 }

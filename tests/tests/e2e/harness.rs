@@ -37,7 +37,8 @@ fn validate_prints_one_line_per_problem_and_exits_non_zero() {
 fn the_example_pool_validates_and_diffs() {
     let default_pool = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/pool");
     let files = ["h0.json", "s1-inspect-schema.json", "s2-commit-answer.json", "s3-quote-identifiers.json"].map(|n| pool().join(n));
-    let defaults = ["s1-example-answer.json", "s2-example-query.json", "s3-two-examples.json", "s4-two-examples-alt.json"].map(|n| default_pool.join(n));
+    let defaults = ["s1-example-answer.json", "s2-example-query.json", "s3-two-examples.json", "s4-two-examples-alt.json"]
+        .map(|n| default_pool.join(n));
     for path in files.iter().chain(&defaults) {
         let name = path.display();
         let out = Command::new(harness_s_bin())
@@ -56,15 +57,13 @@ fn the_example_pool_validates_and_diffs() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0));
     let stdout = String::from_utf8(out.stdout).unwrap();
-    for edit in ["+ hooks[id=commit-after-result]: ", "+ hooks[id=low-budget-commit]: ", "~ id: \"h0\" -> \"s2-commit-answer\"", "+ parent: \"h0\""] {
+    for edit in
+        ["+ hooks[id=commit-after-result]: ", "+ hooks[id=low-budget-commit]: ", "~ id: \"h0\" -> \"s2-commit-answer\"", "+ parent: \"h0\""]
+    {
         assert!(stdout.lines().any(|l| l.starts_with(edit)), "missing {edit:?} in:\n{stdout}");
     }
-    let same = Command::new(harness_s_bin())
-        .args(["harness", "diff"])
-        .arg(pool().join("h0.json"))
-        .arg(pool().join("h0.json"))
-        .output()
-        .unwrap();
+    let same =
+        Command::new(harness_s_bin()).args(["harness", "diff"]).arg(pool().join("h0.json")).arg(pool().join("h0.json")).output().unwrap();
     assert_eq!(String::from_utf8(same.stdout).unwrap(), "no edits\n");
 }
 

@@ -257,7 +257,13 @@ fn rollout_input(run: &str, task_ids: Vec<String>, attempts: u32, concurrency: u
 }
 
 /// Runs one rollout job and reads its rows back from the store.
-async fn rollout(store: &LocalStore, policy: &dyn Policy, envs: &dyn EnvironmentFactory, input: &RolloutInput, job: &str) -> Vec<Trajectory> {
+async fn rollout(
+    store: &LocalStore,
+    policy: &dyn Policy,
+    envs: &dyn EnvironmentFactory,
+    input: &RolloutInput,
+    job: &str,
+) -> Vec<Trajectory> {
     let ctx = RolloutContext { store, policy, envs, job_id: job, delivery_attempt: 0 };
     let out = jobs::rollout::run(&ctx, input).await.unwrap();
     infra::table::read_records(store, &out.outputs[0].key).await.unwrap()
@@ -300,10 +306,14 @@ async fn an_http_environment_gives_the_episodes_and_rewards_of_the_in_process_on
     let policy = Oracle::new(&tasks);
     let run = unique("http-equal");
 
-    let local = DbBenchFactory { tasks: Arc::new(TaskSet::from_tasks(tasks.iter().map(|t| t.as_ref().clone()).collect()).unwrap()), config: DbBenchConfig::sqlite() };
+    let local = DbBenchFactory {
+        tasks: Arc::new(TaskSet::from_tasks(tasks.iter().map(|t| t.as_ref().clone()).collect()).unwrap()),
+        config: DbBenchConfig::sqlite(),
+    };
     let ids: Vec<String> = tasks.iter().map(|t| t.id.clone()).collect();
     let in_process = rollout(&store, &policy, &local, &rollout_input(&run, ids, 2, 4), "in-process").await;
-    let remote = rollout(&store, &policy, &http_factory(&server.url(), 8), &rollout_input(&run, indices(tasks.len()), 2, 4), "over-http").await;
+    let remote =
+        rollout(&store, &policy, &http_factory(&server.url(), 8), &rollout_input(&run, indices(tasks.len()), 2, 4), "over-http").await;
 
     assert_eq!(in_process.len(), 24);
     assert_eq!(remote.len(), 24);
@@ -341,11 +351,14 @@ async fn sixty_four_concurrent_sessions_all_complete_and_none_leaks() {
     // The server generates its tasks (`--generate N --seed S`, as `tasks generate` does); the
     // oracle knows them from the same generator.
     let (_, tasks) = task_file(dir.path(), 9, 64);
-    let args: Vec<String> = ["--generate", "64", "--seed", "9", "--kinds", "counting,comparison,INSERT"].iter().map(|s| s.to_string()).collect();
+    let args: Vec<String> =
+        ["--generate", "64", "--seed", "9", "--kinds", "counting,comparison,INSERT"].iter().map(|s| s.to_string()).collect();
     let server = EnvServer::start(free_port(), &args, &dir.path().join("serve.log")).await;
     let store = LocalStore::new(dir.path().join("store")).unwrap();
     let policy = Oracle::new(&tasks);
-    let rows = rollout(&store, &policy, &http_factory(&server.url(), 64), &rollout_input(&unique("http-64"), indices(64), 1, 64), "sixty-four").await;
+    let rows =
+        rollout(&store, &policy, &http_factory(&server.url(), 64), &rollout_input(&unique("http-64"), indices(64), 1, 64), "sixty-four")
+            .await;
 
     assert_eq!(rows.len(), 64);
     for (i, r) in rows.iter().enumerate() {
@@ -375,7 +388,13 @@ struct RolloutOverHttp {
 impl Handler for RolloutOverHttp {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
         let input: RolloutInput = serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(e.to_string()))?;
-        let rctx = RolloutContext { store: ctx.store.as_ref(), policy: self.policy.as_ref(), envs: &self.envs, job_id: &job.job_id, delivery_attempt: job.attempt };
+        let rctx = RolloutContext {
+            store: ctx.store.as_ref(),
+            policy: self.policy.as_ref(),
+            envs: &self.envs,
+            job_id: &job.job_id,
+            delivery_attempt: job.attempt,
+        };
         let out = jobs::rollout::run(&rctx, &input).await.map_err(JobFailure::of)?;
         Ok(JobOutput { outputs: out.outputs, result: serde_json::to_value(&out.summary).unwrap(), committed: true })
     }
@@ -384,13 +403,21 @@ impl Handler for RolloutOverHttp {
 /// Runs one rollout job through a worker on a memory queue (5 attempts, short backoff)
 /// until it settles; returns the outcomes of its deliveries.
 async fn through_worker(store: Arc<dyn ObjectStore>, handler: RolloutOverHttp, input: &RolloutInput, job_id: &str) -> Vec<Outcome> {
-    let queue = infra::queue::open_queue(&format!("memory://{}?prefix=p&max_attempts=5&retry_base_ms=50&retry_max_ms=100", unique("http-retry"))).await.unwrap();
+    let queue =
+        infra::queue::open_queue(&format!("memory://{}?prefix=p&max_attempts=5&retry_base_ms=50&retry_max_ms=100", unique("http-retry")))
+            .await
+            .unwrap();
     let mut registry = Registry::new();
     registry.register(JobKind::Rollout, handler);
     let (tx, mut events) = tokio::sync::mpsc::unbounded_channel();
     let w = Worker::new(queue.clone(), store, registry, WorkerConfig::new(vec![JobKind::Rollout], 1)).unwrap().with_events(tx);
     let (stop, mut stop_rx) = tokio::sync::watch::channel(false);
-    let running = tokio::spawn(async move { w.run(async move { let _ = stop_rx.wait_for(|s| *s).await; }).await });
+    let running = tokio::spawn(async move {
+        w.run(async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        })
+        .await
+    });
     let envelope = JobEnvelope {
         schema_version: <JobEnvelope as schemas::Document>::VERSION,
         job_id: job_id.to_string(),
@@ -441,7 +468,9 @@ async fn a_server_killed_mid_episode_retries_the_job_fresh_and_stores_it_once() 
     oracle.sabotage = Sabotage::KillAndRestart;
     oracle.server = Some(Arc::clone(&server));
     let input = rollout_input(&run, indices(tasks.len()), 1, 1);
-    let outcomes = through_worker(store.clone(), RolloutOverHttp { policy: Arc::new(oracle), envs: http_factory(&url, 8) }, &input, "job-restarted").await;
+    let outcomes =
+        through_worker(store.clone(), RolloutOverHttp { policy: Arc::new(oracle), envs: http_factory(&url, 8) }, &input, "job-restarted")
+            .await;
     assert_eq!(outcomes, vec![Outcome::Retried { attempt: 1 }, Outcome::Succeeded], "one retried delivery, then success");
     let part = keys::trajectory_part(&run, 0, RolloutKind::Base, "job-restarted");
     let rows: Vec<Trajectory> = infra::table::read_records(store.as_ref(), &part).await.unwrap();
@@ -461,7 +490,9 @@ async fn a_server_killed_mid_episode_retries_the_job_fresh_and_stores_it_once() 
     let mut oracle = Oracle::new(&tasks);
     oracle.sabotage = Sabotage::Kill;
     oracle.server = Some(Arc::clone(&server));
-    let outcomes = through_worker(store.clone(), RolloutOverHttp { policy: Arc::new(oracle), envs: http_factory(&url, 8) }, &input, "job-killed").await;
+    let outcomes =
+        through_worker(store.clone(), RolloutOverHttp { policy: Arc::new(oracle), envs: http_factory(&url, 8) }, &input, "job-killed")
+            .await;
     assert_eq!(outcomes, vec![Outcome::Retried { attempt: 1 }, Outcome::Retried { attempt: 2 }, Outcome::Succeeded]);
     let part = keys::trajectory_part(&run, 0, RolloutKind::Base, "job-killed");
     let rows: Vec<Trajectory> = infra::table::read_records(store.as_ref(), &part).await.unwrap();
@@ -530,7 +561,10 @@ async fn the_server_refuses_bad_requests_expires_idle_sessions_and_clients_cance
     let r = post("interact", Some(&session), call.clone()).await.unwrap();
     assert_eq!(r.status(), 200);
     let body: serde_json::Value = r.json().await.unwrap();
-    assert_eq!((body["messages"][0]["role"].as_str(), body["messages"][0]["content"].as_str(), body["finish"].as_bool()), (Some("tool"), Some("[(1,)]"), Some(false)));
+    assert_eq!(
+        (body["messages"][0]["role"].as_str(), body["messages"][0]["content"].as_str(), body["finish"].as_bool()),
+        (Some("tool"), Some("[(1,)]"), Some(false))
+    );
 
     // Idle past the TTL: the server closes it; the session is then unknown.
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -591,7 +625,10 @@ async fn an_http_environment_on_mariadb_gives_the_rewards_of_sqlite_in_process_a
     let policy = Oracle::new(&tasks);
     let run = unique("http-mariadb");
 
-    let local = DbBenchFactory { tasks: Arc::new(TaskSet::from_tasks(tasks.iter().map(|t| t.as_ref().clone()).collect()).unwrap()), config: DbBenchConfig::sqlite() };
+    let local = DbBenchFactory {
+        tasks: Arc::new(TaskSet::from_tasks(tasks.iter().map(|t| t.as_ref().clone()).collect()).unwrap()),
+        config: DbBenchConfig::sqlite(),
+    };
     let ids: Vec<String> = tasks.iter().map(|t| t.id.clone()).collect();
     let in_process = rollout(&store, &policy, &local, &rollout_input(&run, ids, 1, 4), "sqlite").await;
     let factory = http_factory(&server.url(), 8);

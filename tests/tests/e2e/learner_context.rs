@@ -101,7 +101,12 @@ async fn the_learner_scores_the_context_the_policy_sampled_from() {
     for s in &mut at_one {
         s.temperature = 1.0;
     }
-    let diff: f64 = learner.score(&at_one).iter().zip(&at_one).flat_map(|(o, s)| o.iter().zip(&s.logq).map(|(a, b)| (*a as f64 - *b as f64).abs())).fold(0.0, f64::max);
+    let diff: f64 = learner
+        .score(&at_one)
+        .iter()
+        .zip(&at_one)
+        .flat_map(|(o, s)| o.iter().zip(&s.logq).map(|(a, b)| (*a as f64 - *b as f64).abs()))
+        .fold(0.0, f64::max);
     assert!(diff > 1e-3, "temperature 1 should not match log q at T = {temperature}: {diff}");
 
     // An altered context — a harness hint edited after the fact — is refused by name.

@@ -439,11 +439,8 @@ async fn memory_worker_dead_letters_failures_and_poison_and_keeps_going() {
     let poison = dead.iter().find(|d| d.job_id.is_none()).expect("the malformed message is dead");
     assert!(poison.reason.contains("malformed"), "{}", poison.reason);
     // The flaky job succeeded on its third run; the good one on its first.
-    let marker: DoneMarker = schemas::decode_document(
-        "marker",
-        &store.get(&keys::done_marker(&run, &flaky.job_id)).await.unwrap(),
-    )
-    .unwrap();
+    let marker: DoneMarker =
+        schemas::decode_document("marker", &store.get(&keys::done_marker(&run, &flaky.job_id)).await.unwrap()).unwrap();
     assert_eq!(marker.attempt, 2);
     assert!(store.head(&keys::done_marker(&run, &good.job_id)).await.unwrap().is_some());
     let (summary, _) = running.stop().await;
@@ -879,10 +876,7 @@ async fn rabbitmq_unreachable_broker_and_wrong_password_give_clear_errors() {
 
     let wrong = amqp_url().replacen("guest:guest@", "guest:not-the-password@", 1);
     assert_ne!(wrong, amqp_url(), "the test URL carries guest:guest");
-    let out = Command::new(harness_s_bin())
-        .args(["worker", "--queue", &wrong, "--store", &store, "--queues", "sleep"])
-        .output()
-        .unwrap();
+    let out = Command::new(harness_s_bin()).args(["worker", "--queue", &wrong, "--store", &store, "--queues", "sleep"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("refused the login") && err.contains("check the user name and password"), "{err}");
@@ -893,10 +887,8 @@ async fn rabbitmq_unreachable_broker_and_wrong_password_give_clear_errors() {
     }
 
     // A memory:// queue cannot serve a separate process, and unknown kinds are named.
-    let out = Command::new(harness_s_bin())
-        .args(["worker", "--queue", "memory://x", "--store", &store, "--queues", "sleep"])
-        .output()
-        .unwrap();
+    let out =
+        Command::new(harness_s_bin()).args(["worker", "--queue", "memory://x", "--store", &store, "--queues", "sleep"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("lives inside one process"));
     let out = Command::new(harness_s_bin())
         .args(["worker", "--queue", &amqp_url(), "--store", &store, "--queues", "sleep,bogus"])
@@ -953,11 +945,7 @@ async fn bench_queue_prints_the_table_with_the_celery_ratio() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}\n(the Celery peer needs `pip install celery`)",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{text}\n{}\n(the Celery peer needs `pip install celery`)", String::from_utf8_lossy(&out.stderr));
     for row in ["memory:// ack only", "memory:// durable", "rabbitmq ack only", "rabbitmq durable", "rabbitmq celery"] {
         let line = text.lines().find(|l| l.starts_with(row)).unwrap_or_else(|| panic!("no `{row}` row in\n{text}"));
         let jobs_per_s: f64 = line[20..].split_whitespace().nth(3).unwrap().parse().unwrap();

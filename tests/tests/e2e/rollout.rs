@@ -130,10 +130,8 @@ async fn broken_server(body: &'static str, delay: Duration) -> (String, Arc<Atom
                     seen.extend_from_slice(&buf[..n]);
                     let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
                     let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
-                    let length: usize = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
-                        .unwrap_or(0);
+                    let length: usize =
+                        head.lines().find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0))).unwrap_or(0);
                     if seen.len() >= end + 4 + length {
                         break;
                     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use harness_s_tests::{openai_model, openai_url, unique};
 use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
 use jobs::harness::{parse_spec, spec_from_value, Budgets, ValidateOptions};
-use jobs::policy::openai::{OpenAiConfig, OpenAiPolicy, ToolProtocol, TokenIds};
+use jobs::policy::openai::{OpenAiConfig, OpenAiPolicy, TokenIds, ToolProtocol};
 use jobs::policy::SamplingParams;
 use jobs::profile::llm::LlmProfilerConfig;
 use jobs::profile::TaskInfo;
@@ -112,7 +112,15 @@ async fn llm_profiler_and_llm_voters_on_the_real_server_never_break_routing() {
     // Short answers keep the test quick on a shared CPU; a profile object fits in 160 tokens.
     let mut profiler_config = LlmProfilerConfig::default();
     profiler_config.sampling.max_tokens = 160;
-    let ctx = ReanchorContext { store: &store, policy: &policy, envs: &factory, profiler: Some(&profiler), profiler_config, job_id: "reanchor-0", delivery_attempt: 0 };
+    let ctx = ReanchorContext {
+        store: &store,
+        policy: &policy,
+        envs: &factory,
+        profiler: Some(&profiler),
+        profiler_config,
+        job_id: "reanchor-0",
+        delivery_attempt: 0,
+    };
     let out = reanchor::run(&ctx, &input).await.expect("re-anchoring completes whatever the model answers");
     let m = &out.manifest;
     assert_eq!(m.stats.len(), 5, "{:?}", m.stats);

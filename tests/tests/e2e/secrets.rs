@@ -51,8 +51,21 @@ fn no_command_prints_a_password_or_access_key() {
         fails: true,
     });
     // help with the variables set
-    let env = vec![("HARNESS_S_STORE", s3.clone()), ("HARNESS_S_QUEUE", bad_port_queue.clone()), ("HARNESS_S_DB_URL", format!("mysql://root:{SECRET}@127.0.0.1:3306"))];
-    for cmd in [&["run", "--help"][..], &["worker", "--help"], &["scheduler", "--help"], &["resume", "--help"], &["submit", "--help"], &["status", "--help"], &["tasks", "check", "--help"], &["queue", "stats", "--help"]] {
+    let env = vec![
+        ("HARNESS_S_STORE", s3.clone()),
+        ("HARNESS_S_QUEUE", bad_port_queue.clone()),
+        ("HARNESS_S_DB_URL", format!("mysql://root:{SECRET}@127.0.0.1:3306")),
+    ];
+    for cmd in [
+        &["run", "--help"][..],
+        &["worker", "--help"],
+        &["scheduler", "--help"],
+        &["resume", "--help"],
+        &["submit", "--help"],
+        &["status", "--help"],
+        &["tasks", "check", "--help"],
+        &["queue", "stats", "--help"],
+    ] {
         cases.push(Case { args: cmd.iter().map(|s| s.to_string()).collect(), env: env.clone(), fails: false });
     }
     for c in &cases {

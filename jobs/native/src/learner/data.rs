@@ -36,7 +36,8 @@ fn tool_view(traj: &Trajectory) -> Result<Vec<ToolSpec>, NativeError> {
     if traj.tool_view.is_empty() {
         return Ok(vec![]);
     }
-    serde_json::from_str(&traj.tool_view).map_err(|e| NativeError::Input(format!("trajectory `{}`: `tool_view` is not a JSON list of tools: {e}", traj.trajectory_id)))
+    serde_json::from_str(&traj.tool_view)
+        .map_err(|e| NativeError::Input(format!("trajectory `{}`: `tool_view` is not a JSON list of tools: {e}", traj.trajectory_id)))
 }
 
 /// The prompt ids turn `i` was sampled from, rebuilt with the rollout's own rendering.
@@ -48,7 +49,9 @@ fn prompt_before(traj: &Trajectory, i: usize, tools: &[ToolSpec], tok: &Tokenize
 /// context). Rows failed by infrastructure are masked out (Eq. 15 excludes their tokens):
 /// their samples carry an all-false mask.
 pub fn samples_from_trajectory(traj: &Trajectory, task: usize, advantage: f64, tok: &Tokenizer) -> Result<Vec<Sample>, NativeError> {
-    let at = |i: usize, detail: String| NativeError::Input(format!("trajectory `{}` (task `{}`), turn {i}: {detail}", traj.trajectory_id, traj.task_id));
+    let at = |i: usize, detail: String| {
+        NativeError::Input(format!("trajectory `{}` (task `{}`), turn {i}: {detail}", traj.trajectory_id, traj.task_id))
+    };
     let tools = tool_view(traj)?;
     let masked = traj.error_class == Some(ErrorClass::Infra);
     let temperature = scoring_temperature(traj.temperature);
@@ -64,7 +67,10 @@ pub fn samples_from_trajectory(traj: &Trajectory, task: usize, advantage: f64, t
             return Err(at(i, "is a policy turn without sampled token ids (the backend returned none); the learner trains only on the tokens the policy sampled".into()));
         }
         let Some(recorded) = &turn.prompt_hash else {
-            return Err(at(i, "has no prompt fingerprint (`prompt_hash`): the prompt it was sampled from is unknown, so it cannot be trained on".into()));
+            return Err(at(
+                i,
+                "has no prompt fingerprint (`prompt_hash`): the prompt it was sampled from is unknown, so it cannot be trained on".into(),
+            ));
         };
         let context = prompt_before(traj, i, &tools, tok)?;
         let rebuilt = prompt_hash(&context);
@@ -173,14 +179,22 @@ pub fn checkpoint_step(run_id: &str, policy_checkpoint: &str) -> Result<Option<u
 /// starting model), or by weights the learner has not reached: the rows an endpoint sampled
 /// before it loaded the latest checkpoint, or after it restarted on other weights.
 /// Appendix B's TIS weight corrects a lag the spec allows (`algorithm.max_off_policy_steps`).
-pub fn check_staleness<'a>(run_id: &str, start: Option<u32>, max_lag: u32, rows: impl IntoIterator<Item = &'a Trajectory>) -> Result<(), NativeError> {
+pub fn check_staleness<'a>(
+    run_id: &str,
+    start: Option<u32>,
+    max_lag: u32,
+    rows: impl IntoIterator<Item = &'a Trajectory>,
+) -> Result<(), NativeError> {
     let now = start.unwrap_or(0);
     for t in rows {
         let at = |detail: String| NativeError::Input(format!("trajectory `{}` (task `{}`): {detail}", t.trajectory_id, t.task_id));
         let sampled = checkpoint_step(run_id, &t.policy_checkpoint).map_err(at)?.unwrap_or(0);
         let expected = start.map(|s| format!("checkpoint step {s}")).unwrap_or_else(|| "the starting weights".into());
         if sampled > now {
-            return Err(at(format!("was sampled by `{}`, newer than the learner's {expected}; was a checkpoint removed?", t.policy_checkpoint)));
+            return Err(at(format!(
+                "was sampled by `{}`, newer than the learner's {expected}; was a checkpoint removed?",
+                t.policy_checkpoint
+            )));
         }
         if now - sampled > max_lag {
             return Err(at(format!(
@@ -218,7 +232,10 @@ pub fn batch_from_groups(groups: &[Group], trajectories: &[Trajectory], tok: &To
             .iter()
             .map(|id| {
                 by_id.get(id.as_str()).copied().ok_or_else(|| {
-                    NativeError::Input(format!("group `{}` (task `{}`) lists trajectory `{id}`, which is not among the step's trajectories", g.group_id, g.task_id))
+                    NativeError::Input(format!(
+                        "group `{}` (task `{}`) lists trajectory `{id}`, which is not among the step's trajectories",
+                        g.group_id, g.task_id
+                    ))
                 })
             })
             .collect::<Result<_, _>>()?;

@@ -268,7 +268,10 @@ impl Learner {
                 )));
             }
             if s.context.is_empty() && !s.completion.is_empty() {
-                return Err(NativeError::Input(format!("sample {k} (task `{}`) has no context to predict its first token from", batch.tasks[s.task])));
+                return Err(NativeError::Input(format!(
+                    "sample {k} (task `{}`) has no context to predict its first token from",
+                    batch.tasks[s.task]
+                )));
             }
             if !s.advantage.is_finite() {
                 return Err(NativeError::Input(format!("sample {k} (task `{}`) has advantage {}", batch.tasks[s.task], s.advantage)));
@@ -357,7 +360,8 @@ impl Learner {
     /// the current parameters and without gradient: π_old of Eq. 7, as an update computes
     /// it. Empty for samples without completion tokens.
     pub fn score(&self, samples: &[Sample]) -> Vec<Vec<f32>> {
-        let order: Vec<usize> = (0..samples.len()).filter(|&i| !samples[i].completion.is_empty() && !samples[i].context.is_empty()).collect();
+        let order: Vec<usize> =
+            (0..samples.len()).filter(|&i| !samples[i].completion.is_empty() && !samples[i].context.is_empty()).collect();
         let _g = tch::no_grad_guard();
         let mut old = vec![vec![]; samples.len()];
         for rows in self.plan(&order, samples) {
@@ -370,7 +374,15 @@ impl Learner {
     /// Mean log-probability of `completion` after `context` under the current parameters.
     pub fn sequence_logprob(&self, context: &[u32], completion: &[u32]) -> f64 {
         let _g = tch::no_grad_guard();
-        let s = Sample { task: 0, context: context.to_vec(), completion: completion.to_vec(), mask: vec![true; completion.len()], logq: vec![], advantage: 0.0, temperature: 1.0 };
+        let s = Sample {
+            task: 0,
+            context: context.to_vec(),
+            completion: completion.to_vec(),
+            mask: vec![true; completion.len()],
+            logq: vec![],
+            advantage: 0.0,
+            temperature: 1.0,
+        };
         let mb = self.tensors(&[0], std::slice::from_ref(&s));
         self.token_logprobs(&mb).sum(Kind::Double).double_value(&[]) / completion.len().max(1) as f64
     }
@@ -394,7 +406,8 @@ impl Learner {
             .and_then(|b| b.try_into().ok())
             .ok_or_else(|| bad("`seed` must be 64 hex digits"))?;
         let stream = v["stream"].as_u64().ok_or_else(|| bad("`stream` must be an integer"))?;
-        let word_pos: u128 = v["word_pos"].as_str().and_then(|s| s.parse().ok()).ok_or_else(|| bad("`word_pos` must be an integer string"))?;
+        let word_pos: u128 =
+            v["word_pos"].as_str().and_then(|s| s.parse().ok()).ok_or_else(|| bad("`word_pos` must be an integer string"))?;
         let mut rng = ChaCha8Rng::from_seed(seed);
         rng.set_stream(stream);
         rng.set_word_pos(word_pos);
@@ -446,7 +459,11 @@ mod tests {
     #[test]
     fn tiny_model_learns_a_rewarded_completion() {
         let model = tiny(1);
-        let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, weight_decay: 0.0, ..Default::default() }, micro_batch_tokens: 24, ..Default::default() };
+        let cfg = LearnerConfig {
+            optimizer: AdamWConfig { lr: 1e-2, weight_decay: 0.0, ..Default::default() },
+            micro_batch_tokens: 24,
+            ..Default::default()
+        };
         let mut learner = Learner::new(model, cfg);
         let prompt = [1u32, 2, 3];
         let p_target = |l: &Learner| l.sequence_logprob(&prompt, &[7]).exp();
@@ -458,7 +475,15 @@ mod tests {
                 let opts = GenerateOptions { max_tokens: 3, temperature: 1.0, top_p: 1.0, seed: step * 100 + k };
                 let g = generate(&learner.model, &prompt, &opts, &[]).unwrap();
                 rewards.push(if g.tokens[0] == 7 { 1.0 } else { 0.0 });
-                samples.push(Sample { task: 0, context: prompt.to_vec(), mask: vec![true; g.tokens.len()], completion: g.tokens, logq: g.logprobs, advantage: 0.0, temperature: 1.0 });
+                samples.push(Sample {
+                    task: 0,
+                    context: prompt.to_vec(),
+                    mask: vec![true; g.tokens.len()],
+                    completion: g.tokens,
+                    logq: g.logprobs,
+                    advantage: 0.0,
+                    temperature: 1.0,
+                });
             }
             for (s, a) in samples.iter_mut().zip(grpo::group_advantages(&rewards)) {
                 s.advantage = a;
@@ -476,9 +501,33 @@ mod tests {
         Batch {
             tasks: vec!["a".into(), "b".into()],
             samples: vec![
-                Sample { task: 0, context: vec![1, 2], completion: vec![3, 4, 5], mask: vec![true, false, true], logq: vec![-3.0, -3.0, -3.5], advantage: 1.0, temperature: 1.0 },
-                Sample { task: 0, context: vec![2], completion: vec![6], mask: vec![true], logq: vec![], advantage: -1.0, temperature: 1.0 },
-                Sample { task: 1, context: vec![9, 9, 9], completion: vec![1, 2], mask: vec![true, true], logq: vec![-4.0, -4.0], advantage: 0.5, temperature: 1.0 },
+                Sample {
+                    task: 0,
+                    context: vec![1, 2],
+                    completion: vec![3, 4, 5],
+                    mask: vec![true, false, true],
+                    logq: vec![-3.0, -3.0, -3.5],
+                    advantage: 1.0,
+                    temperature: 1.0,
+                },
+                Sample {
+                    task: 0,
+                    context: vec![2],
+                    completion: vec![6],
+                    mask: vec![true],
+                    logq: vec![],
+                    advantage: -1.0,
+                    temperature: 1.0,
+                },
+                Sample {
+                    task: 1,
+                    context: vec![9, 9, 9],
+                    completion: vec![1, 2],
+                    mask: vec![true, true],
+                    logq: vec![-4.0, -4.0],
+                    advantage: 0.5,
+                    temperature: 1.0,
+                },
             ],
         }
     }
@@ -493,8 +542,24 @@ mod tests {
         let batch = Batch {
             tasks: vec!["a".into(), "b".into()],
             samples: vec![
-                Sample { task: 0, context: vec![1, 2], completion: vec![3, 4], mask: vec![true, true], logq: vec![], advantage: 1.0, temperature: 1.0 },
-                Sample { task: 0, context: vec![2], completion: vec![6], mask: vec![true], logq: vec![], advantage: -1.0, temperature: 1.0 },
+                Sample {
+                    task: 0,
+                    context: vec![1, 2],
+                    completion: vec![3, 4],
+                    mask: vec![true, true],
+                    logq: vec![],
+                    advantage: 1.0,
+                    temperature: 1.0,
+                },
+                Sample {
+                    task: 0,
+                    context: vec![2],
+                    completion: vec![6],
+                    mask: vec![true],
+                    logq: vec![],
+                    advantage: -1.0,
+                    temperature: 1.0,
+                },
             ],
         };
         let mut l = Learner::new(tiny(3), LearnerConfig::default());
@@ -511,9 +576,33 @@ mod tests {
     /// is the same: the in-between tokens are masked and count nowhere.
     #[test]
     fn merged_turns_score_and_train_like_separate_ones() {
-        let turn1 = Sample { task: 0, context: vec![1, 2, 3], completion: vec![4, 5], mask: vec![true, true], logq: vec![-3.0, -3.1], advantage: 1.0, temperature: 0.7 };
-        let turn2 = Sample { task: 0, context: vec![1, 2, 3, 4, 5, 9, 8], completion: vec![6, 7, 10], mask: vec![true, false, true], logq: vec![-3.2, -3.3, -3.4], advantage: 1.0, temperature: 0.7 };
-        let other = Sample { task: 0, context: vec![1, 2], completion: vec![11], mask: vec![true], logq: vec![-2.0], advantage: -1.0, temperature: 0.7 };
+        let turn1 = Sample {
+            task: 0,
+            context: vec![1, 2, 3],
+            completion: vec![4, 5],
+            mask: vec![true, true],
+            logq: vec![-3.0, -3.1],
+            advantage: 1.0,
+            temperature: 0.7,
+        };
+        let turn2 = Sample {
+            task: 0,
+            context: vec![1, 2, 3, 4, 5, 9, 8],
+            completion: vec![6, 7, 10],
+            mask: vec![true, false, true],
+            logq: vec![-3.2, -3.3, -3.4],
+            advantage: 1.0,
+            temperature: 0.7,
+        };
+        let other = Sample {
+            task: 0,
+            context: vec![1, 2],
+            completion: vec![11],
+            mask: vec![true],
+            logq: vec![-2.0],
+            advantage: -1.0,
+            temperature: 0.7,
+        };
         let separate = vec![turn1.clone(), turn2.clone(), other.clone()];
         let merged = data::merge_shared_prefixes(separate.clone());
         assert_eq!(merged.len(), 2, "the two turns fold, the other trajectory's row stays");
@@ -539,8 +628,17 @@ mod tests {
 
     #[test]
     fn mismatch_by_hand() {
-        let sample = |mask: Vec<bool>, logq: Vec<f32>| Sample { task: 0, context: vec![1], completion: vec![2; mask.len()], mask, logq, advantage: 0.0, temperature: 1.0 };
-        let samples = vec![sample(vec![true, true, false], vec![-1.0, -2.0, -9.0]), sample(vec![true], vec![]), sample(vec![true], vec![-3.0])];
+        let sample = |mask: Vec<bool>, logq: Vec<f32>| Sample {
+            task: 0,
+            context: vec![1],
+            completion: vec![2; mask.len()],
+            mask,
+            logq,
+            advantage: 0.0,
+            temperature: 1.0,
+        };
+        let samples =
+            vec![sample(vec![true, true, false], vec![-1.0, -2.0, -9.0]), sample(vec![true], vec![]), sample(vec![true], vec![-3.0])];
         // |Δ| = 0.5, 0.1 (the masked token and the row without q are not measured), 1.0;
         // the last token's TIS weight exp(−2 + 3) = e > 2 is capped.
         let old = vec![vec![-1.5, -2.1, 0.0], vec![-1.0], vec![-2.0]];
@@ -552,7 +650,8 @@ mod tests {
 
     #[test]
     fn micro_batching_gives_the_full_batch_gradient() {
-        let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, micro_batch_tokens: 1_000, ..Default::default() };
+        let cfg =
+            LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, micro_batch_tokens: 1_000, ..Default::default() };
         let mut one = Learner::new(tiny(5), cfg.clone());
         let mut many = Learner::new(tiny(5), LearnerConfig { micro_batch_tokens: 1, ..cfg });
         let a = one.update(&batch()).unwrap();
@@ -570,7 +669,15 @@ mod tests {
     #[test]
     fn same_start_and_seed_give_bit_identical_weights() {
         let run = || {
-            let mut l = Learner::new(tiny(9), LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, micro_batch_tokens: 8, seed: 4, ..Default::default() });
+            let mut l = Learner::new(
+                tiny(9),
+                LearnerConfig {
+                    optimizer: AdamWConfig { lr: 1e-2, ..Default::default() },
+                    micro_batch_tokens: 8,
+                    seed: 4,
+                    ..Default::default()
+                },
+            );
             l.update(&batch()).unwrap();
             l.update(&batch()).unwrap();
             l.model.named_tensors()

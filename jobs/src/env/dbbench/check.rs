@@ -119,16 +119,9 @@ pub async fn check_tasks(
         let outcome = check_one(&mut env, &task.id, &gold, &answers).await;
         let closed = env.close().await;
         let check = match outcome {
-            Ok((agreed, detail)) => {
-                TaskCheck { task_id: task.id.clone(), task_type: task.task_type.clone(), agreed, detail }
-            }
+            Ok((agreed, detail)) => TaskCheck { task_id: task.id.clone(), task_type: task.task_type.clone(), agreed, detail },
             Err(e @ EnvError::Backend { .. }) => return Err(e),
-            Err(e) => TaskCheck {
-                task_id: task.id.clone(),
-                task_type: task.task_type.clone(),
-                agreed: false,
-                detail: e.to_string(),
-            },
+            Err(e) => TaskCheck { task_id: task.id.clone(), task_type: task.task_type.clone(), agreed: false, detail: e.to_string() },
         };
         closed?;
         progress(&check);

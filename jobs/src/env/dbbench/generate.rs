@@ -116,17 +116,12 @@ const THEMES: &[Theme] = &[
         plural: "employees",
         key: "name",
         keys: &[
-            "Alice", "Bruno", "Chen", "Dana", "Emil", "Fatima", "Goran", "Hana", "Ivan", "Jonas", "Kemal", "Lena",
-            "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wes", "Xenia", "Yusuf",
-            "Zoe",
+            "Alice", "Bruno", "Chen", "Dana", "Emil", "Fatima", "Goran", "Hana", "Ivan", "Jonas", "Kemal", "Lena", "Mateo", "Nora", "Omar",
+            "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wes", "Xenia", "Yusuf", "Zoe",
         ],
         category: "department",
         categories: &["Sales", "IT", "HR", "Finance"],
-        numbers: &[
-            num("age", "age", 21, 64),
-            num("years", "years of service", 10, 35),
-            num("salary", "salary", 900, 12000),
-        ],
+        numbers: &[num("age", "age", 21, 64), num("years", "years of service", 10, 35), num("salary", "salary", 900, 12000)],
     },
     Theme {
         table: "products",
@@ -135,17 +130,12 @@ const THEMES: &[Theme] = &[
         plural: "products",
         key: "product",
         keys: &[
-            "Lamp", "Kettle", "Desk", "Chair", "Mug", "Clock", "Vase", "Rug", "Fan", "Toaster", "Pillow", "Shelf",
-            "Mirror", "Blender", "Candle", "Basket", "Stool", "Tray", "Jar", "Bowl", "Plate", "Towel", "Blanket",
-            "Heater",
+            "Lamp", "Kettle", "Desk", "Chair", "Mug", "Clock", "Vase", "Rug", "Fan", "Toaster", "Pillow", "Shelf", "Mirror", "Blender",
+            "Candle", "Basket", "Stool", "Tray", "Jar", "Bowl", "Plate", "Towel", "Blanket", "Heater",
         ],
         category: "category",
         categories: &["Kitchen", "Garden", "Office", "Bedroom"],
-        numbers: &[
-            num("price", "price", 10, 99),
-            num("rating", "rating", 10, 50),
-            num("stock", "units in stock", 0, 1500),
-        ],
+        numbers: &[num("price", "price", 10, 99), num("rating", "rating", 10, 50), num("stock", "units in stock", 0, 1500)],
     },
     Theme {
         table: "students",
@@ -154,16 +144,12 @@ const THEMES: &[Theme] = &[
         plural: "students",
         key: "student",
         keys: &[
-            "Aiko", "Ben", "Carla", "Deniz", "Eli", "Farah", "Gus", "Ines", "Jack", "Kira", "Liam", "Mia", "Nico",
-            "Olga", "Pablo", "Rhea", "Sam", "Tomas", "Uma", "Vic", "Will", "Yara", "Zack", "Ada",
+            "Aiko", "Ben", "Carla", "Deniz", "Eli", "Farah", "Gus", "Ines", "Jack", "Kira", "Liam", "Mia", "Nico", "Olga", "Pablo", "Rhea",
+            "Sam", "Tomas", "Uma", "Vic", "Will", "Yara", "Zack", "Ada",
         ],
         category: "class",
         categories: &["A", "B", "C", "D"],
-        numbers: &[
-            num("score", "score", 40, 99),
-            num("absences", "absences", 10, 60),
-            num("points", "bonus points", 5, 250),
-        ],
+        numbers: &[num("score", "score", 40, 99), num("absences", "absences", 10, 60), num("points", "bonus points", 5, 250)],
     },
     Theme {
         table: "cities",
@@ -195,11 +181,7 @@ const THEMES: &[Theme] = &[
         ],
         category: "region",
         categories: &["North", "South", "East", "West"],
-        numbers: &[
-            num("area", "area", 10, 99),
-            num("parks", "number of parks", 10, 80),
-            num("population", "population", 800, 98000),
-        ],
+        numbers: &[num("area", "area", 10, 99), num("parks", "number of parks", 10, 80), num("population", "population", 800, 98000)],
     },
     Theme {
         table: "players",
@@ -208,16 +190,12 @@ const THEMES: &[Theme] = &[
         plural: "players",
         key: "player",
         keys: &[
-            "Abel", "Bako", "Cruz", "Dario", "Enzo", "Felix", "Gael", "Hugo", "Iker", "Joao", "Kofi", "Luka", "Marco",
-            "Nils", "Otto", "Pavel", "Rafa", "Saul", "Theo", "Ugo", "Vito", "Yann",
+            "Abel", "Bako", "Cruz", "Dario", "Enzo", "Felix", "Gael", "Hugo", "Iker", "Joao", "Kofi", "Luka", "Marco", "Nils", "Otto",
+            "Pavel", "Rafa", "Saul", "Theo", "Ugo", "Vito", "Yann",
         ],
         category: "team",
         categories: &["Lions", "Tigers", "Bears", "Eagles"],
-        numbers: &[
-            num("goals", "goals", 10, 45),
-            num("matches", "matches played", 10, 38),
-            num("minutes", "minutes played", 90, 3400),
-        ],
+        numbers: &[num("goals", "goals", 10, 45), num("matches", "matches played", 10, 38), num("minutes", "minutes played", 90, 3400)],
     },
     Theme {
         table: "books",
@@ -249,11 +227,7 @@ const THEMES: &[Theme] = &[
         ],
         category: "genre",
         categories: &["Mystery", "Fantasy", "History", "Poetry"],
-        numbers: &[
-            num("copies", "copies", 10, 90),
-            num("chapters", "chapters", 10, 60),
-            num("pages", "pages", 60, 1200),
-        ],
+        numbers: &[num("copies", "copies", 10, 90), num("chapters", "chapters", 10, 60), num("pages", "pages", 60, 1200)],
     },
 ];
 
@@ -302,8 +276,7 @@ fn build_table(rng: &mut ChaCha8Rng, difficulty: Difficulty) -> Table {
     };
     // Easy and medium use the two-digit columns only, where comparing text happens
     // to give the numeric answer; hard includes the wide-range column.
-    let eligible: Vec<usize> =
-        (0..theme.numbers.len()).filter(|&i| difficulty == Difficulty::Hard || theme.numbers[i].hi <= 99).collect();
+    let eligible: Vec<usize> = (0..theme.numbers.len()).filter(|&i| difficulty == Difficulty::Hard || theme.numbers[i].hi <= 99).collect();
     let mut numbers: Vec<usize> = eligible.choose_multiple(rng, n_numbers.min(eligible.len())).copied().collect();
     numbers.sort();
     let keys: Vec<&str> = theme.keys.choose_multiple(rng, rows).copied().collect();
@@ -367,15 +340,11 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
                 // A threshold some row of the category reaches, so the count is at least one.
                 let cat = t.category_with(rng, 2).or_else(|| t.category_with(rng, 1)).unwrap_or_default();
                 let cats = t.values(th.category);
-                let in_cat: Vec<i64> =
-                    t.ints(nc.name).into_iter().zip(&cats).filter(|(_, c)| **c == cat).map(|(v, _)| v).collect();
+                let in_cat: Vec<i64> = t.ints(nc.name).into_iter().zip(&cats).filter(|(_, c)| **c == cat).map(|(v, _)| v).collect();
                 let v = *in_cat.choose(rng).unwrap_or(&vals[0]);
                 Draft {
                     task_type: "counting".into(),
-                    description: format!(
-                        "How many {} with {} '{cat}' have {} of at least {v}?",
-                        th.plural, th.category, nc.phrase
-                    ),
+                    description: format!("How many {} with {} '{cat}' have {} of at least {v}?", th.plural, th.category, nc.phrase),
                     gold: format!("SELECT COUNT(*) FROM {tn} WHERE {cat_col} = '{cat}' AND {c} + 0 >= {v}"),
                 }
             } else {
@@ -389,14 +358,11 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
             }
         }
         "aggregation" => {
-            let (op, word) = *[("SUM", "total"), ("AVG", "average"), ("MIN", "lowest"), ("MAX", "highest")]
-                .choose(rng)
-                .unwrap_or(&("SUM", "total"));
+            let (op, word) =
+                *[("SUM", "total"), ("AVG", "average"), ("MIN", "lowest"), ("MAX", "highest")].choose(rng).unwrap_or(&("SUM", "total"));
             let filter = if difficulty == Difficulty::Easy { None } else { t.category_with(rng, 1) };
             let (scope, cond) = match &filter {
-                Some(cat) => {
-                    (format!("{} with {} '{cat}'", th.plural, th.category), format!(" WHERE {cat_col} = '{cat}'"))
-                }
+                Some(cat) => (format!("{} with {} '{cat}'", th.plural, th.category), format!(" WHERE {cat_col} = '{cat}'")),
                 None => (format!("all {}", th.plural), String::new()),
             };
             Draft {
@@ -415,9 +381,7 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
                             "Among {} with {} '{cat}', which {} has the {word} {}?",
                             th.plural, th.category, th.singular, nc.phrase
                         ),
-                        gold: format!(
-                            "SELECT {key} FROM {tn} WHERE {cat_col} = '{cat}' ORDER BY {c} + 0 {dir} LIMIT 1"
-                        ),
+                        gold: format!("SELECT {key} FROM {tn} WHERE {cat_col} = '{cat}' ORDER BY {c} + 0 {dir} LIMIT 1"),
                     },
                     _ => Draft {
                         task_type: "ranking".into(),
@@ -449,10 +413,7 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
                 let v = vals[k - 1] + 1;
                 Draft {
                     task_type: "comparison".into(),
-                    description: format!(
-                        "Which {} have {} less than {v}? Give every {}.",
-                        th.plural, nc.phrase, th.key
-                    ),
+                    description: format!("Which {} have {} less than {v}? Give every {}.", th.plural, nc.phrase, th.key),
                     gold: format!("SELECT {key} FROM {tn} WHERE {c} + 0 < {v}"),
                 }
             }
@@ -478,12 +439,7 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
             let quoted: Vec<String> = values.iter().map(|v| format!("'{v}'")).collect();
             Draft {
                 task_type: "INSERT".into(),
-                description: format!(
-                    "Insert a new {} into the table {} with {}.",
-                    th.singular,
-                    t.spec.name,
-                    parts.join(", ")
-                ),
+                description: format!("Insert a new {} into the table {} with {}.", th.singular, t.spec.name, parts.join(", ")),
                 gold: format!("INSERT INTO {tn} ({}) VALUES ({})", cols.join(", "), quoted.join(", ")),
             }
         }
@@ -493,10 +449,7 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
                     let d = rng.random_range(2..=9);
                     return Draft {
                         task_type: "UPDATE".into(),
-                        description: format!(
-                            "Increase the {} of every {} with {} '{cat}' by {d}.",
-                            nc.phrase, th.singular, th.category
-                        ),
+                        description: format!("Increase the {} of every {} with {} '{cat}' by {d}.", nc.phrase, th.singular, th.category),
                         gold: format!("UPDATE {tn} SET {c} = {c} + {d} WHERE {cat_col} = '{cat}'"),
                     };
                 }

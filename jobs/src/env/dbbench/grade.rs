@@ -34,13 +34,7 @@ pub struct Comparison {
 impl Comparison {
     /// One line for `Evaluation.detail`.
     pub fn describe(&self) -> String {
-        format!(
-            "{}: answer {:?} vs expected {:?} ({})",
-            if self.matched { "correct" } else { "wrong" },
-            self.answer,
-            self.truth,
-            self.rule
-        )
+        format!("{}: answer {:?} vs expected {:?} ({})", if self.matched { "correct" } else { "wrong" }, self.answer, self.truth, self.rule)
     }
 }
 
@@ -84,9 +78,7 @@ fn clean_mysql_result(s: &str) -> Option<Vec<String>> {
                 items
                     .iter()
                     .filter_map(|i| match i {
-                        PyValue::Tuple(t) if t.len() == 1 => {
-                            Some(strip_quotes(py_strip(&t[0].to_py_str())).to_string())
-                        }
+                        PyValue::Tuple(t) if t.len() == 1 => Some(strip_quotes(py_strip(&t[0].to_py_str())).to_string()),
                         _ => None,
                     })
                     .collect(),
@@ -316,10 +308,7 @@ mod tests {
         // A Python list string.
         assert_eq!(clean_answer(&s("['a', 'b']")), vec!["a", "b"]);
         // Not parseable: split at commas outside quotes.
-        assert_eq!(
-            clean_answer(&s("[a, 'b, c', d]")),
-            ["a", "b, c", "d"].iter().map(|x| normalize_special(x)).collect::<Vec<_>>()
-        );
+        assert_eq!(clean_answer(&s("[a, 'b, c', d]")), ["a", "b, c", "d"].iter().map(|x| normalize_special(x)).collect::<Vec<_>>());
         assert_eq!(clean_answer(&s(" 'x' ")), vec!["x"]);
         assert_eq!(clean_answer(&PyValue::None), vec!["0"]);
     }

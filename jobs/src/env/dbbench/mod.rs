@@ -221,9 +221,7 @@ impl DbBenchEnv {
     }
 
     fn episode(&mut self, operation: &'static str) -> Result<&mut Episode, EnvError> {
-        self.episode
-            .as_mut()
-            .ok_or_else(|| EnvError::State { operation, reason: "no episode is running; call reset first".into() })
+        self.episode.as_mut().ok_or_else(|| EnvError::State { operation, reason: "no episode is running; call reset first".into() })
     }
 
     /// The name of the server database of the running episode (`None` on SQLite).
@@ -237,10 +235,7 @@ impl DbBenchEnv {
     async fn run_sql(&mut self, query: &str) -> Result<Observation, EnvError> {
         let settings = self.config.exec_settings();
         let ep = self.episode("step")?;
-        let db = ep
-            .db
-            .as_mut()
-            .ok_or_else(|| EnvError::State { operation: "step", reason: "the episode's database is closed".into() })?;
+        let db = ep.db.as_mut().ok_or_else(|| EnvError::State { operation: "step", reason: "the episode's database is closed".into() })?;
         Ok(match db.execute(query, settings).await? {
             Exec::Rows { text, truncated } => Observation {
                 // AgentBench's text for an empty response; `[]` is not empty.
@@ -255,10 +250,8 @@ impl DbBenchEnv {
     async fn commit(&mut self, answer: PyValue) -> Result<Observation, EnvError> {
         let ep = self.episode("step")?;
         let table_hash = if ep.task.is_write() {
-            let db = ep.db.as_mut().ok_or_else(|| EnvError::State {
-                operation: "step",
-                reason: "the episode's database is closed".into(),
-            })?;
+            let db =
+                ep.db.as_mut().ok_or_else(|| EnvError::State { operation: "step", reason: "the episode's database is closed".into() })?;
             Some(hash_tables(db, &ep.task).await?)
         } else {
             None
@@ -324,11 +317,9 @@ impl Environment for DbBenchEnv {
     /// The seed is unused: a DBBench episode always starts from the task's tables.
     async fn reset(&mut self, task_id: &str, _seed: u64) -> Result<EpisodeStart, EnvError> {
         self.close().await?;
-        let task =
-            self.tasks.get(task_id).cloned().ok_or_else(|| EnvError::UnknownTask { task_id: task_id.to_string() })?;
-        let db = Database::create(&self.config.engine, &unique_db_name(&self.config.db_prefix), &task.tables)
-            .await
-            .map_err(|e| match e {
+        let task = self.tasks.get(task_id).cloned().ok_or_else(|| EnvError::UnknownTask { task_id: task_id.to_string() })?;
+        let db =
+            Database::create(&self.config.engine, &unique_db_name(&self.config.db_prefix), &task.tables).await.map_err(|e| match e {
                 EnvError::InvalidTask { reason, .. } => EnvError::InvalidTask { task_id: task.id.clone(), reason },
                 other => other,
             })?;
@@ -358,8 +349,7 @@ impl Environment for DbBenchEnv {
         if ep.done {
             return Err(EnvError::State {
                 operation: "step",
-                reason: "the episode is over (an answer was committed or the round limit was reached); call reset"
-                    .into(),
+                reason: "the episode is over (an answer was committed or the round limit was reached); call reset".into(),
             });
         }
         ep.rounds_used += 1;
@@ -369,30 +359,23 @@ impl Environment for DbBenchEnv {
                     let q = q.clone();
                     self.run_sql(&q).await?
                 }
-                _ => failed(
-                    "execute_sql needs one string argument `query`, e.g. {\"query\": \"SELECT * FROM `table`\"}."
-                        .into(),
-                ),
+                _ => failed("execute_sql needs one string argument `query`, e.g. {\"query\": \"SELECT * FROM `table`\"}.".into()),
             },
             COMMIT_FINAL_ANSWER => match first_arg(&call.args, "answers") {
                 Some(a) => {
                     let answer = PyValue::from_json(a);
                     self.commit(answer).await?
                 }
-                None => failed(
-                    "commit_final_answer needs `answers`, a list of strings, e.g. {\"answers\": [\"42\"]}.".into(),
-                ),
+                None => failed("commit_final_answer needs `answers`, a list of strings, e.g. {\"answers\": [\"42\"]}.".into()),
             },
-            other => failed(format!(
-                "Invalid function call `{other}`. Please call a tool instead: {EXECUTE_SQL} or {COMMIT_FINAL_ANSWER}."
-            )),
+            other => {
+                failed(format!("Invalid function call `{other}`. Please call a tool instead: {EXECUTE_SQL} or {COMMIT_FINAL_ANSWER}."))
+            }
         };
         let ep = self.episode("step")?;
         if !obs.done && ep.rounds_used >= max_rounds {
             obs.done = true;
-            obs.text.push_str(&format!(
-                "\n\nRound limit reached ({max_rounds} rounds): the episode ends without an answer."
-            ));
+            obs.text.push_str(&format!("\n\nRound limit reached ({max_rounds} rounds): the episode ends without an answer."));
         }
         ep.done = obs.done;
         Ok(obs)
@@ -545,10 +528,7 @@ mod tests {
     async fn long_results_are_truncated() {
         let mut e = env(5);
         e.reset("count", 0).await.unwrap();
-        let obs = e
-            .step(&sql("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 500) SELECT x FROM c"))
-            .await
-            .unwrap();
+        let obs = e.step(&sql("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 500) SELECT x FROM c")).await.unwrap();
         assert!(obs.truncated);
         assert!(obs.text.ends_with("[TRUNCATED]"));
         assert_eq!(obs.text.chars().count(), DEFAULT_RESULT_CHARS + "[TRUNCATED]".len());

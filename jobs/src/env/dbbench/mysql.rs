@@ -57,7 +57,8 @@ pub struct MysqlDb {
 }
 
 /// Rights of an episode's user on its own database: everything a DBBench task needs.
-const EPISODE_GRANTS: &str = "SELECT, INSERT, UPDATE, DELETE, CREATE, DROP, INDEX, ALTER, CREATE TEMPORARY TABLES, CREATE VIEW, SHOW VIEW, LOCK TABLES";
+const EPISODE_GRANTS: &str =
+    "SELECT, INSERT, UPDATE, DELETE, CREATE, DROP, INDEX, ALTER, CREATE TEMPORARY TABLES, CREATE VIEW, SHOW VIEW, LOCK TABLES";
 
 /// The episode user's name for database `name` (≤ 32 characters, MySQL's limit).
 fn episode_user(name: &str) -> String {
@@ -127,22 +128,13 @@ impl MysqlDb {
         let base = server_opts(url)?;
         let admin: Opts = OptsBuilder::from_opts(base.clone()).db_name(None::<String>).into();
         let mut conn = Conn::new(admin.clone()).await.map_err(|e| {
-            backend(
-                "cannot connect to the MySQL/MariaDB server (is it running? start it or pass another --db-url)",
-                url,
-                e,
-            )
+            backend("cannot connect to the MySQL/MariaDB server (is it running? start it or pass another --db-url)", url, e)
         })?;
         conn.query_drop(format!("CREATE DATABASE {} CHARACTER SET utf8mb4", quote_ident(name)))
             .await
             .map_err(|e| backend(&format!("cannot create database `{name}`"), url, e))?;
         // The episode's user connects from where the admin does.
-        let host: String = conn
-            .query_first("SELECT SUBSTRING_INDEX(USER(), '@', -1)")
-            .await
-            .ok()
-            .flatten()
-            .unwrap_or_else(|| "%".into());
+        let host: String = conn.query_first("SELECT SUBSTRING_INDEX(USER(), '@', -1)").await.ok().flatten().unwrap_or_else(|| "%".into());
         let (user, pass) = (episode_user(name), password());
         let account = format!("{}@{}", quote_str(&user), quote_str(&host));
         let opts: Opts = OptsBuilder::from_opts(base).db_name(Some(name.to_string())).user(Some(user)).pass(Some(pass.clone())).into();
@@ -190,15 +182,14 @@ impl MysqlDb {
         for t in tables {
             let cols: Vec<String> = t.columns.iter().map(|c| quote_ident(c)).collect();
             let defs: Vec<String> = cols.iter().map(|c| format!("{c} TEXT")).collect();
-            conn.query_drop(format!("CREATE TABLE IF NOT EXISTS {} ({})", quote_ident(&t.name), defs.join(",")))
-                .await
-                .map_err(|e| match e {
-                    mysql_async::Error::Server(e) => EnvError::InvalidTask {
-                        task_id: t.name.clone(),
-                        reason: format!("cannot create table: {}", server_text(&e)),
-                    },
+            conn.query_drop(format!("CREATE TABLE IF NOT EXISTS {} ({})", quote_ident(&t.name), defs.join(","))).await.map_err(
+                |e| match e {
+                    mysql_async::Error::Server(e) => {
+                        EnvError::InvalidTask { task_id: t.name.clone(), reason: format!("cannot create table: {}", server_text(&e)) }
+                    }
                     other => backend("cannot create a table", &url, other),
-                })?;
+                },
+            )?;
             let row_marks = format!("({})", vec!["?"; cols.len()].join(","));
             for chunk in t.rows.chunks(INSERT_CHUNK) {
                 let sql = format!(
@@ -215,10 +206,7 @@ impl MysqlDb {
     }
 
     fn conn(&mut self) -> Result<&mut Conn, EnvError> {
-        self.conn.as_mut().ok_or_else(|| EnvError::Backend {
-            backend: "mysql".into(),
-            detail: "the episode's connection is closed".into(),
-        })
+        self.conn.as_mut().ok_or_else(|| EnvError::Backend { backend: "mysql".into(), detail: "the episode's connection is closed".into() })
     }
 
     /// Replaces a connection left mid-query (after a timeout): kill it, open a new one.
@@ -285,13 +273,9 @@ impl MysqlDb {
         if let Some(conn) = self.conn.take() {
             let _ = conn.disconnect().await;
         }
-        let mut conn = Conn::new(self.admin.clone())
-            .await
-            .map_err(|e| backend("cannot reconnect to drop the database", &url, e))?;
+        let mut conn = Conn::new(self.admin.clone()).await.map_err(|e| backend("cannot reconnect to drop the database", &url, e))?;
         for sql in drop_statements(&self.database, &self.account) {
-            conn.query_drop(&sql)
-                .await
-                .map_err(|e| backend(&format!("cannot drop database `{}` and its user", self.database), &url, e))?;
+            conn.query_drop(&sql).await.map_err(|e| backend(&format!("cannot drop database `{}` and its user", self.database), &url, e))?;
         }
         let _ = conn.disconnect().await;
         Ok(())
@@ -370,12 +354,7 @@ async fn run_query(conn: &mut Conn, sql: &str, limit: usize) -> mysql_async::Res
         while let Some(row) = stream.next().await {
             let row = row?;
             let columns = row.columns();
-            let values = row
-                .unwrap_raw()
-                .into_iter()
-                .enumerate()
-                .map(|(i, v)| to_py(&columns[i], v.unwrap_or(Value::NULL)))
-                .collect();
+            let values = row.unwrap_raw().into_iter().enumerate().map(|(i, v)| to_py(&columns[i], v.unwrap_or(Value::NULL))).collect();
             if !renderer.push(values) {
                 break;
             }
@@ -402,11 +381,10 @@ fn to_py(col: &Column, v: Value) -> PyValue {
     let text = || String::from_utf8_lossy(&bytes).into_owned();
     use ColumnType::*;
     match col.column_type() {
-        MYSQL_TYPE_TINY | MYSQL_TYPE_SHORT | MYSQL_TYPE_LONG | MYSQL_TYPE_INT24 | MYSQL_TYPE_LONGLONG
-        | MYSQL_TYPE_YEAR => PyValue::Int(text()),
-        MYSQL_TYPE_FLOAT | MYSQL_TYPE_DOUBLE => {
-            text().parse::<f64>().map(PyValue::Float).unwrap_or_else(|_| PyValue::Str(text()))
+        MYSQL_TYPE_TINY | MYSQL_TYPE_SHORT | MYSQL_TYPE_LONG | MYSQL_TYPE_INT24 | MYSQL_TYPE_LONGLONG | MYSQL_TYPE_YEAR => {
+            PyValue::Int(text())
         }
+        MYSQL_TYPE_FLOAT | MYSQL_TYPE_DOUBLE => text().parse::<f64>().map(PyValue::Float).unwrap_or_else(|_| PyValue::Str(text())),
         MYSQL_TYPE_DECIMAL | MYSQL_TYPE_NEWDECIMAL => {
             let t = text();
             PyValue::Object { repr: format!("Decimal('{t}')"), str: t }
@@ -451,11 +429,7 @@ fn datetime_value(s: &str) -> Option<PyValue> {
         repr.push_str(&format!(", {us}"));
     }
     repr.push(')');
-    let str = if us > 0 {
-        format!("{date} {h:02}:{mi:02}:{sec:02}.{us:06}")
-    } else {
-        format!("{date} {h:02}:{mi:02}:{sec:02}")
-    };
+    let str = if us > 0 { format!("{date} {h:02}:{mi:02}:{sec:02}.{us:06}") } else { format!("{date} {h:02}:{mi:02}:{sec:02}") };
     Some(PyValue::Object { repr, str })
 }
 
@@ -477,18 +451,9 @@ fn timedelta_value(s: &str) -> Option<PyValue> {
     if us > 0 {
         parts.push(format!("microseconds={us}"));
     }
-    let repr = if parts.is_empty() {
-        "datetime.timedelta(0)".to_string()
-    } else {
-        format!("datetime.timedelta({})", parts.join(", "))
-    };
-    let clock = format!(
-        "{}:{:02}:{:02}{}",
-        secs / 3600,
-        (secs % 3600) / 60,
-        secs % 60,
-        if us > 0 { format!(".{us:06}") } else { String::new() }
-    );
+    let repr = if parts.is_empty() { "datetime.timedelta(0)".to_string() } else { format!("datetime.timedelta({})", parts.join(", ")) };
+    let clock =
+        format!("{}:{:02}:{:02}{}", secs / 3600, (secs % 3600) / 60, secs % 60, if us > 0 { format!(".{us:06}") } else { String::new() });
     let str = match days {
         0 => clock,
         1 => format!("1 day, {clock}"),
@@ -588,10 +553,7 @@ mod tests {
     fn temporal_values_print_like_mysql_connector() {
         assert_eq!(date_value("2020-01-02").unwrap().repr(), "datetime.date(2020, 1, 2)");
         assert_eq!(datetime_value("2020-01-02 03:04:00").unwrap().repr(), "datetime.datetime(2020, 1, 2, 3, 4)");
-        assert_eq!(
-            datetime_value("2020-01-02 03:04:05.5").unwrap().repr(),
-            "datetime.datetime(2020, 1, 2, 3, 4, 5, 500000)"
-        );
+        assert_eq!(datetime_value("2020-01-02 03:04:05.5").unwrap().repr(), "datetime.datetime(2020, 1, 2, 3, 4, 5, 500000)");
         assert_eq!(timedelta_value("25:00:01").unwrap().repr(), "datetime.timedelta(days=1, seconds=3601)");
         assert_eq!(timedelta_value("00:00:00").unwrap().repr(), "datetime.timedelta(0)");
         assert_eq!(timedelta_value("25:00:01").unwrap().to_py_str(), "1 day, 1:00:01");

@@ -280,11 +280,7 @@ pub fn py_float(s: &str) -> Option<f64> {
             if c.is_ascii_digit() {
                 clean.push(c as char);
                 *i += 1;
-            } else if c == b'_'
-                && *i > start
-                && bytes[*i - 1].is_ascii_digit()
-                && bytes.get(*i + 1).is_some_and(u8::is_ascii_digit)
-            {
+            } else if c == b'_' && *i > start && bytes[*i - 1].is_ascii_digit() && bytes.get(*i + 1).is_some_and(u8::is_ascii_digit) {
                 *i += 1;
             } else {
                 break;
@@ -388,10 +384,7 @@ impl Parser<'_> {
                     self.i += 1;
                 }
                 let word = &self.text[start..self.i];
-                if matches!(self.peek(), Some(b'\'' | b'"'))
-                    && word.len() <= 2
-                    && word.chars().all(|c| "rRbBuU".contains(c))
-                {
+                if matches!(self.peek(), Some(b'\'' | b'"')) && word.len() <= 2 && word.chars().all(|c| "rRbBuU".contains(c)) {
                     self.i = start;
                     return self.strings();
                 }
@@ -671,10 +664,7 @@ mod tests {
             ]))
         );
         assert_eq!(parse_literal("['it\\'s' 'x']"), Some(PyValue::List(vec![PyValue::Str("it'sx".into())])));
-        assert_eq!(
-            parse_literal("[1_000, 1e3]"),
-            Some(PyValue::List(vec![PyValue::Int("1000".into()), PyValue::Float(1000.0)]))
-        );
+        assert_eq!(parse_literal("[1_000, 1e3]"), Some(PyValue::List(vec![PyValue::Int("1000".into()), PyValue::Float(1000.0)])));
         // eval raises on these: a bare name, a leading-zero int, a missing comma.
         assert_eq!(parse_literal("[abc]"), None);
         assert_eq!(parse_literal("[012]"), None);

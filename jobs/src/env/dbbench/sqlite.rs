@@ -21,11 +21,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use md5::{Digest, Md5};
-use rusqlite::functions::{Context, FunctionFlags};
-use rusqlite::types::ValueRef;
 use rusqlite::config::DbConfig;
+use rusqlite::functions::{Context, FunctionFlags};
 use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
 use rusqlite::limits::Limit;
+use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode};
 
 use super::db::{Exec, ExecSettings, RowRenderer, TableHash, TIMEOUT_TEXT};
@@ -53,25 +53,18 @@ impl SqliteDb {
         register_functions(&conn).map_err(backend)?;
         let deadline: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
         let d = Arc::clone(&deadline);
-        conn.progress_handler(
-            1000,
-            Some(move || d.lock().map(|g| g.is_some_and(|t| Instant::now() > t)).unwrap_or(false)),
-        )
-        .map_err(backend)?;
+        conn.progress_handler(1000, Some(move || d.lock().map(|g| g.is_some_and(|t| Instant::now() > t)).unwrap_or(false)))
+            .map_err(backend)?;
         {
             let tx = conn.transaction().map_err(backend)?;
             for t in tables {
                 let cols: Vec<String> = t.columns.iter().map(|c| quote_ident(c)).collect();
                 let defs: Vec<String> = cols.iter().map(|c| format!("{c} TEXT")).collect();
                 tx.execute(&format!("CREATE TABLE IF NOT EXISTS {} ({})", quote_ident(&t.name), defs.join(",")), [])
-                    .map_err(|e| EnvError::InvalidTask {
-                        task_id: t.name.clone(),
-                        reason: format!("cannot create table: {e}"),
-                    })?;
+                    .map_err(|e| EnvError::InvalidTask { task_id: t.name.clone(), reason: format!("cannot create table: {e}") })?;
                 let marks = vec!["?"; cols.len()].join(",");
-                let mut insert = tx
-                    .prepare(&format!("INSERT INTO {} ({}) VALUES ({marks})", quote_ident(&t.name), cols.join(",")))
-                    .map_err(backend)?;
+                let mut insert =
+                    tx.prepare(&format!("INSERT INTO {} ({}) VALUES ({marks})", quote_ident(&t.name), cols.join(","))).map_err(backend)?;
                 for row in &t.rows {
                     insert.execute(rusqlite::params_from_iter(row.iter())).map_err(backend)?;
                 }
@@ -158,8 +151,12 @@ const DENIED_FUNCTIONS: &[&str] = &["load_extension", "readfile", "writefile", "
 fn authorize(ctx: AuthContext<'_>) -> Authorization {
     match ctx.action {
         AuthAction::Attach { .. } | AuthAction::Detach { .. } => Authorization::Deny,
-        AuthAction::Pragma { pragma_name, .. } if !READ_ONLY_PRAGMAS.contains(&pragma_name.to_ascii_lowercase().as_str()) => Authorization::Deny,
-        AuthAction::Function { function_name } if DENIED_FUNCTIONS.contains(&function_name.to_ascii_lowercase().as_str()) => Authorization::Deny,
+        AuthAction::Pragma { pragma_name, .. } if !READ_ONLY_PRAGMAS.contains(&pragma_name.to_ascii_lowercase().as_str()) => {
+            Authorization::Deny
+        }
+        AuthAction::Function { function_name } if DENIED_FUNCTIONS.contains(&function_name.to_ascii_lowercase().as_str()) => {
+            Authorization::Deny
+        }
         _ => Authorization::Allow,
     }
 }
@@ -236,10 +233,8 @@ fn arg_int(ctx: &Context<'_>, i: usize) -> Option<i64> {
             let s = String::from_utf8_lossy(t);
             let s = s.trim();
             // MySQL reads the leading number of a string, 0 if none.
-            let end = s
-                .char_indices()
-                .find(|&(i, c)| !(c.is_ascii_digit() || (i == 0 && (c == '-' || c == '+'))))
-                .map_or(s.len(), |(i, _)| i);
+            let end =
+                s.char_indices().find(|&(i, c)| !(c.is_ascii_digit() || (i == 0 && (c == '-' || c == '+')))).map_or(s.len(), |(i, _)| i);
             Some(s[..end].parse().unwrap_or(0))
         }
     }
@@ -251,9 +246,7 @@ fn register_functions(conn: &Connection) -> rusqlite::Result<()> {
     // MySQL: NULL separator → NULL; NULL arguments are skipped.
     conn.create_scalar_function("concat_ws", -1, flags, |ctx| {
         if ctx.len() < 2 {
-            return Err(rusqlite::Error::UserFunctionError(
-                "concat_ws needs a separator and at least one value".into(),
-            ));
+            return Err(rusqlite::Error::UserFunctionError("concat_ws needs a separator and at least one value".into()));
         }
         let Some(sep) = arg_text(ctx, 0) else { return Ok(None) };
         let parts: Vec<Vec<u8>> = (1..ctx.len()).filter_map(|i| arg_text(ctx, i)).collect();
@@ -294,20 +287,14 @@ fn register_functions(conn: &Connection) -> rusqlite::Result<()> {
             if needle.is_empty() {
                 return Ok(Some(if from <= hay.len() { start } else { 0 }));
             }
-            let pos =
-                (from..hay.len().saturating_sub(needle.len() - 1)).find(|&i| hay[i..i + needle.len()] == needle[..]);
+            let pos = (from..hay.len().saturating_sub(needle.len() - 1)).find(|&i| hay[i..i + needle.len()] == needle[..]);
             Ok(Some(pos.map_or(0, |i| i as i64 + 1)))
         })?;
     }
     conn.create_scalar_function("lcase", 1, flags, |ctx| Ok(arg_text(ctx, 0).map(|s| text(s).to_lowercase())))?;
     conn.create_scalar_function("ucase", 1, flags, |ctx| Ok(arg_text(ctx, 0).map(|s| text(s).to_uppercase())))?;
     for name in ["char_length", "character_length"] {
-        conn.create_scalar_function(
-            name,
-            1,
-            flags,
-            |ctx| Ok(arg_text(ctx, 0).map(|s| text(s).chars().count() as i64)),
-        )?;
+        conn.create_scalar_function(name, 1, flags, |ctx| Ok(arg_text(ctx, 0).map(|s| text(s).chars().count() as i64)))?;
     }
     conn.create_scalar_function("substring_index", 3, flags, |ctx| {
         let (Some(s), Some(delim), Some(count)) = (arg_text(ctx, 0), arg_text(ctx, 1), arg_int(ctx, 2)) else {
@@ -356,10 +343,7 @@ mod tests {
     fn results_render_as_python_tuples() {
         let mut d = db();
         assert_eq!(rows(d.execute("SELECT * FROM `My Table`", settings())), "[('Ann', '31'), (\"Bob's\", '9')]");
-        assert_eq!(
-            rows(d.execute("SELECT count(*), sum(Age), avg(Age), NULL FROM `My Table`", settings())),
-            "[(2, 40, 20.0, None)]"
-        );
+        assert_eq!(rows(d.execute("SELECT count(*), sum(Age), avg(Age), NULL FROM `My Table`", settings())), "[(2, 40, 20.0, None)]");
         assert_eq!(rows(d.execute("UPDATE `My Table` SET Age = '32' WHERE Name = 'Ann';", settings())), "[]");
         assert_eq!(rows(d.execute("", settings())), "[]");
     }
@@ -367,14 +351,8 @@ mod tests {
     #[test]
     fn errors_are_messages_not_panics() {
         let mut d = db();
-        assert_eq!(
-            d.execute("SELEC 1", settings()),
-            Exec::Failed { text: "SQLite execution error: near \"SELEC\": syntax error".into() }
-        );
-        assert_eq!(
-            d.execute("SELECT 1; SELECT 2", settings()),
-            Exec::Failed { text: format!("SQLite execution error: {ONE_STATEMENT}") }
-        );
+        assert_eq!(d.execute("SELEC 1", settings()), Exec::Failed { text: "SQLite execution error: near \"SELEC\": syntax error".into() });
+        assert_eq!(d.execute("SELECT 1; SELECT 2", settings()), Exec::Failed { text: format!("SQLite execution error: {ONE_STATEMENT}") });
         let Exec::Failed { text } = d.execute("SELECT * FROM nope", settings()) else { panic!() };
         assert!(text.contains("no such table: nope"), "{text}");
     }
@@ -438,11 +416,7 @@ mod tests {
     #[test]
     fn table_hash_matches_the_mysql_formula() {
         let d = db();
-        let h = d.table_hash(&TableSpec {
-            name: "My Table".into(),
-            columns: vec!["Name".into(), "Age".into()],
-            rows: vec![],
-        });
+        let h = d.table_hash(&TableSpec { name: "My Table".into(), columns: vec!["Name".into(), "Age".into()], rows: vec![] });
         let row = |s: &str| hex::encode(Md5::digest(s.as_bytes()))[..5].to_string();
         let mut parts = [row("Ann,31"), row("Bob's,9")];
         parts.sort();

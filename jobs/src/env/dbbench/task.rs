@@ -126,8 +126,7 @@ pub struct Loaded {
 impl TaskSet {
     /// Reads a JSONL file (or a JSON array file). Bad lines become [`LineProblem`]s.
     pub fn load(path: &Path) -> Result<Loaded, TaskFileError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| TaskFileError { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| TaskFileError { path: path.to_path_buf(), source })?;
         let file = path.display().to_string();
         let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "tasks".into());
         Ok(Self::parse(&text, &file, &stem))
@@ -257,7 +256,11 @@ enum OneOrMany<T> {
 
 /// One value or a list of them; the error names `field` and what was wrong, instead of
 /// serde's "did not match any variant of untagged enum".
-fn one_or_many<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(d: D, field: &str, what: &str) -> Result<OneOrMany<T>, D::Error> {
+fn one_or_many<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>(
+    d: D,
+    field: &str,
+    what: &str,
+) -> Result<OneOrMany<T>, D::Error> {
     use serde::de::Error;
     let v = serde_json::Value::deserialize(d)?;
     let shape = crate::harness::validate::type_name;
@@ -273,7 +276,9 @@ fn one_or_many<'de, D: serde::Deserializer<'de>, T: serde::de::DeserializeOwned>
             .map(OneOrMany::Many),
         other => {
             let got = shape(&other);
-            serde_json::from_value(other).map(OneOrMany::One).map_err(|e| D::Error::custom(format!("field `{field}`: expected {what} or a list of them, got {got} ({e})")))
+            serde_json::from_value(other)
+                .map(OneOrMany::One)
+                .map_err(|e| D::Error::custom(format!("field `{field}`: expected {what} or a list of them, got {got} ({e})")))
         }
     }
 }
@@ -317,8 +322,19 @@ struct RawColumn {
 
 /// The task types of AgentBench's DBBench: reads are graded by their answers, the writes of
 /// [`WRITE_TYPES`](super::grade::WRITE_TYPES) by the table they leave.
-pub const TASK_TYPES: [&str; 11] =
-    ["other", "counting", "comparison", "ranking", "aggregation-SUM", "aggregation-MIN", "aggregation-MAX", "aggregation-AVG", "INSERT", "UPDATE", "DELETE"];
+pub const TASK_TYPES: [&str; 11] = [
+    "other",
+    "counting",
+    "comparison",
+    "ranking",
+    "aggregation-SUM",
+    "aggregation-MIN",
+    "aggregation-MAX",
+    "aggregation-AVG",
+    "INSERT",
+    "UPDATE",
+    "DELETE",
+];
 
 fn parse_task(value: serde_json::Value, stem: &str, line: usize) -> Result<DbTask, String> {
     if !value.is_object() {
@@ -336,12 +352,15 @@ fn parse_task(value: serde_json::Value, stem: &str, line: usize) -> Result<DbTas
         return Err("field `type` must name the task type, e.g. [\"counting\"] or [\"INSERT\"]".into());
     };
     if !TASK_TYPES.contains(&task_type.as_str()) {
-        let hint = TASK_TYPES.iter().find(|t| t.eq_ignore_ascii_case(&task_type)).map(|t| format!(" (did you mean `{t}`?)")).unwrap_or_default();
+        let hint =
+            TASK_TYPES.iter().find(|t| t.eq_ignore_ascii_case(&task_type)).map(|t| format!(" (did you mean `{t}`?)")).unwrap_or_default();
         return Err(format!("field `type`: `{task_type}` is not a DBBench task type{hint}; expected one of: {}", TASK_TYPES.join(", ")));
     }
     let has_object = |v: &serde_json::Value| v.is_object() || v.as_array().is_some_and(|a| a.iter().any(|x| x.is_object() || x.is_array()));
     if has_object(&raw.label) {
-        return Err("field `label` must hold the answers as a list of strings or numbers, e.g. [\"2\"] (or the gold SQL of a write task)".into());
+        return Err(
+            "field `label` must hold the answers as a list of strings or numbers, e.g. [\"2\"] (or the gold SQL of a write task)".into()
+        );
     }
     let mut tables = Vec::new();
     for (ti, t) in raw.table.into_vec().into_iter().enumerate() {
@@ -410,10 +429,7 @@ fn parse_task(value: serde_json::Value, stem: &str, line: usize) -> Result<DbTas
     if task.is_write() {
         let has_md5 = task.answer_md5.as_deref().is_some_and(|m| !m.is_empty());
         if !has_md5 && task.gold_sql().is_empty() {
-            return Err(format!(
-                "{} task has neither `answer_md5` nor gold SQL (`label` or `sql.query`) to grade against",
-                task.task_type
-            ));
+            return Err(format!("{} task has neither `answer_md5` nor gold SQL (`label` or `sql.query`) to grade against", task.task_type));
         }
     } else if task.label.is_null() {
         return Err(format!("{} task has no `label` (the expected answers)", task.task_type));
@@ -429,10 +445,8 @@ mod tests {
 
     #[test]
     fn a_malformed_line_is_reported_and_the_rest_load() {
-        let text = format!(
-            "{GOOD}\n{{not json\n\n{}\n",
-            GOOD.replace("\"type\": [\"counting\"]", "\"id\": \"x7\", \"type\": [\"counting\"]")
-        );
+        let text =
+            format!("{GOOD}\n{{not json\n\n{}\n", GOOD.replace("\"type\": [\"counting\"]", "\"id\": \"x7\", \"type\": [\"counting\"]"));
         let loaded = TaskSet::parse(&text, "tasks.jsonl", "tasks");
         assert_eq!(loaded.tasks.len(), 2);
         assert_eq!(loaded.problems.len(), 1);
@@ -444,10 +458,7 @@ mod tests {
         // str(value) of the JSON values, as AgentBench inserts them.
         assert_eq!(t.tables[0].rows, vec![vec!["x", "1"], vec!["y", "None"]]);
         assert_eq!(t.tables[0].columns, vec!["a", "b"]);
-        assert_eq!(
-            t.prompt(),
-            "Additional table information about the question: The name of this table is t.\nQuestion: How many?\n"
-        );
+        assert_eq!(t.prompt(), "Additional table information about the question: The name of this table is t.\nQuestion: How many?\n");
     }
 
     #[test]
@@ -457,8 +468,14 @@ mod tests {
             (GOOD.replace("\"type\": [\"counting\"]", "\"type\": []"), "field `type`"),
             (GOOD.replace("{\"name\": \"b\"", "{\"name\": \"A\""), "column `A` appears twice"),
             (GOOD.replace("\"description\": \"How many?\", ", ""), "missing field `description`"),
-            (GOOD.replace("\"type\": [\"counting\"]", "\"type\": 5"), "field `type`: expected a task type string or a list of them, got a number"),
-            (GOOD.replace("\"type\": [\"counting\"]", "\"type\": [\"counting\", 7]"), "field `type`[1]: expected a task type string, got a number"),
+            (
+                GOOD.replace("\"type\": [\"counting\"]", "\"type\": 5"),
+                "field `type`: expected a task type string or a list of them, got a number",
+            ),
+            (
+                GOOD.replace("\"type\": [\"counting\"]", "\"type\": [\"counting\", 7]"),
+                "field `type`[1]: expected a task type string, got a number",
+            ),
             (
                 GOOD.replace("\"counting\"", "\"INSERT\"")
                     .replace("\"label\": [\"2\"], ", "")

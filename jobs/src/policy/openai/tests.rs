@@ -358,7 +358,11 @@ async fn text_protocol_describes_tools_and_parses_the_reply() {
     c.tool_protocol = ToolProtocol::Text;
     let policy = OpenAiPolicy::new(c).unwrap();
     let mut history = user("How many rows?");
-    history.push(Message { role: Role::Assistant, content: String::new(), tool_calls: vec![ToolCall { name: "execute_sql".into(), args: json!({"query": "SELECT 1"}) }] });
+    history.push(Message {
+        role: Role::Assistant,
+        content: String::new(),
+        tool_calls: vec![ToolCall { name: "execute_sql".into(), args: json!({"query": "SELECT 1"}) }],
+    });
     history.push(Message::new(Role::Tool, "[(1,)]"));
     let out = policy.chat(&history, &sql_tools(), &SamplingParams::default()).await.unwrap();
     assert_eq!(out.tool_calls, vec![ToolCall { name: "execute_sql".into(), args: json!({"query": "SELECT count(*) FROM t;"}) }]);

@@ -510,10 +510,10 @@ impl Llama {
             };
             let att = Tensor::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, None, false);
             let att = att.transpose(1, 2).contiguous().view([b, t, c.num_attention_heads * hd]);
-            x += att.matmul(&l.o.tr());
+            x = x + att.matmul(&l.o.tr());
             let h = rms_norm(&x, &l.post_norm, c.rms_norm_eps);
             let mlp = (h.matmul(&l.gate.tr()).silu() * h.matmul(&l.up.tr())).matmul(&l.down.tr());
-            x += mlp;
+            x = x + mlp;
         }
         rms_norm(&x, &self.norm, c.rms_norm_eps)
     }
@@ -587,7 +587,7 @@ impl Llama {
             let h = rms_norm(&x, &l.input_norm, c.rms_norm_eps);
             let mut qkv = pl.qkv.apply(&h);
             if let Some(b) = &pl.qkv_bias {
-                qkv += b;
+                qkv = qkv + b;
             }
             // q and k rotate together: [1, heads + kv_heads, rows, head_dim]
             let qk = qkv.narrow(1, 0, (heads + kv_heads) * hd).view([1, m, heads + kv_heads, hd]).transpose(1, 2);
@@ -605,7 +605,7 @@ impl Llama {
                 att.narrow(2, first, rows).copy_(&o);
             }
             let a = att.transpose(1, 2).contiguous().view([m, heads * hd]);
-            x += pl.o.apply(&a);
+            x = x + pl.o.apply(&a);
             let h = rms_norm(&x, &l.post_norm, c.rms_norm_eps);
             let gu = pl.gate_up.apply(&h);
             let n = c.intermediate_size;

@@ -463,6 +463,64 @@ impl Llama {
         self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
     }
 
+    /// [`Llama::logits_at`] for rows that all start with `prefix` `[P]`: `rows` `[B, T]`
+    /// holds what follows the prefix (row tokens from position P on) and `flat` indexes it.
+    /// The prefix is computed once and every row attends to its keys and values, so its
+    /// gradient gathers the contributions of every row. Equal to the unshared pass within
+    /// float rounding.
+    pub fn logits_at_shared(&self, prefix: &Tensor, rows: &Tensor, flat: &Tensor) -> Tensor {
+        let h = self.hidden_shared(prefix, rows);
+        let hidden = h.size()[2];
+        self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
+    }
+
+    /// Final-norm hidden states `[B, T, hidden]` of `rows` `[B, T]` placed after the shared
+    /// `prefix` `[P]`. The linear layers run over the prefix and the rows as one matrix of
+    /// P + B·T tokens; only attention tells them apart (the prefix attends causally to
+    /// itself, each row to the whole prefix and causally to itself).
+    fn hidden_shared(&self, prefix: &Tensor, rows: &Tensor) -> Tensor {
+        let c = &self.config;
+        let p = prefix.size1().expect("prefix must be [P]");
+        let (b, t) = rows.size2().expect("rows must be [B, T]");
+        let hd = c.head_dim();
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let n_rep = nh / nkv;
+        let (cos_p, sin_p) = self.rope_tables(0, p);
+        let (cos_r, sin_r) = self.rope_tables(p, t);
+        let causal = |start: i64, len: i64| {
+            let q_pos = Tensor::arange_start(start, start + len, (Kind::Int64, self.device())).unsqueeze(1);
+            Tensor::arange(start + len, (Kind::Int64, self.device())).unsqueeze(0).le_tensor(&q_pos)
+        };
+        let (mask_p, mask_r) = (causal(0, p), causal(p, t));
+        let repeat = |x: Tensor| if n_rep > 1 { x.repeat_interleave_self_int(n_rep, 1, None) } else { x };
+        let attend = |q: &Tensor, k: Tensor, v: Tensor, mask: &Tensor| {
+            Tensor::scaled_dot_product_attention(q, &repeat(k), &repeat(v), Some(mask), 0.0, false, None, false)
+        };
+        let split = |y: &Tensor, heads: i64| {
+            (y.narrow(0, 0, p).view([1, p, heads, hd]).transpose(1, 2), y.narrow(0, p, b * t).view([b, t, heads, hd]).transpose(1, 2))
+        };
+        let tokens = Tensor::cat(&[prefix.shallow_clone(), rows.reshape([-1])], 0);
+        let mut x = Tensor::embedding(&self.embed, &tokens, -1, false, false);
+        for l in &self.layers {
+            let h = rms_norm(&x, &l.input_norm, c.rms_norm_eps);
+            let (q_p, q_r) = split(&linear(&h, &l.q, l.q_bias.as_ref()), nh);
+            let (k_p, k_r) = split(&linear(&h, &l.k, l.k_bias.as_ref()), nkv);
+            let (v_p, v_r) = split(&linear(&h, &l.v, l.v_bias.as_ref()), nkv);
+            let (q_p, k_p) = (self.rope(&q_p, &cos_p, &sin_p), self.rope(&k_p, &cos_p, &sin_p));
+            let (q_r, k_r) = (self.rope(&q_r, &cos_r, &sin_r), self.rope(&k_r, &cos_r, &sin_r));
+            let att_p = attend(&q_p, k_p.shallow_clone(), v_p.shallow_clone(), &mask_p);
+            let k_all = Tensor::cat(&[k_p.expand([b, nkv, p, hd], false), k_r], 2);
+            let v_all = Tensor::cat(&[v_p.expand([b, nkv, p, hd], false), v_r], 2);
+            let att_r = attend(&q_r, k_all, v_all, &mask_r);
+            let att = Tensor::cat(&[att_p.transpose(1, 2).reshape([p, nh * hd]), att_r.transpose(1, 2).reshape([b * t, nh * hd])], 0);
+            x = x + att.matmul(&l.o.tr());
+            let h = rms_norm(&x, &l.post_norm, c.rms_norm_eps);
+            let mlp = (h.matmul(&l.gate.tr()).silu() * h.matmul(&l.up.tr())).matmul(&l.down.tr());
+            x = x + mlp;
+        }
+        rms_norm(&x.narrow(0, p, b * t), &self.norm, c.rms_norm_eps).view([b, t, -1])
+    }
+
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]` (the LM head).
     pub fn logits_of(&self, h: &Tensor) -> Tensor {
         match &self.lm_head {
@@ -712,6 +770,36 @@ mod tests {
         assert_eq!(cache.len(), 5);
         let diff = (full - inc).abs().max().double_value(&[]);
         assert!(diff < 1e-5, "max diff {diff}");
+    }
+
+    #[test]
+    fn a_shared_prefix_gives_the_logits_and_gradients_of_separate_rows() {
+        let m = tiny();
+        let prefix = [3i64, 8, 1, 4, 4];
+        let rest = [[5i64, 9, 2, 11], [7, 6, 0, 0]];
+        // Unshared: two full rows of 9 tokens, logits at positions 5..9 of each.
+        let full: Vec<i64> = rest.iter().flat_map(|r| prefix.iter().chain(r).copied()).collect();
+        let flat_full = Tensor::from_slice(&[5i64, 6, 7, 8, 14, 15, 16, 17]);
+        let flat_shared = Tensor::from_slice(&[0i64, 1, 2, 3, 4, 5, 6, 7]);
+        let params = m.named_tensors();
+        let grads = |logits: Tensor| -> Vec<Tensor> {
+            for (_, p) in &params {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+            (&logits * &logits).sum(Kind::Float).backward();
+            params.iter().map(|(_, p)| p.grad().copy()).collect()
+        };
+        let a = m.logits_at(&Tensor::from_slice(&full).view([2, 9]), &flat_full);
+        let b = m.logits_at_shared(&Tensor::from_slice(&prefix), &Tensor::from_slice(&rest.concat()).view([2, 4]), &flat_shared);
+        let diff = (&a - &b).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "logits differ by {diff}");
+        for ((n, _), (x, y)) in params.iter().zip(grads(a).iter().zip(grads(b))) {
+            let d = (x - &y).abs().max().double_value(&[]);
+            assert!(d < 1e-4 * (1.0 + x.abs().max().double_value(&[])), "gradient of {n} differs by {d}");
+        }
     }
 
     #[test]

@@ -64,11 +64,16 @@ pub struct LearnerConfig {
     /// Optimizer steps per batch; π_old stays the pre-update policy throughout.
     pub updates_per_batch: usize,
     pub seed: u64,
+    /// Rows that start with the same tokens (the K rollouts of a group under one harness,
+    /// one sibling's preamble across tasks) run that prefix forward and backward once per
+    /// micro-batch instead of once per row ([`Llama::logits_at_shared`]); the gradient is
+    /// the same within float rounding.
+    pub share_prefixes: bool,
 }
 
 impl Default for LearnerConfig {
     fn default() -> Self {
-        LearnerConfig { optimizer: AdamWConfig::default(), micro_batch_tokens: 1024, updates_per_batch: 1, seed: 0 }
+        LearnerConfig { optimizer: AdamWConfig::default(), micro_batch_tokens: 1024, updates_per_batch: 1, seed: 0, share_prefixes: true }
     }
 }
 
@@ -92,7 +97,8 @@ pub struct StepMetrics {
     /// Policy tokens that had a rollout logprob (the mismatch is measured over these).
     pub mismatch_tokens: u64,
     /// Tokens the learner ran forward and backward (context and completion of every
-    /// sample it trained on, once per optimizer step): its cost in Table 9.
+    /// sample it trained on, a prefix shared by the rows of a micro-batch once, per
+    /// optimizer step; padding not counted): its cost in Table 9.
     pub forward_tokens: u64,
     pub seconds: f64,
 }
@@ -153,9 +159,12 @@ pub struct Learner {
 /// temperature. Only those N positions go through the LM head.
 struct MicroBatch {
     rows: Vec<usize>,
-    /// `[rows, longest − 1]`: every token but the last of each padded row.
+    /// `[P]` the tokens every row starts with, run once ([`Llama::logits_at_shared`]);
+    /// None: P = 0.
+    prefix: Option<Tensor>,
+    /// `[rows, longest − 1]`: every token but the last of each padded row, from position P.
     input: Tensor,
-    /// `[N]` flat index (row · (longest − 1) + column) of each completion token's prediction.
+    /// `[N]` flat index (row · (longest − 1) + column − P) of each completion token's prediction.
     flat: Tensor,
     /// `[N]` the completion tokens.
     targets: Tensor,
@@ -175,51 +184,63 @@ impl Learner {
         self.model.device()
     }
 
-    /// Groups sample indices into micro-batches under the padded-token budget.
-    fn plan(&self, order: &[usize], samples: &[Sample]) -> Vec<Vec<usize>> {
-        let mut out: Vec<Vec<usize>> = vec![];
-        let mut cur: Vec<usize> = vec![];
-        let mut longest = 0usize;
-        for &i in order {
-            let len = samples[i].context.len() + samples[i].completion.len();
-            let new_longest = longest.max(len);
-            if !cur.is_empty() && new_longest * (cur.len() + 1) > self.config.micro_batch_tokens {
-                out.push(std::mem::take(&mut cur));
-                longest = len;
+    /// Groups sample indices into micro-batches under the padded-token budget, each with
+    /// the length of the prefix its rows share (0: none). Without prefix sharing the rows
+    /// keep `order`; with it they are sorted by their tokens, so that rows with a common
+    /// start are neighbours, and cut into runs that share a prefix ([`shared_runs`]).
+    fn plan(&self, order: &[usize], samples: &[Sample]) -> Vec<(Vec<usize>, usize)> {
+        let tokens = |i: usize| samples[i].context.iter().chain(&samples[i].completion);
+        if !self.config.share_prefixes {
+            return pack(order, 0, samples, self.config.micro_batch_tokens);
+        }
+        let mut sorted = order.to_vec();
+        sorted.sort_by(|&a, &b| tokens(a).cmp(tokens(b)));
+        let mut out = vec![];
+        let mut alone = vec![];
+        for (rows, prefix) in shared_runs(&sorted, samples) {
+            if rows.len() == 1 {
+                alone.extend(rows);
             } else {
-                longest = new_longest;
+                out.extend(pack(&rows, prefix, samples, self.config.micro_batch_tokens));
             }
-            cur.push(i);
         }
-        if !cur.is_empty() {
-            out.push(cur);
-        }
-        out
+        out.extend(pack(&alone, 0, samples, self.config.micro_batch_tokens));
+        // A run cut into micro-batches may leave a row on its own: it needs no prefix.
+        out.into_iter().map(|(rows, p)| if rows.len() == 1 { (rows, 0) } else { (rows, p) }).collect()
     }
 
-    fn tensors(&self, rows: &[usize], samples: &[Sample]) -> MicroBatch {
-        let longest = rows.iter().map(|&i| samples[i].context.len() + samples[i].completion.len()).max().unwrap_or(2).max(2);
+    /// The micro-batch of `rows`, whose first `prefix` tokens are the same (at most the
+    /// shortest context − 1, so that every prediction falls after the prefix).
+    fn tensors(&self, rows: &[usize], prefix: usize, samples: &[Sample]) -> MicroBatch {
+        let longest = rows.iter().map(|&i| samples[i].context.len() + samples[i].completion.len() - prefix).max().unwrap_or(2).max(2);
         let cols = longest - 1;
         let mut ids = vec![0i64; rows.len() * longest];
         let (mut flat, mut targets, mut temps, mut offsets) = (vec![], vec![], vec![], vec![]);
         for (r, &i) in rows.iter().enumerate() {
             let s = &samples[i];
-            for (j, &t) in s.context.iter().chain(&s.completion).enumerate() {
+            for (j, &t) in s.context.iter().chain(&s.completion).skip(prefix).enumerate() {
                 ids[r * longest + j] = t as i64;
             }
             offsets.push(flat.len());
             let temperature = data::scoring_temperature(s.temperature);
             for (j, &t) in s.completion.iter().enumerate() {
-                // completion token j is predicted at column context + j − 1 (context ≥ 1)
-                flat.push((r * cols + s.context.len() + j - 1) as i64);
+                // completion token j is predicted at position context + j − 1 (context ≥ 1),
+                // column context + j − 1 − prefix of the row's tokens after the prefix
+                flat.push((r * cols + s.context.len() + j - 1 - prefix) as i64);
                 targets.push(t as i64);
                 temps.push(temperature);
             }
         }
         let dev = self.device();
         let input = Tensor::from_slice(&ids).view([rows.len() as i64, longest as i64]).narrow(1, 0, cols as i64).to_device(dev);
+        let prefix = (prefix > 0).then(|| {
+            let first = &samples[rows[0]];
+            let p: Vec<i64> = first.context.iter().chain(&first.completion).take(prefix).map(|&t| t as i64).collect();
+            Tensor::from_slice(&p).to_device(dev)
+        });
         MicroBatch {
             rows: rows.to_vec(),
+            prefix,
             input,
             flat: Tensor::from_slice(&flat).to_device(dev),
             targets: Tensor::from_slice(&targets).to_device(dev),
@@ -230,7 +251,11 @@ impl Learner {
 
     /// log π(token) `[N]` of every completion token at its row's sampling temperature.
     fn token_logprobs(&self, mb: &MicroBatch) -> Tensor {
-        let logits = self.model.logits_at(&mb.input, &mb.flat).to_kind(Kind::Float) / mb.temperature.unsqueeze(-1);
+        let logits = match &mb.prefix {
+            Some(prefix) => self.model.logits_at_shared(prefix, &mb.input, &mb.flat),
+            None => self.model.logits_at(&mb.input, &mb.flat),
+        };
+        let logits = logits.to_kind(Kind::Float) / mb.temperature.unsqueeze(-1);
         logits.log_softmax(-1, Kind::Float).gather(-1, &mb.targets.unsqueeze(-1), false).squeeze_dim(-1)
     }
 
@@ -301,9 +326,14 @@ impl Learner {
         order.shuffle(&mut self.rng);
         let plan = self.plan(&order, samples);
         metrics.micro_batches = plan.len() as u64;
-        let per_pass: usize = order.iter().map(|&i| samples[i].context.len() + samples[i].completion.len()).sum();
+        let per_pass: usize = plan
+            .iter()
+            .map(|(rows, prefix)| {
+                prefix + rows.iter().map(|&i| samples[i].context.len() + samples[i].completion.len() - prefix).sum::<usize>()
+            })
+            .sum();
         metrics.forward_tokens = (per_pass * self.config.updates_per_batch.max(1)) as u64;
-        let batches: Vec<MicroBatch> = plan.iter().map(|rows| self.tensors(rows, samples)).collect();
+        let batches: Vec<MicroBatch> = plan.iter().map(|(rows, prefix)| self.tensors(rows, *prefix, samples)).collect();
 
         // π_old is the pre-update policy. The first pass's forward runs with those very
         // parameters, so its detached log-probabilities are π_old (ratio 1, gradient of
@@ -364,8 +394,8 @@ impl Learner {
             (0..samples.len()).filter(|&i| !samples[i].completion.is_empty() && !samples[i].context.is_empty()).collect();
         let _g = tch::no_grad_guard();
         let mut old = vec![vec![]; samples.len()];
-        for rows in self.plan(&order, samples) {
-            let mb = self.tensors(&rows, samples);
+        for (rows, prefix) in self.plan(&order, samples) {
+            let mb = self.tensors(&rows, prefix, samples);
             Self::per_row(&mb, samples, &self.token_logprobs(&mb), &mut old).expect("log-probabilities are a float tensor");
         }
         old
@@ -383,7 +413,7 @@ impl Learner {
             advantage: 0.0,
             temperature: 1.0,
         };
-        let mb = self.tensors(&[0], std::slice::from_ref(&s));
+        let mb = self.tensors(&[0], 0, std::slice::from_ref(&s));
         self.token_logprobs(&mb).sum(Kind::Double).double_value(&[]) / completion.len().max(1) as f64
     }
 
@@ -414,6 +444,60 @@ impl Learner {
         self.rng = rng;
         Ok(())
     }
+}
+
+/// Rows shorter than this share no prefix: the saving would not pay for a second pass.
+const MIN_SHARED_PREFIX: usize = 16;
+
+/// Cuts `sorted` (rows in token order) into runs that share a prefix, with its length. A
+/// row joins the run before it when the run's prefix, shortened to what the row shares
+/// (and to its context − 1, so that all its predictions fall after the prefix), stays at
+/// least [`MIN_SHARED_PREFIX`] long and computes no more tokens than the row alone:
+/// n rows with prefix P cost Σ len − (n − 1)·P, so the row joins iff n·P' ≥ (n − 1)·P.
+fn shared_runs(sorted: &[usize], samples: &[Sample]) -> Vec<(Vec<usize>, usize)> {
+    let tokens = |i: usize| -> Vec<u32> { samples[i].context.iter().chain(&samples[i].completion).copied().collect() };
+    let mut runs: Vec<(Vec<usize>, usize)> = vec![];
+    let mut prev: Vec<u32> = vec![];
+    for &i in sorted {
+        let t = tokens(i);
+        let cap = samples[i].context.len() - 1;
+        let common = prev.iter().zip(&t).take_while(|(a, b)| a == b).count().min(cap);
+        prev = t;
+        if let Some((rows, prefix)) = runs.last_mut() {
+            let n = rows.len();
+            let shared = if n == 1 { common.min(samples[rows[0]].context.len() - 1) } else { common.min(*prefix) };
+            if shared >= MIN_SHARED_PREFIX && (n == 1 || n * shared >= (n - 1) * *prefix) {
+                rows.push(i);
+                *prefix = shared;
+                continue;
+            }
+        }
+        runs.push((vec![i], 0));
+    }
+    runs
+}
+
+/// Packs `rows` (sharing `prefix` tokens) into micro-batches of at most `budget` padded
+/// tokens (prefix + rows × longest remainder), at least one row each, in order.
+fn pack(rows: &[usize], prefix: usize, samples: &[Sample], budget: usize) -> Vec<(Vec<usize>, usize)> {
+    let mut out: Vec<(Vec<usize>, usize)> = vec![];
+    let mut cur: Vec<usize> = vec![];
+    let mut longest = 0usize;
+    for &i in rows {
+        let len = samples[i].context.len() + samples[i].completion.len() - prefix;
+        let new_longest = longest.max(len);
+        if !cur.is_empty() && prefix + new_longest * (cur.len() + 1) > budget {
+            out.push((std::mem::take(&mut cur), prefix));
+            longest = len;
+        } else {
+            longest = new_longest;
+        }
+        cur.push(i);
+    }
+    if !cur.is_empty() {
+        out.push((cur, prefix));
+    }
+    out
 }
 
 /// Training–inference mismatch over policy tokens that carry a rollout logprob: mean and
@@ -664,6 +748,59 @@ mod tests {
             let d = (x - y).abs().max().double_value(&[]);
             assert!(d < 1e-4, "{n}: {d}");
         }
+    }
+
+    #[test]
+    fn shared_prefixes_train_like_separate_rows_on_fewer_tokens() {
+        // Three rows of one task under one 20-token preamble, one row of another task.
+        let preamble: Vec<u32> = (0..20).map(|i| (i * 7 % 30 + 1) as u32).collect();
+        let row = |task: usize, tail: &[u32], completion: Vec<u32>, advantage: f64| Sample {
+            task,
+            context: preamble.iter().chain(tail).copied().collect(),
+            mask: vec![true; completion.len()],
+            logq: vec![],
+            completion,
+            advantage,
+            temperature: 1.0,
+        };
+        let batch = Batch {
+            tasks: vec!["a".into(), "b".into()],
+            samples: vec![
+                row(0, &[5, 6], vec![7, 8, 9], 1.0),
+                row(0, &[5, 6], vec![9, 8], -1.0),
+                row(0, &[5, 7, 3], vec![2], 0.5),
+                Sample {
+                    task: 1,
+                    context: vec![4, 4, 4],
+                    completion: vec![1, 2],
+                    mask: vec![true, true],
+                    logq: vec![],
+                    advantage: 1.0,
+                    temperature: 1.0,
+                },
+            ],
+        };
+        let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, ..Default::default() };
+        let mut shared = Learner::new(tiny(3), cfg.clone());
+        let mut separate = Learner::new(tiny(3), LearnerConfig { share_prefixes: false, ..cfg });
+        // Scores (π_old) through the shared plan equal the separate ones.
+        for (x, y) in shared.score(&batch.samples).iter().flatten().zip(separate.score(&batch.samples).iter().flatten()) {
+            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+        }
+        let a = shared.update(&batch).unwrap();
+        let b = separate.update(&batch).unwrap();
+        // The three rows share their 21 first tokens (the preamble and token 5): counted once.
+        let lens: u64 = batch.samples.iter().map(|s| (s.context.len() + s.completion.len()) as u64).sum();
+        assert_eq!(b.forward_tokens, lens);
+        assert_eq!(a.forward_tokens, lens - 2 * 21, "{a:?}");
+        assert!(a.policy_tokens > 0 && (a.loss - b.loss).abs() < 1e-6, "{a:?} vs {b:?}");
+        assert!((a.grad_norm - b.grad_norm).abs() < 1e-5 * b.grad_norm.max(1.0), "{a:?} vs {b:?}");
+        let start = tiny(3).named_tensors();
+        for ((n, x), (_, y)) in shared.model.named_tensors().iter().zip(separate.model.named_tensors()) {
+            let d = (x - y).abs().max().double_value(&[]);
+            assert!(d < 1e-4, "{n}: {d}");
+        }
+        assert!(shared.model.named_tensors().iter().zip(&start).any(|((_, x), (_, s))| !x.equal(s)), "the update changed no weight");
     }
 
     #[test]

@@ -120,10 +120,10 @@ pub struct RunSection {
 pub struct EnvironmentSection {
     /// `dbbench` (in process) or `http` (an environment server, AgentBench's controller
     /// protocol).
-    pub kind: String,
+    pub kind: EnvKind,
     /// `sqlite` (embedded default) or `mysql` (MySQL/MariaDB server at `db_url`).
-    #[serde(default = "default_engine")]
-    pub engine: String,
+    #[serde(default)]
+    pub engine: DbEngine,
     pub db_url: Option<String>,
     /// Environment actions per episode.
     pub max_rounds: Option<u32>,
@@ -169,7 +169,7 @@ impl EnvironmentSection {
 
     /// `kind = "http"`.
     pub fn is_http(&self) -> bool {
-        self.kind == jobs::env::http::KIND
+        self.kind == EnvKind::Http
     }
 
     /// The http environment's settings (defaults filled in); the error names the key.
@@ -217,10 +217,6 @@ impl EnvironmentSection {
     }
 }
 
-fn default_engine() -> String {
-    "sqlite".into()
-}
-
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct TasksSection {
     pub train: Option<PathBuf>,
@@ -243,6 +239,27 @@ pub struct GenerateSection {
     /// `UPDATE`); default all.
     #[serde(default)]
     pub kinds: Option<Vec<String>>,
+}
+
+/// `[environment] kind`: where episodes run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EnvKind {
+    /// DBBench in process, over task files or generated tasks.
+    Dbbench,
+    /// An environment server (AgentBench's controller protocol, `harness-s env serve`).
+    Http,
+}
+
+/// `[environment] engine`: the database of an in-process DBBench environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DbEngine {
+    /// Embedded SQLite, one in-memory database per episode.
+    #[default]
+    Sqlite,
+    /// A MySQL/MariaDB server at `db_url`.
+    Mysql,
 }
 
 /// `[policy] backend`: where the policy runs.
@@ -292,6 +309,8 @@ macro_rules! names {
         }
     };
 }
+names!(EnvKind { Dbbench => "dbbench", Http => "http" });
+names!(DbEngine { Sqlite => "sqlite", Mysql => "mysql" });
 names!(Backend { Native => "native", Openai => "openai" });
 names!(DiagnoserKind { Rule => "rule", Llm => "llm" });
 names!(EditorKind { Template => "template", Llm => "llm" });
@@ -914,7 +933,7 @@ fn check_http(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
         let (path, message) = split_key(&e);
         bad(&path, message);
     }
-    if env.engine != "sqlite" {
+    if env.engine != DbEngine::Sqlite {
         bad("environment.engine", "only used with kind = \"dbbench\": the environment server chooses its own database".into());
     }
     if env.db_url.is_some() {
@@ -971,27 +990,18 @@ fn split_key(e: &str) -> (String, String) {
 
 fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     let mut bad = |path: &str, message: String| problems.push(SpecProblem { path: path.into(), message });
-    match spec.environment.kind.as_str() {
-        "dbbench" => check_dbbench_only_keys(&spec.environment, &mut bad),
-        "http" => check_http(spec, &mut bad),
-        other => bad(
-            "environment.kind",
-            format!("`{other}` is not a known environment; use `dbbench` (in process) or `http` (an environment server)"),
-        ),
+    match spec.environment.kind {
+        EnvKind::Dbbench => check_dbbench_only_keys(&spec.environment, &mut bad),
+        EnvKind::Http => check_http(spec, &mut bad),
     }
     if spec.environment.max_rounds == Some(0) {
         bad("environment.max_rounds", "must be at least 1".into());
     }
     if !spec.environment.is_http() {
-        match spec.environment.engine.as_str() {
-            "sqlite" => {}
-            "mysql" if spec.environment.db_url.is_none() => {
-                bad("environment.db_url", "required with engine = \"mysql\" (e.g. mysql://root@127.0.0.1:3306)".into())
-            }
-            "mysql" => {}
-            other => bad("environment.engine", format!("`{other}` is not `sqlite` or `mysql`")),
+        if spec.environment.engine == DbEngine::Mysql && spec.environment.db_url.is_none() {
+            bad("environment.db_url", "required with engine = \"mysql\" (e.g. mysql://root@127.0.0.1:3306)".into());
         }
-        if spec.environment.engine == "sqlite" && spec.environment.db_url.is_some() {
+        if spec.environment.engine == DbEngine::Sqlite && spec.environment.db_url.is_some() {
             bad("environment.db_url", "only used with engine = \"mysql\"; remove it, or set engine = \"mysql\"".into());
         }
         if let Some(url) = spec.environment.db_url.as_deref().filter(|u| !u.starts_with("mysql://")) {
@@ -1448,7 +1458,6 @@ rescue = "h0"
             (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\ndb_url = \"mysql://root@h:1\""), "environment.db_url"),
             (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\n[tasks.generate]\ntrain = 1\nvalidation = 1\ntest = 1"), "tasks"),
             (GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\nurl = \"http://h:1\""), "environment.url"),
-            (GOOD.replace("kind = \"dbbench\"", "kind = \"appworld\""), "environment.kind"),
         ];
         // The example spec parses as it is.
         let example = parse(include_str!("../../../examples/http/run.toml"), "run.toml", Path::new("../examples/http"), "run").unwrap();
@@ -1553,5 +1562,27 @@ rescue = "h0"
         let bad = GOOD.replace("rescue = \"h0\"", "rescue = \"sometimes\"");
         let err = parse(&bad, "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
         assert!(err.contains("sometimes"), "{err}");
+    }
+
+    /// `environment.kind` and `environment.engine` are refused by the parser, with the
+    /// values allowed.
+    #[test]
+    fn an_unknown_environment_kind_or_engine_is_refused_with_the_allowed_values() {
+        for (from, to, allowed) in [
+            ("kind = \"dbbench\"", "kind = \"appworld\"", ["appworld", "`dbbench`", "`http`"]),
+            ("kind = \"dbbench\"", "kind = \"dbbench\"\nengine = \"postgres\"", ["postgres", "`sqlite`", "`mysql`"]),
+        ] {
+            let err = parse(&GOOD.replace(from, to), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
+            assert!(allowed.iter().all(|a| err.contains(a)), "{err}");
+        }
+        let s = parse(
+            &GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\nengine = \"mysql\"\ndb_url = \"mysql://root@127.0.0.1:3306\""),
+            "ok.toml",
+            Path::new("."),
+            "ok",
+        )
+        .unwrap();
+        assert_eq!((s.spec.environment.kind, s.spec.environment.engine), (EnvKind::Dbbench, DbEngine::Mysql));
+        assert_eq!(parse(GOOD, "good.toml", Path::new("."), "good").unwrap().spec.environment.engine, DbEngine::Sqlite);
     }
 }

@@ -826,49 +826,13 @@ impl Scheduler {
         let spec = self.spec();
         let base = self.stage_rows(u, RolloutKind::Base).await?;
         let rescue_rows = self.stage_rows(u, RolloutKind::Rescue).await?;
-        let base_by = group_by_task(&base);
         let rescue_by = group_by_task(&rescue_rows);
         let mut groups = Vec::new();
         let mut kept: Vec<(RetainedKind, Vec<Outcome>)> = Vec::new();
-        for (task, rows) in &base_by {
-            let b: Vec<Outcome> = rows.iter().map(|r| outcome(r)).collect();
-            let r: Option<Vec<Outcome>> = rescue_by.get(task).map(|rs| rs.iter().map(|r| outcome(r)).collect());
-            let fired = r.is_some();
-            let (kind, group) = rescue::retain(&b, r.as_deref());
-            let group = group.to_vec();
-            let (mean, std) = rescue::reward_stats(&group);
-            let adv = rescue::advantages(&group);
-            let effective = rescue::is_effective(&group);
-            let source_rows = if kind == RetainedKind::Rescue { &rescue_by[task] } else { rows };
-            groups.push(Group {
-                run_id: self.run_id().to_string(),
-                step: u,
-                group_id: rows[0].group_id.clone(),
-                task_id: task.clone(),
-                split: Split::Train,
-                k: spec.algorithm.k,
-                base_successes: b.iter().filter(|o| o.success).count() as u32,
-                rescue_fired: fired,
-                rescue_strategy: spec.algorithm.rescue.as_str().to_string(),
-                harnesses: group.iter().map(|o| o.harness_id.clone()).collect(),
-                rescue_successes: r.as_ref().map(|r| r.iter().filter(|o| o.success).count() as u32).unwrap_or(0),
-                // Eq. 5 decides which group stands for the task; only groups with a reward
-                // contrast carry a GRPO signal, so only those are trained on.
-                retained: effective,
-                retained_kind: kind,
-                filter_reason: match (kind, effective) {
-                    (RetainedKind::Rescue, true) => Some("all-fail base group replaced by its rescue group (Eq. 5)".into()),
-                    (RetainedKind::Rescue, false) => Some("rescue group has no reward contrast".into()),
-                    (_, false) => Some("no reward contrast (all rollouts equal)".into()),
-                    _ => None,
-                },
-                mean_reward: mean,
-                reward_std: std,
-                advantages: adv,
-                trajectory_ids: source_rows.iter().map(|r| r.trajectory_id.clone()).collect(),
-                policy_tokens: group.iter().map(|o| o.policy_tokens).sum(),
-            });
-            kept.push((kind, group));
+        for (task, rows) in &group_by_task(&base) {
+            let (group, outcomes) = self.task_group(u, task, rows, rescue_by.get(task).map(Vec::as_slice));
+            kept.push((group.retained_kind, outcomes));
+            groups.push(group);
         }
         let pairs: Vec<(RetainedKind, &[Outcome])> = kept.iter().map(|(k, g)| (*k, g.as_slice())).collect();
         let m = rescue::signal_metrics(&pairs);
@@ -909,6 +873,54 @@ impl Scheduler {
             "groups formed"
         );
         Ok(())
+    }
+
+    /// The group that stands for `task` in update `u` (Eq. 5): its base rollouts, or its
+    /// rescue rollouts when rescue fired and replaced an all-fail base group; with the
+    /// outcomes of the group kept.
+    fn task_group(&self, u: u32, task: &str, rows: &[&Trajectory], rescue_rows: Option<&[&Trajectory]>) -> (Group, Vec<Outcome>) {
+        let spec = self.spec();
+        let b: Vec<Outcome> = rows.iter().map(|r| outcome(r)).collect();
+        let r: Option<Vec<Outcome>> = rescue_rows.map(|rs| rs.iter().map(|r| outcome(r)).collect());
+        let fired = r.is_some();
+        let (kind, group) = rescue::retain(&b, r.as_deref());
+        let group = group.to_vec();
+        let (mean, std) = rescue::reward_stats(&group);
+        let adv = rescue::advantages(&group);
+        let effective = rescue::is_effective(&group);
+        let source_rows = match (kind, rescue_rows) {
+            (RetainedKind::Rescue, Some(rescued)) => rescued,
+            _ => rows,
+        };
+        let g = Group {
+            run_id: self.run_id().to_string(),
+            step: u,
+            group_id: rows[0].group_id.clone(),
+            task_id: task.to_string(),
+            split: Split::Train,
+            k: spec.algorithm.k,
+            base_successes: b.iter().filter(|o| o.success).count() as u32,
+            rescue_fired: fired,
+            rescue_strategy: spec.algorithm.rescue.as_str().to_string(),
+            harnesses: group.iter().map(|o| o.harness_id.clone()).collect(),
+            rescue_successes: r.as_ref().map(|r| r.iter().filter(|o| o.success).count() as u32).unwrap_or(0),
+            // Eq. 5 decides which group stands for the task; only groups with a reward
+            // contrast carry a GRPO signal, so only those are trained on.
+            retained: effective,
+            retained_kind: kind,
+            filter_reason: match (kind, effective) {
+                (RetainedKind::Rescue, true) => Some("all-fail base group replaced by its rescue group (Eq. 5)".into()),
+                (RetainedKind::Rescue, false) => Some("rescue group has no reward contrast".into()),
+                (_, false) => Some("no reward contrast (all rollouts equal)".into()),
+                _ => None,
+            },
+            mean_reward: mean,
+            reward_std: std,
+            advantages: adv,
+            trajectory_ids: source_rows.iter().map(|r| r.trajectory_id.clone()).collect(),
+            policy_tokens: group.iter().map(|o| o.policy_tokens).sum(),
+        };
+        (g, group)
     }
 
     /// Algorithm 1, line 12: a GRPO update on the retained groups (Appendix B).

@@ -489,6 +489,20 @@ mod tests {
         vec![HarnessSpec::h0(), hint]
     }
 
+    /// A first delivery of job `job_id` with `policy` over [`Factory`]'s environments, no
+    /// LLM profiler.
+    fn context<'a>(store: &'a LocalStore, policy: &'a dyn Policy, job_id: &'a str) -> ReanchorContext<'a> {
+        ReanchorContext {
+            store,
+            policy,
+            envs: &Factory,
+            profiler: None,
+            profiler_config: LlmProfilerConfig::default(),
+            job_id,
+            delivery_attempt: 0,
+        }
+    }
+
     fn input(calibration: &str, step: u32) -> ReanchorInput {
         ReanchorInput {
             run_id: "r1".into(),
@@ -509,15 +523,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path()).unwrap();
         let weak = Checkpointed { name: "weak", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext {
-            store: &store,
-            policy: &weak,
-            envs: &Factory,
-            profiler: None,
-            profiler_config: LlmProfilerConfig::default(),
-            job_id: "cal-a",
-            delivery_attempt: 0,
-        };
+        let ctx = context(&store, &weak, "cal-a");
         let first = run(&ctx, &input("step-0000", 0)).await.unwrap();
         assert!(!first.already_done);
         let m = &first.manifest;
@@ -541,15 +547,7 @@ mod tests {
 
         // A later checkpoint no longer needs the hint: the evidence changes.
         let strong = Checkpointed { name: "strong", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext {
-            store: &store,
-            policy: &strong,
-            envs: &Factory,
-            profiler: None,
-            profiler_config: LlmProfilerConfig::default(),
-            job_id: "cal-b",
-            delivery_attempt: 0,
-        };
+        let ctx = context(&store, &strong, "cal-b");
         let second = run(&ctx, &input("step-0010", 10)).await.unwrap();
         assert_eq!((second.manifest.stats["h0"].successes, second.manifest.stats["s1"].successes), (3, 3));
         let ev2 = load_evidence(&store, "r1", "step-0010").await.unwrap();
@@ -563,15 +561,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path()).unwrap();
         let weak = Checkpointed { name: "weak", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext {
-            store: &store,
-            policy: &weak,
-            envs: &Factory,
-            profiler: None,
-            profiler_config: LlmProfilerConfig::default(),
-            job_id: "j",
-            delivery_attempt: 0,
-        };
+        let ctx = context(&store, &weak, "j");
         let mut i = input("c/1", 0);
         assert!(run(&ctx, &i).await.unwrap_err().to_string().contains("`calibration_id`"));
         i.calibration_id = "c1".into();

@@ -170,6 +170,54 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
     }
 
     // 1. Paired execution: same tasks, seeds, attempts and limits under every harness.
+    let (rows, parts) = paired_rollouts(ctx, input).await?;
+
+    // 2. Validation statistics per harness.
+    let all: Vec<Trajectory> = rows.values().flatten().cloned().collect();
+    let stats = validation_stats(&all);
+    let checkpoint = all.first().map(|r| r.policy_checkpoint.clone()).unwrap_or_else(|| ctx.policy.checkpoint());
+
+    // 3. Profiles of each sibling against H0 (Eq. 11).
+    let mut profilers = vec![crate::profile::stats::SOURCE.to_string()];
+    // Metered: the profiler's tokens are this job's cost (Table 9), in its marker's result.
+    let metered = ctx.profiler.map(crate::policy::metered::Metered::new);
+    let llm = metered.as_ref().map(|p| LlmProfiler::new(p, ctx.profiler_config.clone()));
+    if let Some(l) = &llm {
+        profilers.push(format!("llm:{}", l.label));
+    }
+    let (entries, problems) = profile_siblings(input, &rows, &checkpoint, llm.as_ref()).await;
+    let profile_part =
+        infra::table::write_records(ctx.store, &keys::profile_part(&input.run_id, &input.calibration_id, ctx.job_id), &entries).await?;
+
+    // 4. Manifest, then the done-marker last.
+    let manifest = CalibrationManifest {
+        schema_version: CalibrationManifest::VERSION,
+        run_id: input.run_id.clone(),
+        calibration_id: input.calibration_id.clone(),
+        step: input.step,
+        policy_checkpoint: checkpoint,
+        job_id: ctx.job_id.to_string(),
+        tasks: input.tasks.clone(),
+        stats,
+        descriptions: input.pool.iter().map(|s| (s.id.clone(), describe_harness(s))).collect(),
+        trajectory_parts: parts,
+        profile_part: profile_part.clone(),
+        profilers,
+        profile_entries: entries_per_harness(input, &entries),
+        profiler_problems: problems,
+        finished_at_ms: now_unix_ms(),
+    };
+    let profiler_usage = metered.as_ref().map(|m| m.usage()).unwrap_or_default();
+    commit_calibration(ctx, input, &manifest, profile_part, profiler_usage).await?;
+    Ok(ReanchorOutput { manifest, already_done: false })
+}
+
+/// Step 1: one rollout job per harness of the pool, the same tasks, seeds, attempts and
+/// limits under each; their rows as stored, by harness id, and the keys of their parts.
+async fn paired_rollouts(
+    ctx: &ReanchorContext<'_>,
+    input: &ReanchorInput,
+) -> Result<(BTreeMap<String, Vec<Trajectory>>, Vec<String>), ReanchorError> {
     let task_ids: Vec<String> = input.tasks.iter().map(|t| t.task_id.clone()).collect();
     let mut rows: BTreeMap<String, Vec<Trajectory>> = BTreeMap::new();
     let mut parts = Vec::new();
@@ -214,77 +262,72 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
         rows.insert(spec.id.clone(), infra::table::read_records(ctx.store, &key).await?);
         parts.push(key);
     }
+    Ok((rows, parts))
+}
 
-    // 2. Validation statistics per harness.
-    let all: Vec<Trajectory> = rows.values().flatten().cloned().collect();
-    let stats = validation_stats(&all);
-    let checkpoint = all.first().map(|r| r.policy_checkpoint.clone()).unwrap_or_else(|| ctx.policy.checkpoint());
-
-    // 3. Profiles of each sibling against H0 (Eq. 11).
+/// Step 3: the statistical profile of every sibling against H0, and its LLM profile when
+/// a profiler is given; the entries, and the LLM profiler's problems (`<harness>: <reason>`).
+async fn profile_siblings(
+    input: &ReanchorInput,
+    rows: &BTreeMap<String, Vec<Trajectory>>,
+    checkpoint: &str,
+    llm: Option<&LlmProfiler<'_>>,
+) -> (Vec<ProfileEntry>, Vec<String>) {
     let base = &rows[H0_ID];
     let mut entries: Vec<ProfileEntry> = Vec::new();
     let mut problems = Vec::new();
-    let mut profilers = vec![crate::profile::stats::SOURCE.to_string()];
-    // Metered: the profiler's tokens are this job's cost (Table 9), in its marker's result.
-    let metered = ctx.profiler.map(crate::policy::metered::Metered::new);
-    let llm = metered.as_ref().map(|p| LlmProfiler::new(p, ctx.profiler_config.clone()));
-    if let Some(l) = &llm {
-        profilers.push(format!("llm:{}", l.label));
-    }
     for spec in input.pool.iter().filter(|s| s.id != H0_ID) {
         let pairs = pair_up(&input.tasks, &rows[&spec.id], base);
         let meta = ProfileMeta {
             run_id: input.run_id.clone(),
             calibration_id: input.calibration_id.clone(),
-            policy_checkpoint: checkpoint.clone(),
+            policy_checkpoint: checkpoint.to_string(),
             harness_id: spec.id.clone(),
         };
         entries.extend(statistical_profile(&meta, &pairs, &StatsConfig::default()));
-        if let Some(l) = &llm {
+        if let Some(l) = llm {
             let out = l.profile(&meta, &describe_harness(spec), &pairs, input.seed).await;
             problems.extend(out.problems.into_iter().map(|p| format!("{}: {p}", spec.id)));
             entries.extend(out.entries);
         }
     }
+    (entries, problems)
+}
+
+/// Profile entries per sibling (0 for a sibling without any).
+fn entries_per_harness(input: &ReanchorInput, entries: &[ProfileEntry]) -> BTreeMap<String, u32> {
     let mut per_harness: BTreeMap<String, u32> = input.pool.iter().filter(|s| s.id != H0_ID).map(|s| (s.id.clone(), 0)).collect();
-    for e in &entries {
+    for e in entries {
         *per_harness.entry(e.harness_id.clone()).or_default() += 1;
     }
-    let profile_part =
-        infra::table::write_records(ctx.store, &keys::profile_part(&input.run_id, &input.calibration_id, ctx.job_id), &entries).await?;
+    per_harness
+}
 
-    // 4. Manifest, then the done-marker last.
-    let manifest = CalibrationManifest {
-        schema_version: CalibrationManifest::VERSION,
-        run_id: input.run_id.clone(),
-        calibration_id: input.calibration_id.clone(),
-        step: input.step,
-        policy_checkpoint: checkpoint,
-        job_id: ctx.job_id.to_string(),
-        tasks: input.tasks.clone(),
-        stats,
-        descriptions: input.pool.iter().map(|s| (s.id.clone(), describe_harness(s))).collect(),
-        trajectory_parts: parts,
-        profile_part: profile_part.clone(),
-        profilers,
-        profile_entries: per_harness,
-        profiler_problems: problems,
-        finished_at_ms: now_unix_ms(),
-    };
-    let bytes = encode_document(&manifest);
+/// Step 4: the manifest, then the done-marker (last) with the validation success per
+/// harness and the profiler's spend.
+async fn commit_calibration(
+    ctx: &ReanchorContext<'_>,
+    input: &ReanchorInput,
+    manifest: &CalibrationManifest,
+    profile_part: OutputEntry,
+    profiler_usage: schemas::LlmUsage,
+) -> Result<(), ReanchorError> {
+    let manifest_key = manifest_key(&input.run_id, &input.calibration_id);
+    let bytes = encode_document(manifest);
     let manifest_entry = OutputEntry::of(manifest_key.clone(), &bytes);
     ctx.store.put(&manifest_key, Bytes::from(bytes)).await?;
     let summary: BTreeMap<&str, f64> = manifest.stats.iter().map(|(h, s)| (h.as_str(), s.success_rate())).collect();
     let result = serde_json::json!({
         "calibration_id": input.calibration_id,
         "validation_success": summary,
-        "llm_usage": { "profiler": metered.as_ref().map(|m| m.usage()).unwrap_or_default() },
+        "llm_usage": { "profiler": profiler_usage },
     });
     let marker =
         DoneMarker::new(ctx.job_id, &input.run_id, JobKind::Reanchor, ctx.delivery_attempt, vec![profile_part, manifest_entry], result);
-    infra::store::commit(ctx.store, &marker_key, &marker).await?;
-    tracing::info!(calibration = %input.calibration_id, entries = entries.len(), ?summary, "re-anchoring done");
-    Ok(ReanchorOutput { manifest, already_done: false })
+    infra::store::commit(ctx.store, &keys::done_marker(&input.run_id, ctx.job_id), &marker).await?;
+    let entries: u32 = manifest.profile_entries.values().sum();
+    tracing::info!(calibration = %input.calibration_id, entries, ?summary, "re-anchoring done");
+    Ok(())
 }
 
 fn check_input(input: &ReanchorInput) -> Result<(), ReanchorError> {
@@ -446,6 +489,20 @@ mod tests {
         vec![HarnessSpec::h0(), hint]
     }
 
+    /// A first delivery of job `job_id` with `policy` over [`Factory`]'s environments, no
+    /// LLM profiler.
+    fn context<'a>(store: &'a LocalStore, policy: &'a dyn Policy, job_id: &'a str) -> ReanchorContext<'a> {
+        ReanchorContext {
+            store,
+            policy,
+            envs: &Factory,
+            profiler: None,
+            profiler_config: LlmProfilerConfig::default(),
+            job_id,
+            delivery_attempt: 0,
+        }
+    }
+
     fn input(calibration: &str, step: u32) -> ReanchorInput {
         ReanchorInput {
             run_id: "r1".into(),
@@ -466,15 +523,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path()).unwrap();
         let weak = Checkpointed { name: "weak", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext {
-            store: &store,
-            policy: &weak,
-            envs: &Factory,
-            profiler: None,
-            profiler_config: LlmProfilerConfig::default(),
-            job_id: "cal-a",
-            delivery_attempt: 0,
-        };
+        let ctx = context(&store, &weak, "cal-a");
         let first = run(&ctx, &input("step-0000", 0)).await.unwrap();
         assert!(!first.already_done);
         let m = &first.manifest;
@@ -498,15 +547,7 @@ mod tests {
 
         // A later checkpoint no longer needs the hint: the evidence changes.
         let strong = Checkpointed { name: "strong", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext {
-            store: &store,
-            policy: &strong,
-            envs: &Factory,
-            profiler: None,
-            profiler_config: LlmProfilerConfig::default(),
-            job_id: "cal-b",
-            delivery_attempt: 0,
-        };
+        let ctx = context(&store, &strong, "cal-b");
         let second = run(&ctx, &input("step-0010", 10)).await.unwrap();
         assert_eq!((second.manifest.stats["h0"].successes, second.manifest.stats["s1"].successes), (3, 3));
         let ev2 = load_evidence(&store, "r1", "step-0010").await.unwrap();
@@ -520,15 +561,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path()).unwrap();
         let weak = Checkpointed { name: "weak", calls: AtomicU32::new(0) };
-        let ctx = ReanchorContext {
-            store: &store,
-            policy: &weak,
-            envs: &Factory,
-            profiler: None,
-            profiler_config: LlmProfilerConfig::default(),
-            job_id: "j",
-            delivery_attempt: 0,
-        };
+        let ctx = context(&store, &weak, "j");
         let mut i = input("c/1", 0);
         assert!(run(&ctx, &i).await.unwrap_err().to_string().contains("`calibration_id`"));
         i.calibration_id = "c1".into();

@@ -24,7 +24,7 @@ use futures::stream::{self, StreamExt};
 use serde::{Deserialize, Serialize};
 
 use crate::env::{Environment, EnvironmentFactory};
-use crate::harness::{check_spec, Budgets, Next, Problem, Session, ValidateOptions, Verdict};
+use crate::harness::{check_spec, Budgets, Next, PolicyRequest, Problem, Session, ValidateOptions, Verdict};
 use crate::policy::{Policy, PolicyError, SamplingParams};
 use infra::store::{ObjectStore, StoreError};
 use infra::table::{PartWriter, TableError};
@@ -345,8 +345,7 @@ pub async fn run_episode(
     task_id: &str,
     seed: u64,
 ) -> Episode {
-    let mut env_ms = 0u64;
-    let mut policy_ms = 0u64;
+    let mut log = EpisodeLog::default();
     let t = Instant::now();
     let start = match env.reset(task_id, seed).await {
         Ok(s) => s,
@@ -355,80 +354,21 @@ pub async fn run_episode(
             return Episode { env_transient, ..Episode::failed(e.class(), format!("reset of task `{task_id}`: {e}")) };
         }
     };
-    env_ms += t.elapsed().as_millis() as u64;
+    log.env_ms += t.elapsed().as_millis() as u64;
     let task_type = start.task_type.clone();
     let mut session = match Session::start(spec, budgets, sampling.clone(), &start) {
         Ok(s) => s,
         Err(e) => return Episode { task_type, ..Episode::failed(ErrorClass::Env, e.to_string()) },
     };
-
-    let mut error: Option<(ErrorClass, String)> = None;
-    let mut env_transient = false;
-    let termination = 'episode: loop {
-        let call = match session.next_step() {
-            Next::Stop(t) => break t,
-            Next::Act(call) => call,
-            Next::Ask(req) => {
-                let t = Instant::now();
-                let reply = policy.chat(&req.messages, &req.tools, &req.sampling).await;
-                policy_ms += t.elapsed().as_millis() as u64;
-                match reply {
-                    Ok(out) => match session.record_reply(out) {
-                        Some(call) => match session.before_action(call) {
-                            Verdict::Execute(call) => call,
-                            Verdict::Blocked => continue 'episode,
-                            Verdict::Stop(t) => break t,
-                        },
-                        None => continue 'episode,
-                    },
-                    Err(e) => {
-                        let t = match e {
-                            PolicyError::ContextLength { .. } => Termination::ContextLimit,
-                            _ => Termination::Error,
-                        };
-                        error = Some((e.class(), e.to_string()));
-                        break t;
-                    }
-                }
-            }
-        };
-        let t = Instant::now();
-        let obs = env.step(&call).await;
-        env_ms += t.elapsed().as_millis() as u64;
-        match obs {
-            Ok(obs) => {
-                if let Some(t) = session.after_tool(&call, obs) {
-                    break t;
-                }
-            }
-            Err(e) => {
-                env_transient = infra::Transient::is_transient(&e);
-                error = Some((e.class(), format!("step `{}`: {e}", call.name)));
-                break Termination::Error;
-            }
-        }
-    };
+    let termination = act_until_done(policy, env, &mut session, &mut log).await;
 
     // Grade whatever state the episode reached; an aborted episode scores zero.
-    let (reward, success, detail) = if termination == Termination::Error {
-        (0.0, false, String::new())
-    } else {
-        let t = Instant::now();
-        let graded = env.evaluate().await;
-        env_ms += t.elapsed().as_millis() as u64;
-        match graded {
-            Ok(ev) => (ev.reward, ev.success, ev.detail),
-            Err(e) => {
-                env_transient = infra::Transient::is_transient(&e);
-                error = Some((e.class(), format!("evaluate: {e}")));
-                (0.0, false, String::new())
-            }
-        }
-    };
+    let (reward, success, detail) =
+        if termination == Termination::Error { (0.0, false, String::new()) } else { grade(env, &mut log).await };
     let tools = session.tools().to_vec();
     let (turns, usage) = session.finish();
-    let termination = if error.is_some() && termination != Termination::ContextLimit { Termination::Error } else { termination };
-    let (error_class, error_message) = match error {
+    let termination = if log.error.is_some() && termination != Termination::ContextLimit { Termination::Error } else { termination };
+    let (error_class, error_message) = match log.error {
         Some((c, m)) => (Some(c), Some(m)),
         None => (None, None),
     };
@@ -442,10 +382,103 @@ pub async fn run_episode(
         reward,
         success,
         detail,
-        policy_ms,
-        env_ms,
+        policy_ms: log.policy_ms,
+        env_ms: log.env_ms,
         tools,
-        env_transient,
+        env_transient: log.env_transient,
+    }
+}
+
+/// What an episode met on its way: time spent in the policy and in the environment, and
+/// the error that ended it.
+#[derive(Default)]
+struct EpisodeLog {
+    env_ms: u64,
+    policy_ms: u64,
+    error: Option<(ErrorClass, String)>,
+    /// The error was a transient environment error (its backend was lost).
+    env_transient: bool,
+}
+
+/// decide → mediate → act until the environment ends the episode, a budget runs out or an
+/// error occurs (recorded in `log`).
+async fn act_until_done(policy: &dyn Policy, env: &mut dyn Environment, session: &mut Session, log: &mut EpisodeLog) -> Termination {
+    loop {
+        let call = match session.next_step() {
+            Next::Stop(t) => return t,
+            Next::Act(call) => call,
+            Next::Ask(req) => match ask(policy, session, &req, log).await {
+                Reply::Execute(call) => call,
+                Reply::Nothing => continue,
+                Reply::End(t) => return t,
+            },
+        };
+        let t = Instant::now();
+        let obs = env.step(&call).await;
+        log.env_ms += t.elapsed().as_millis() as u64;
+        match obs {
+            Ok(obs) => {
+                if let Some(t) = session.after_tool(&call, obs) {
+                    return t;
+                }
+            }
+            Err(e) => {
+                log.env_transient = infra::Transient::is_transient(&e);
+                log.error = Some((e.class(), format!("step `{}`: {e}", call.name)));
+                return Termination::Error;
+            }
+        }
+    }
+}
+
+/// What a policy reply comes to once the harness has seen it.
+enum Reply {
+    /// Execute this call.
+    Execute(crate::env::ToolCall),
+    /// No action this turn (no call, or one a hook blocked).
+    Nothing,
+    /// The episode ends.
+    End(Termination),
+}
+
+/// Asks the policy and passes its reply through the harness (before_action hooks).
+async fn ask(policy: &dyn Policy, session: &mut Session, req: &PolicyRequest, log: &mut EpisodeLog) -> Reply {
+    let t = Instant::now();
+    let reply = policy.chat(&req.messages, &req.tools, &req.sampling).await;
+    log.policy_ms += t.elapsed().as_millis() as u64;
+    match reply {
+        Ok(out) => match session.record_reply(out) {
+            Some(call) => match session.before_action(call) {
+                Verdict::Execute(call) => Reply::Execute(call),
+                Verdict::Blocked => Reply::Nothing,
+                Verdict::Stop(t) => Reply::End(t),
+            },
+            None => Reply::Nothing,
+        },
+        Err(e) => {
+            let t = match e {
+                PolicyError::ContextLength { .. } => Termination::ContextLimit,
+                _ => Termination::Error,
+            };
+            log.error = Some((e.class(), e.to_string()));
+            Reply::End(t)
+        }
+    }
+}
+
+/// The environment's grade of the state the episode reached: (reward, success, detail);
+/// zero when grading fails (the error is recorded in `log`).
+async fn grade(env: &mut dyn Environment, log: &mut EpisodeLog) -> (f64, bool, String) {
+    let t = Instant::now();
+    let graded = env.evaluate().await;
+    log.env_ms += t.elapsed().as_millis() as u64;
+    match graded {
+        Ok(ev) => (ev.reward, ev.success, ev.detail),
+        Err(e) => {
+            log.env_transient = infra::Transient::is_transient(&e);
+            log.error = Some((e.class(), format!("evaluate: {e}")));
+            (0.0, false, String::new())
+        }
     }
 }
 

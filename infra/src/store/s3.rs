@@ -189,6 +189,19 @@ impl S3Store {
         }
     }
 
+    /// The bytes of an object, or of the HTTP `Range` of it (`bytes=<first>-<last>`).
+    async fn get_object(&self, key: &str, range: Option<String>) -> Result<Bytes> {
+        let full = self.full_key(key)?;
+        let request = self.client.get_object().bucket(&self.opts.bucket).key(full).set_range(range);
+        let out = request.send().await.map_err(|e| self.map_err(key, e))?;
+        let data = out
+            .body
+            .collect()
+            .await
+            .map_err(|e| StoreError::Backend { url: self.object_url(key), detail: format!("reading the body failed: {e}") })?;
+        Ok(data.into_bytes())
+    }
+
     /// Maps an SDK error to a typed store error that names the object, never credentials.
     fn map_err<E>(&self, key: &str, err: SdkError<E, HttpResponse>) -> StoreError
     where
@@ -313,36 +326,14 @@ impl ObjectStore for S3Store {
     }
 
     async fn get(&self, key: &str) -> Result<Bytes> {
-        let full = self.full_key(key)?;
-        let out = self.client.get_object().bucket(&self.opts.bucket).key(full).send().await.map_err(|e| self.map_err(key, e))?;
-        let data = out
-            .body
-            .collect()
-            .await
-            .map_err(|e| StoreError::Backend { url: self.object_url(key), detail: format!("reading the body failed: {e}") })?;
-        Ok(data.into_bytes())
+        self.get_object(key, None).await
     }
 
     async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
         if range.end <= range.start {
             return Ok(Bytes::new());
         }
-        let full = self.full_key(key)?;
-        let out = self
-            .client
-            .get_object()
-            .bucket(&self.opts.bucket)
-            .key(full)
-            .range(format!("bytes={}-{}", range.start, range.end - 1))
-            .send()
-            .await
-            .map_err(|e| self.map_err(key, e))?;
-        let data = out
-            .body
-            .collect()
-            .await
-            .map_err(|e| StoreError::Backend { url: self.object_url(key), detail: format!("reading the body failed: {e}") })?;
-        Ok(data.into_bytes())
+        self.get_object(key, Some(format!("bytes={}-{}", range.start, range.end - 1))).await
     }
 
     async fn head(&self, key: &str) -> Result<Option<ObjectMeta>> {

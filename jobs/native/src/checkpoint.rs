@@ -369,29 +369,7 @@ mod tests {
     }
 
     fn batch() -> Batch {
-        Batch {
-            tasks: vec!["a".into()],
-            samples: vec![
-                Sample {
-                    task: 0,
-                    context: vec![1, 2],
-                    completion: vec![3, 4],
-                    mask: vec![true, true],
-                    logq: vec![],
-                    advantage: 1.0,
-                    temperature: 1.0,
-                },
-                Sample {
-                    task: 0,
-                    context: vec![1, 2],
-                    completion: vec![5],
-                    mask: vec![true],
-                    logq: vec![],
-                    advantage: -1.0,
-                    temperature: 1.0,
-                },
-            ],
-        }
+        Batch { tasks: vec!["a".into()], samples: vec![Sample::plain(0, &[1, 2], &[3, 4], 1.0), Sample::plain(0, &[1, 2], &[5], -1.0)] }
     }
 
     fn store() -> (tempfile::TempDir, LocalStore) {

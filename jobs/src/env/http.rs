@@ -49,8 +49,6 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::env::{EnvError, Environment, EnvironmentFactory, EpisodeStart, Evaluation, Observation, ToolCall, ToolSpec};
 
-/// `[environment] kind` of this backend.
-pub const KIND: &str = "http";
 /// The response header (and request header) that carries the session id.
 pub const SESSION_HEADER: &str = "session_id";
 /// Round limit shown to the harness when the server does not name one.

@@ -659,25 +659,38 @@ mod tests {
         ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true }
     }
 
+    /// A request for a child of `parent`, one generation down, along `direction`: no
+    /// feedback, no other briefs, no earlier children.
+    fn request<'a>(
+        parent: &'a HarnessSpec,
+        direction: &'a Direction,
+        child_id: &str,
+        variant: usize,
+        validate: &'a ValidateOptions,
+    ) -> EditRequest<'a> {
+        EditRequest {
+            parent,
+            direction,
+            child_id: child_id.into(),
+            generation: parent.generation + 1,
+            variant,
+            feedback: None,
+            other_briefs: vec![],
+            earlier: vec![],
+            validate,
+        }
+    }
+
     #[tokio::test]
     async fn every_repair_in_the_library_validates_and_variants_differ() {
         let editor = TemplateEditor::default();
         let o = opts();
+        let h0 = HarnessSpec::h0();
         for (cause, _) in codes::ALL {
             assert!(!repairs_for(cause, 2).is_empty(), "no repair for {cause}");
             for variant in 0..3 {
                 let d = direction(&[cause, codes::PROSE_ANSWER]);
-                let req = EditRequest {
-                    parent: &HarnessSpec::h0(),
-                    direction: &d,
-                    child_id: format!("c-{cause}-{variant}"),
-                    generation: 1,
-                    variant,
-                    feedback: None,
-                    other_briefs: vec![],
-                    earlier: vec![],
-                    validate: &o,
-                };
+                let req = request(&h0, &d, &format!("c-{cause}-{variant}"), variant, &o);
                 let child = editor.edit(&req).await.unwrap_or_else(|e| panic!("{cause} v{variant}: {e}"));
                 assert!(check_spec(&child, &o).is_empty());
                 assert_eq!(child.parent.as_deref(), Some("h0"));
@@ -695,6 +708,7 @@ mod tests {
     async fn without_harness_actions_children_repair_through_the_policys_output() {
         let editor = TemplateEditor::default();
         let o = ValidateOptions { harness_actions: false, ..opts() };
+        let h0 = HarnessSpec::h0();
         for (cause, _) in codes::ALL {
             let repairs = repairs_for(cause, 2);
             assert!(!repairs[0].harness_side(), "{cause}: policy-side mechanisms come first");
@@ -702,17 +716,7 @@ mod tests {
             assert!(repairs[first_harness_side..].iter().all(Repair::harness_side), "{cause}: harness-side mechanisms come last");
             for variant in 0..4 {
                 let d = direction(&[cause]);
-                let req = EditRequest {
-                    parent: &HarnessSpec::h0(),
-                    direction: &d,
-                    child_id: format!("c-{cause}-{variant}"),
-                    generation: 1,
-                    variant,
-                    feedback: None,
-                    other_briefs: vec![],
-                    earlier: vec![],
-                    validate: &o,
-                };
+                let req = request(&h0, &d, &format!("c-{cause}-{variant}"), variant, &o);
                 let child = editor.edit(&req).await.unwrap_or_else(|e| panic!("{cause} v{variant}: {e}"));
                 assert!(check_spec(&child, &o).is_empty());
                 assert!(crate::harness::harness_side_hooks(&child).is_empty(), "{cause} v{variant}: {child:?}");
@@ -732,17 +736,8 @@ mod tests {
         // Two directions whose rotations would both pick the same prose repair.
         let d1 = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
         let d2 = direction(&[codes::PROSE_ANSWER, codes::NEVER_COMMITTED]);
-        let first = EditRequest {
-            parent: &HarnessSpec::h0(),
-            direction: &d1,
-            child_id: "c1".into(),
-            generation: 1,
-            variant: 0,
-            feedback: None,
-            other_briefs: vec![],
-            earlier: vec![],
-            validate: &o,
-        };
+        let h0 = HarnessSpec::h0();
+        let first = request(&h0, &d1, "c1", 0, &o);
         let c1 = editor.edit(&first).await.unwrap();
         let m1 = editor.mechanisms_in(&c1);
         assert_eq!(m1.len(), 2, "{m1:?}");
@@ -795,17 +790,8 @@ mod tests {
         let editor = TemplateEditor::default();
         let o = opts();
         let d = direction(&[codes::NEVER_COMMITTED, codes::ROUND_LIMIT]);
-        let req = EditRequest {
-            parent: &HarnessSpec::h0(),
-            direction: &d,
-            child_id: "c1".into(),
-            generation: 1,
-            variant: 0,
-            feedback: None,
-            other_briefs: vec![],
-            earlier: vec![],
-            validate: &o,
-        };
+        let h0 = HarnessSpec::h0();
+        let req = request(&h0, &d, "c1", 0, &o);
         let c1 = editor.edit(&req).await.unwrap();
         let req2 = EditRequest { parent: &c1, child_id: "c2".into(), generation: 2, variant: 0, ..req.clone() };
         let c2 = editor.edit(&req2).await.unwrap();
@@ -825,17 +811,7 @@ mod tests {
                       {"id": "low", "event": "before_decision", "condition": "remaining_steps_lte", "action": "warn", "message": "Commit now.", "parameters": {"threshold": 2}}],
             "tool_view": {"tools": [{"name": "execute_sql", "description": "Run SQL."}, {"name": "commit_final_answer"}]}})).unwrap();
         let d = direction(&[codes::PROSE_ANSWER]);
-        let req = EditRequest {
-            parent: &parent,
-            direction: &d,
-            child_id: "c".into(),
-            generation: 2,
-            variant: 0,
-            feedback: None,
-            other_briefs: vec![],
-            earlier: vec![],
-            validate: &o,
-        };
+        let req = request(&parent, &d, "c", 0, &o);
         let reply = r#"{"replace": {"prompt_rules": [{"slot": "answer_format", "text": "Commit with Final Answer: [\"<value>\"]."}],
                                     "tool_view": [{"name": "execute_sql", "description": "Run one SELECT."}]},
                         "remove": {"hooks": ["nag"], "skills": ["inspect"]},
@@ -870,17 +846,8 @@ mod tests {
     fn invalid_llm_replies_are_rejected_with_the_field_named() {
         let o = opts();
         let d = direction(&[codes::NEVER_COMMITTED, codes::PROSE_ANSWER]);
-        let req = EditRequest {
-            parent: &HarnessSpec::h0(),
-            direction: &d,
-            child_id: "x".into(),
-            generation: 1,
-            variant: 0,
-            feedback: None,
-            other_briefs: vec![],
-            earlier: vec![],
-            validate: &o,
-        };
+        let h0 = HarnessSpec::h0();
+        let req = request(&h0, &d, "x", 0, &o);
         assert!(child_from_reply(&req, "I would add a hook.").unwrap_err().contains("no JSON object"));
         let err = child_from_reply(&req, r#"{"hooks": [{"event": "on_lunch", "condition": "always", "action": "warn", "message": "m"}]}"#)
             .unwrap_err();

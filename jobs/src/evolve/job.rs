@@ -312,8 +312,8 @@ async fn measure(
     Ok(Ok((child, local_result(&rows, &targeted, &controls))))
 }
 
-/// Runs the stage.
-pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveOutput, EvolveError> {
+/// The input's own checks, before anything runs.
+fn check_input(input: &EvolveInput) -> Result<(), EvolveError> {
     let s = &input.settings;
     let bad = |field, reason: &str| Err(EvolveError::InvalidInput { field, reason: reason.to_string() });
     if input.train_task_ids.is_empty() {
@@ -331,9 +331,55 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
     if s.local_max_tasks == 0 {
         return bad("settings.local_max_tasks", "must be at least 1");
     }
+    Ok(())
+}
 
-    // The pool starts from H0 or from another run's pool.
-    let (mut manifest, mut specs): (PoolManifest, BTreeMap<String, HarnessSpec>) = match &input.seed_from {
+/// The pool as evolution grows it: its manifest, its members' specs, and the number of
+/// the next child id.
+struct Pool {
+    manifest: PoolManifest,
+    specs: BTreeMap<String, HarnessSpec>,
+    next_child: usize,
+}
+
+impl Pool {
+    /// The next child id of `round` (`g<round>-s<n>`) that no member has.
+    fn child_id(&mut self, round: u32) -> String {
+        loop {
+            let id = format!("g{round}-s{}", self.next_child);
+            self.next_child += 1;
+            if !self.specs.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// Records a candidate that was not kept.
+    fn reject(&mut self, round: u32, child_id: &str, plan: &Plan, reason: String) {
+        tracing::info!(round, child = %child_id, reason = %reason, "candidate rejected");
+        self.manifest.rejected.push(Rejected {
+            id: child_id.to_string(),
+            parent: plan.parent.id.clone(),
+            round,
+            causes: plan.direction.causes.clone(),
+            reason,
+        });
+    }
+
+    /// The members selected as parents, or the first `slots` members when none is.
+    fn parents(&self, slots: usize) -> Vec<HarnessSpec> {
+        let parents: Vec<HarnessSpec> =
+            self.manifest.members.iter().filter(|m| m.selected_as_parent).filter_map(|m| self.specs.get(&m.id).cloned()).collect();
+        if parents.is_empty() {
+            return self.specs.values().take(slots).cloned().collect();
+        }
+        parents
+    }
+}
+
+/// The pool evolution starts from: H0, or another run's pool.
+async fn start_pool(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<Pool, EvolveError> {
+    let (manifest, specs) = match &input.seed_from {
         Some(from) => {
             let m = seed_pool(ctx.store, from, &input.run_id).await?;
             let (_, list) = load_pool(ctx.store, &input.run_id).await?;
@@ -360,26 +406,254 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
             (m, BTreeMap::from([(h0.id.clone(), h0)]))
         }
     };
-    manifest.validation_tasks = input.validation_task_ids.clone();
-    let mut parents: Vec<HarnessSpec> =
-        manifest.members.iter().filter(|m| m.selected_as_parent).filter_map(|m| specs.get(&m.id).cloned()).collect();
-    if parents.is_empty() {
-        parents = specs.values().take(s.parent_slots).cloned().collect();
-    }
+    Ok(Pool { manifest, specs, next_child: 1 })
+}
 
-    // Step 1: V(H) of members without coverage (H0, or members seeded without it).
-    for i in 0..manifest.members.len() {
-        if manifest.members[i].validation_coverage.is_empty() {
-            let spec = specs[&manifest.members[i].id].clone();
+/// Step 1: V(H) of members without coverage (H0, or members seeded without it); the
+/// manifest is saved.
+async fn measure_uncovered(ctx: &EvolveContext<'_>, input: &EvolveInput, pool: &mut Pool) -> Result<(), EvolveError> {
+    for i in 0..pool.manifest.members.len() {
+        if pool.manifest.members[i].validation_coverage.is_empty() {
+            let spec = pool.specs[&pool.manifest.members[i].id].clone();
             let rows = batch(ctx, input, "validation", 0, &spec, &input.validation_task_ids, Split::Validation).await?;
-            manifest.members[i].validation_coverage = solved(&rows).into_iter().collect();
+            pool.manifest.members[i].validation_coverage = solved(&rows).into_iter().collect();
         }
     }
-    save_manifest(ctx.store, &mut manifest).await?;
+    save_manifest(ctx.store, &mut pool.manifest).await?;
+    Ok(())
+}
+
+/// One proposal of a round: a direction of one parent, with the parent's failed and
+/// solved tasks of the round.
+#[derive(Clone)]
+struct Plan {
+    /// The direction's place among its parent's directions (rotates the editor's repairs).
+    index: usize,
+    parent: HarnessSpec,
+    direction: Direction,
+    failed: BTreeSet<String>,
+    solved: BTreeSet<String>,
+}
+
+/// Steps 2a–b: every parent on the round's fresh tasks, its failures diagnosed and formed
+/// into directions; at most `budget` plans, round-robin over parents. Also returns how
+/// many directions were formed.
+async fn plan_round(
+    ctx: &EvolveContext<'_>,
+    input: &EvolveInput,
+    round: u32,
+    parents: &[HarnessSpec],
+    tasks: &[String],
+    budget: u32,
+) -> Result<(Vec<Plan>, usize), EvolveError> {
+    let s = &input.settings;
+    let per_parent = (budget as usize).div_ceil(parents.len().max(1));
+    let mut per_parent_plans: Vec<Vec<Plan>> = Vec::new();
+    for parent in parents {
+        let rows = batch(ctx, input, "train", round, parent, tasks, Split::Train).await?;
+        let ok = solved(&rows);
+        let failed: BTreeSet<String> = rows.iter().filter(|r| !r.success).map(|r| r.task_id.clone()).collect();
+        let diagnoses = ctx.diagnoser.diagnose(&rows).await?;
+        let dirs = form_directions(&diagnoses, &s.directions, per_parent);
+        tracing::info!(round, parent = %parent.id, solved = ok.len(), failed = failed.len(), directions = dirs.len(), "parent diagnosed");
+        per_parent_plans.push(
+            dirs.into_iter()
+                .enumerate()
+                .map(|(index, direction)| Plan { index, parent: parent.clone(), direction, failed: failed.clone(), solved: ok.clone() })
+                .collect(),
+        );
+    }
+    let directions: usize = per_parent_plans.iter().map(Vec::len).sum();
+    Ok((round_robin(&per_parent_plans, budget as usize), directions))
+}
+
+/// At most `budget` plans, taking every parent's k-th before any parent's (k+1)-th, so
+/// every parent gets proposals before any gets more.
+fn round_robin(per_parent: &[Vec<Plan>], budget: usize) -> Vec<Plan> {
+    let mut plans = Vec::new();
+    for k in 0.. {
+        if plans.len() >= budget || per_parent.iter().all(|d| d.len() <= k) {
+            break;
+        }
+        for d in per_parent {
+            if plans.len() < budget {
+                if let Some(plan) = d.get(k) {
+                    plans.push(plan.clone());
+                }
+            }
+        }
+    }
+    plans
+}
+
+/// A version of a child and its local evaluation, or why it is dropped.
+type ChildVersion = Result<(HarnessSpec, LocalResult), String>;
+
+/// The editor's child for `req`, measured ([`measure`]).
+async fn edit_and_measure(
+    ctx: &EvolveContext<'_>,
+    input: &EvolveInput,
+    round: u32,
+    plan: &Plan,
+    req: &EditRequest<'_>,
+    specs: &BTreeMap<String, HarnessSpec>,
+) -> Result<ChildVersion, EvolveError> {
+    match ctx.editor.edit(req).await {
+        Ok(child) => measure(ctx, input, round, &plan.direction, &plan.failed, &plan.solved, specs, child).await,
+        Err(EditError::Backend(e)) => Err(EvolveError::Editor(e)),
+        Err(e) => Ok(Err(e.to_string())),
+    }
+}
+
+/// Steps 2c–d for one plan: the editor's child, validated and evaluated locally, and one
+/// revision when the first version fails a check, repairs nothing or regresses a control.
+async fn propose(
+    ctx: &EvolveContext<'_>,
+    input: &EvolveInput,
+    round: u32,
+    plan: &Plan,
+    mut req: EditRequest<'_>,
+    specs: &BTreeMap<String, HarnessSpec>,
+) -> Result<ChildVersion, EvolveError> {
+    let first = edit_and_measure(ctx, input, round, plan, &req, specs).await?;
+    let needs_revision = match &first {
+        Err(_) => true,
+        Ok((_, l)) => l.repaired.is_empty() || !l.regressed.is_empty(),
+    };
+    if !needs_revision || input.settings.revisions == 0 {
+        return Ok(first);
+    }
+    req.variant += 1;
+    // The revision seeks mechanisms the first version did not use.
+    if let Ok((first_child, _)) = &first {
+        req.earlier.push(first_child.clone());
+    }
+    req.feedback = Some(revision_feedback(&first));
+    let second = edit_and_measure(ctx, input, round, plan, &req, specs).await?;
+    Ok(better_version(first, second))
+}
+
+/// What a revision is told about the first version.
+fn revision_feedback(first: &ChildVersion) -> String {
+    match first {
+        Err(reason) => format!("invalid: {reason}"),
+        Ok((_, l)) => format!(
+            "repaired {} of {} targeted tasks; regressed {} of {} controls",
+            l.repaired.len(),
+            l.targeted.len(),
+            l.regressed.len(),
+            l.controls.len()
+        ),
+    }
+}
+
+/// The version kept of a first version and its revision: the revision when it is valid and
+/// scores higher (repaired minus regressed), or the first is invalid.
+fn better_version(first: ChildVersion, second: ChildVersion) -> ChildVersion {
+    let score = |l: &LocalResult| l.repaired.len() as i64 - l.regressed.len() as i64;
+    match (first, second) {
+        (Err(a), Err(b)) => Err(format!("{a}; revision: {b}")),
+        (Err(_), Ok((c, mut l))) => {
+            l.revised = true;
+            Ok((c, l))
+        }
+        (Ok(first), Err(_)) => Ok(first),
+        (Ok(first), Ok((c, mut l))) => {
+            if score(&l) > score(&first.1) {
+                l.revised = true;
+                Ok((c, l))
+            } else {
+                Ok(first)
+            }
+        }
+    }
+}
+
+/// Steps 2c–e of one round: a child per plan; each kept child's V(H) is measured and it
+/// joins the pool (Eq. 4). Returns the kept children and how many were rejected.
+async fn make_children(
+    ctx: &EvolveContext<'_>,
+    input: &EvolveInput,
+    round: u32,
+    plans: &[Plan],
+    pool: &mut Pool,
+) -> Result<(Vec<Candidate>, usize), EvolveError> {
+    let briefs: Vec<String> = plans.iter().map(|p| format!("{} from {}", p.direction.summary, p.parent.id)).collect();
+    let mut valid: Vec<Candidate> = Vec::new();
+    // Children kept so far this round (so the editor seeks other mechanisms).
+    let mut proposed: Vec<HarnessSpec> = Vec::new();
+    let mut rejected = 0usize;
+    for plan in plans {
+        let child_id = pool.child_id(round);
+        let others: Vec<String> = briefs.iter().filter(|b| !b.starts_with(&plan.direction.summary)).cloned().collect();
+        let req = EditRequest {
+            parent: &plan.parent,
+            direction: &plan.direction,
+            child_id: child_id.clone(),
+            generation: plan.parent.generation + 1,
+            variant: plan.index + (round as usize - 1),
+            feedback: None,
+            other_briefs: others,
+            earlier: proposed.clone(),
+            validate: &ctx.validate,
+        };
+        let (child, local) = match propose(ctx, input, round, plan, req, &pool.specs).await? {
+            Ok(v) => v,
+            Err(reason) => {
+                pool.reject(round, &child_id, plan, reason);
+                rejected += 1;
+                continue;
+            }
+        };
+        proposed.push(child.clone());
+        valid.push(add_child(ctx, input, round, plan, &child, local, &mut pool.manifest).await?);
+        pool.specs.insert(child.id.clone(), child);
+    }
+    Ok((valid, rejected))
+}
+
+/// Step 2e for a kept child: its V(H) on the validation tasks; it joins the pool.
+async fn add_child(
+    ctx: &EvolveContext<'_>,
+    input: &EvolveInput,
+    round: u32,
+    plan: &Plan,
+    child: &HarnessSpec,
+    local: LocalResult,
+    manifest: &mut PoolManifest,
+) -> Result<Candidate, EvolveError> {
+    let rows = batch(ctx, input, "validation", round, child, &input.validation_task_ids, Split::Validation).await?;
+    let coverage = solved(&rows);
+    put_member(ctx.store, &input.run_id, child).await?;
+    tracing::info!(round, child = %child.id, parent = %plan.parent.id, repaired = local.repaired.len(), regressed = local.regressed.len(), validation = coverage.len(), "sibling added to the pool");
+    manifest.members.push(PoolEntry {
+        id: child.id.clone(),
+        parent: Some(plan.parent.id.clone()),
+        generation: child.generation,
+        round,
+        direction: child.direction.clone(),
+        causes: plan.direction.causes.clone(),
+        version: child.version_hash(),
+        editor: ctx.editor.name().to_string(),
+        local: Some(local),
+        validation_coverage: coverage.iter().cloned().collect(),
+        selected_as_parent: false,
+        origin_run: input.run_id.clone(),
+    });
+    Ok(Candidate { id: child.id.clone(), solved: coverage })
+}
+
+/// Runs the stage.
+pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveOutput, EvolveError> {
+    check_input(input)?;
+    let s = &input.settings;
+    let mut pool = start_pool(ctx, input).await?;
+    pool.manifest.validation_tasks = input.validation_task_ids.clone();
+    let mut parents = pool.parents(s.parent_slots);
+    measure_uncovered(ctx, input, &mut pool).await?;
 
     let rounds_total = s.proposal_budgets.len();
     let mut rounds = Vec::new();
-    let mut next_child = 1usize;
     let mut stopped = None;
     for (ri, budget) in s.proposal_budgets.iter().enumerate() {
         let round = ri as u32 + 1;
@@ -393,158 +667,15 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
             break;
         };
         tracing::info!(round, parents = parents.len(), tasks = tasks.len(), budget, "evolve round started");
-
-        // 2a–b: parents on fresh tasks, diagnosis, directions.
-        let per_parent = (*budget as usize).div_ceil(parents.len().max(1));
-        let mut plans: Vec<(usize, HarnessSpec, Direction, BTreeSet<String>, BTreeSet<String>)> = Vec::new();
-        let mut per_parent_dirs: Vec<Vec<(HarnessSpec, Direction, BTreeSet<String>, BTreeSet<String>)>> = Vec::new();
-        for parent in &parents {
-            let rows = batch(ctx, input, "train", round, parent, &tasks, Split::Train).await?;
-            let ok = solved(&rows);
-            let failed: BTreeSet<String> = rows.iter().filter(|r| !r.success).map(|r| r.task_id.clone()).collect();
-            let diagnoses = ctx.diagnoser.diagnose(&rows).await?;
-            let dirs = form_directions(&diagnoses, &s.directions, per_parent);
-            tracing::info!(round, parent = %parent.id, solved = ok.len(), failed = failed.len(), directions = dirs.len(), "parent diagnosed");
-            per_parent_dirs.push(dirs.into_iter().map(|d| (parent.clone(), d, failed.clone(), ok.clone())).collect());
-        }
-        // Round-robin over parents so every parent gets proposals before any gets more.
-        let directions: usize = per_parent_dirs.iter().map(Vec::len).sum();
-        for k in 0.. {
-            if plans.len() >= *budget as usize || per_parent_dirs.iter().all(|d| d.len() <= k) {
-                break;
-            }
-            for d in &per_parent_dirs {
-                if plans.len() < *budget as usize {
-                    if let Some((p, dir, f, o)) = d.get(k) {
-                        plans.push((k, p.clone(), dir.clone(), f.clone(), o.clone()));
-                    }
-                }
-            }
-        }
-        let briefs: Vec<String> = plans.iter().map(|(_, p, d, _, _)| format!("{} from {}", d.summary, p.id)).collect();
-
-        // 2c–e: edit, validate, evaluate locally, measure V(H).
-        let mut valid: Vec<Candidate> = Vec::new();
-        // Children kept so far this round (so the editor seeks other mechanisms).
-        let mut proposed: Vec<HarnessSpec> = Vec::new();
-        let mut rejected = 0usize;
-        for (k, parent, direction, failed, ok) in &plans {
-            let child_id = loop {
-                let id = format!("g{round}-s{next_child}");
-                next_child += 1;
-                if !specs.contains_key(&id) {
-                    break id;
-                }
-            };
-            let mut reject = |reason: String, manifest: &mut PoolManifest| {
-                tracing::info!(round, child = %child_id, reason = %reason, "candidate rejected");
-                manifest.rejected.push(Rejected {
-                    id: child_id.clone(),
-                    parent: parent.id.clone(),
-                    round,
-                    causes: direction.causes.clone(),
-                    reason,
-                });
-                rejected += 1;
-            };
-            let others: Vec<String> = briefs.iter().filter(|b| !b.starts_with(&direction.summary)).cloned().collect();
-            let mut req = EditRequest {
-                parent,
-                direction,
-                child_id: child_id.clone(),
-                generation: parent.generation + 1,
-                variant: k + ri,
-                feedback: None,
-                other_briefs: others,
-                earlier: proposed.clone(),
-                validate: &ctx.validate,
-            };
-            let first = match ctx.editor.edit(&req).await {
-                Ok(child) => measure(ctx, input, round, direction, failed, ok, &specs, child).await?,
-                Err(EditError::Backend(e)) => return Err(EvolveError::Editor(e)),
-                Err(e) => Err(e.to_string()),
-            };
-            let mut kept = first;
-            // One revision when the first version fails a check, repairs nothing or regresses.
-            let needs_revision = match &kept {
-                Err(_) => true,
-                Ok((_, l)) => l.repaired.is_empty() || !l.regressed.is_empty(),
-            };
-            if needs_revision && s.revisions > 0 {
-                req.variant += 1;
-                // The revision seeks mechanisms the first version did not use.
-                if let Ok((first_child, _)) = &kept {
-                    req.earlier.push(first_child.clone());
-                }
-                req.feedback = Some(match &kept {
-                    Err(reason) => format!("invalid: {reason}"),
-                    Ok((_, l)) => format!(
-                        "repaired {} of {} targeted tasks; regressed {} of {} controls",
-                        l.repaired.len(),
-                        l.targeted.len(),
-                        l.regressed.len(),
-                        l.controls.len()
-                    ),
-                });
-                let second = match ctx.editor.edit(&req).await {
-                    Ok(child) => measure(ctx, input, round, direction, failed, ok, &specs, child).await?,
-                    Err(EditError::Backend(e)) => return Err(EvolveError::Editor(e)),
-                    Err(e) => Err(e.to_string()),
-                };
-                let score = |l: &LocalResult| l.repaired.len() as i64 - l.regressed.len() as i64;
-                kept = match (kept, second) {
-                    (Err(a), Err(b)) => Err(format!("{a}; revision: {b}")),
-                    (Err(_), Ok((c, mut l))) => {
-                        l.revised = true;
-                        Ok((c, l))
-                    }
-                    (Ok(first), Err(_)) => Ok(first),
-                    (Ok(first), Ok((c, mut l))) => {
-                        if score(&l) > score(&first.1) {
-                            l.revised = true;
-                            Ok((c, l))
-                        } else {
-                            Ok(first)
-                        }
-                    }
-                };
-            }
-            let (child, local) = match kept {
-                Ok(v) => v,
-                Err(reason) => {
-                    reject(reason, &mut manifest);
-                    continue;
-                }
-            };
-            proposed.push(child.clone());
-            let rows = batch(ctx, input, "validation", round, &child, &input.validation_task_ids, Split::Validation).await?;
-            let coverage = solved(&rows);
-            put_member(ctx.store, &input.run_id, &child).await?;
-            tracing::info!(round, child = %child.id, parent = %parent.id, repaired = local.repaired.len(), regressed = local.regressed.len(), validation = coverage.len(), "sibling added to the pool");
-            manifest.members.push(PoolEntry {
-                id: child.id.clone(),
-                parent: Some(parent.id.clone()),
-                generation: child.generation,
-                round,
-                direction: child.direction.clone(),
-                causes: direction.causes.clone(),
-                version: child.version_hash(),
-                editor: ctx.editor.name().to_string(),
-                local: Some(local),
-                validation_coverage: coverage.iter().cloned().collect(),
-                selected_as_parent: false,
-                origin_run: input.run_id.clone(),
-            });
-            valid.push(Candidate { id: child.id.clone(), solved: coverage });
-            specs.insert(child.id.clone(), child);
-        }
+        let (plans, directions) = plan_round(ctx, input, round, &parents, &tasks, *budget).await?;
+        let (valid, rejected) = make_children(ctx, input, round, &plans, &mut pool).await?;
 
         // 2f: parent selection (Eq. 3).
         let selection = select_parents(&valid, s.parent_slots);
-        for m in manifest.members.iter_mut() {
+        for m in pool.manifest.members.iter_mut() {
             m.selected_as_parent = selection.as_ref().is_some_and(|sel| sel.parents.contains(&m.id));
         }
-        save_manifest(ctx.store, &mut manifest).await?;
+        save_manifest(ctx.store, &mut pool.manifest).await?;
         let summary = RoundSummary {
             round,
             parents: parents.iter().map(|p| p.id.clone()).collect(),
@@ -558,7 +689,7 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
         tracing::info!(round, valid = summary.valid.len(), rejected, selected = ?summary.selected, covered = summary.covered, "evolve round done");
         rounds.push(summary);
         match selection {
-            Some(sel) => parents = sel.parents.iter().map(|id| specs[id].clone()).collect(),
+            Some(sel) => parents = sel.parents.iter().map(|id| pool.specs[id].clone()).collect(),
             None => {
                 tracing::info!(round, "no valid child this round; evolution stops");
                 if ri + 1 < rounds_total {
@@ -568,7 +699,7 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
             }
         }
     }
-    Ok(EvolveOutput { manifest, rounds, stopped })
+    Ok(EvolveOutput { manifest: pool.manifest, rounds, stopped })
 }
 
 #[cfg(test)]

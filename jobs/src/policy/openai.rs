@@ -282,10 +282,7 @@ impl OpenAiPolicy {
     /// answer, even 404 from a server without that route, counts as reachable.
     pub async fn probe(&self) -> Result<(), PolicyError> {
         let url = format!("{}/models", self.config.base_url.trim_end_matches('/'));
-        let mut request = self.http.get(&url).timeout(Duration::from_secs_f64(self.config.connect_timeout_s + 10.0));
-        if let Some(key) = &self.api_key {
-            request = request.bearer_auth(&key.0);
-        }
+        let request = self.with_key(self.http.get(&url).timeout(Duration::from_secs_f64(self.config.connect_timeout_s + 10.0)));
         let response = request.send().await.map_err(|e| PolicyError::Unreachable { endpoint: url.clone(), detail: error_chain(&e) })?;
         match response.status().as_u16() {
             401 | 403 => {
@@ -334,20 +331,31 @@ impl OpenAiPolicy {
 
     /// One HTTP attempt: send, check the status, decode the completion.
     async fn attempt(&self, body: &Value) -> Result<Completion, PolicyError> {
-        let mut request = self.http.post(&self.chat_url).json(body);
-        if let Some(key) = &self.api_key {
-            request = request.bearer_auth(&key.0);
+        let (text, served) = self.post(&self.chat_url, body).await?;
+        let mut completion = parse_completion(&text)?;
+        completion.checkpoint = served;
+        Ok(completion)
+    }
+
+    /// `request` with the API key, when there is one.
+    fn with_key(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.api_key {
+            Some(key) => request.bearer_auth(&key.0),
+            None => request,
         }
-        let response = request.send().await.map_err(|e| self.transport_error(e))?;
+    }
+
+    /// POSTs `body` as JSON to `url`: the answer's text and the weights it names
+    /// (`x-harness-s-checkpoint`), or the transport error or the typed error status.
+    async fn post(&self, url: &str, body: &Value) -> Result<(String, Option<String>), PolicyError> {
+        let response = self.with_key(self.http.post(url).json(body)).send().await.map_err(|e| self.transport_error(e))?;
         let status = response.status();
         let served = response.headers().get(CHECKPOINT_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
         let text = response.text().await.map_err(|e| self.transport_error(e))?;
         if !status.is_success() {
             return Err(http_error(status.as_u16(), &text, self.api_key.is_some()));
         }
-        let mut completion = parse_completion(&text)?;
-        completion.checkpoint = served;
-        Ok(completion)
+        Ok((text, served))
     }
 
     /// With a synced checkpoint ([`OpenAiConfig::checkpoint`]): a reply from other weights
@@ -456,16 +464,7 @@ impl OpenAiPolicy {
         struct Tokens {
             tokens: Vec<u32>,
         }
-        let mut request = self.http.post(url).json(&body);
-        if let Some(key) = &self.api_key {
-            request = request.bearer_auth(&key.0);
-        }
-        let response = request.send().await.map_err(|e| self.transport_error(e))?;
-        let status = response.status();
-        let text = response.text().await.map_err(|e| self.transport_error(e))?;
-        if !status.is_success() {
-            return Err(http_error(status.as_u16(), &text, self.api_key.is_some()));
-        }
+        let (text, _) = self.post(url, &body).await?;
         serde_json::from_str::<Tokens>(&text)
             .map(|t| t.tokens)
             .map_err(|e| PolicyError::InvalidOutput { detail: format!("tokenizer answer from {url} is not {{\"tokens\": [...]}}: {e}") })

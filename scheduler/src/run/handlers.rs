@@ -12,6 +12,7 @@ use jobs::policy::metered::Metered;
 use jobs::policy::Policy;
 use jobs::rollout::{RolloutContext, RolloutInput};
 use schemas::{JobEnvelope, JobKind};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 use worker::{Handler, JobContext, JobFailure, JobOutput, Registry};
@@ -56,6 +57,34 @@ pub struct EvolveJob {
 /// Payload of a learn job.
 pub type LearnJob = native::learn::LearnInput;
 
+/// The payload of a job of a run: it names the run.
+trait RunPayload: DeserializeOwned {
+    fn run_id(&self) -> &str;
+}
+
+impl RunPayload for RolloutJob {
+    fn run_id(&self) -> &str {
+        &self.input.run_id
+    }
+}
+
+impl RunPayload for ReanchorJob {
+    fn run_id(&self) -> &str {
+        &self.input.run_id
+    }
+}
+
+impl RunPayload for EvolveJob {
+    fn run_id(&self) -> &str {
+        &self.input.run_id
+    }
+}
+
+/// A job's payload; one that does not decode fails the job for good (`invalid <kind> payload`).
+fn decode<T: DeserializeOwned>(job: &JobEnvelope) -> Result<T, JobFailure> {
+    serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(format!("invalid {} payload: {e}", job.kind)))
+}
+
 /// Run inputs and the loaded policy, shared by the handlers of one process.
 #[derive(Default)]
 pub struct Shared {
@@ -65,6 +94,14 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// What every handler of a run's jobs starts with: the job's payload and the run's
+    /// inputs.
+    async fn open<T: RunPayload>(&self, store: &dyn ObjectStore, job: &JobEnvelope) -> Result<(T, Arc<RunInputs>), JobFailure> {
+        let payload: T = decode(job)?;
+        let inputs = self.inputs(store, payload.run_id()).await?;
+        Ok((payload, inputs))
+    }
+
     async fn inputs(&self, store: &dyn ObjectStore, run_id: &str) -> Result<Arc<RunInputs>, JobFailure> {
         let mut cache = self.inputs.lock().await;
         if let Some(i) = cache.get(run_id) {
@@ -165,10 +202,8 @@ pub struct RolloutHandler {
 #[async_trait]
 impl Handler for RolloutHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
-        let payload: RolloutJob =
-            serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(format!("invalid {} payload: {e}", job.kind)))?;
         let store = ctx.store.as_ref();
-        let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
+        let (payload, inputs) = self.shared.open::<RolloutJob>(store, job).await?;
         let policy = self.shared.policy(store, &inputs, payload.checkpoint_step).await?;
         let envs = inputs.env_factory(payload.input.split).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
         let rctx =
@@ -188,10 +223,8 @@ pub struct ReanchorHandler {
 #[async_trait]
 impl Handler for ReanchorHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
-        let payload: ReanchorJob =
-            serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(format!("invalid reanchor payload: {e}")))?;
         let store = ctx.store.as_ref();
-        let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
+        let (payload, inputs) = self.shared.open::<ReanchorJob>(store, job).await?;
         let policy = self.shared.policy(store, &inputs, payload.checkpoint_step).await?;
         let envs = inputs.env_factory(schemas::Split::Validation).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
         let profiler = inputs.spec().router.profiler.as_ref().map(|e| text_model(e, "router.profiler")).transpose()?;
@@ -222,10 +255,8 @@ pub struct EvolveHandler {
 #[async_trait]
 impl Handler for EvolveHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
-        let payload: EvolveJob =
-            serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(format!("invalid evolve payload: {e}")))?;
         let store = ctx.store.as_ref();
-        let inputs = self.shared.inputs(store, &payload.input.run_id).await?;
+        let (payload, inputs) = self.shared.open::<EvolveJob>(store, job).await?;
         let Some(settings) = inputs.spec().evolution.clone() else {
             return Err(JobFailure::Fatal(format!("run `{}` has no [evolution] section", payload.input.run_id)));
         };
@@ -282,8 +313,7 @@ pub struct LearnHandler;
 #[async_trait]
 impl Handler for LearnHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
-        let input: LearnJob =
-            serde_json::from_value(job.payload.clone()).map_err(|e| JobFailure::Fatal(format!("invalid learn payload: {e}")))?;
+        let input: LearnJob = decode(job)?;
         // Training is CPU/GPU-bound and its state is not `Send`: it runs on a blocking
         // thread that drives the learn job's own IO to completion.
         let store = ctx.store.clone();

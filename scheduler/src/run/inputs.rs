@@ -304,7 +304,7 @@ impl RunInputs {
 
     fn dbbench_factory(&self, split: Split) -> anyhow::Result<DbBenchFactory> {
         let env = &self.spec().environment;
-        let mut config = DbBenchConfig::from_engine_name(&env.engine, env.db_url.as_deref())?;
+        let mut config = DbBenchConfig::from_engine_name(env.engine.as_str(), env.db_url.as_deref())?;
         if let Some(r) = env.max_rounds {
             config = config.with_max_rounds(r)?;
         }

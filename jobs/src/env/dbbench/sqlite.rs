@@ -28,7 +28,7 @@ use rusqlite::limits::Limit;
 use rusqlite::types::ValueRef;
 use rusqlite::{Connection, ErrorCode};
 
-use super::db::{Exec, ExecSettings, RowRenderer, TableHash, TIMEOUT_TEXT};
+use super::exec::{Exec, ExecSettings, RowRenderer, TableHash, TIMEOUT_TEXT};
 use super::grade::{aggregate_rowhashes, quote_ident, rowhash_query};
 use super::pyvalue::{float_repr, PyValue};
 use super::task::TableSpec;

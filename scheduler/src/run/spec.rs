@@ -553,6 +553,9 @@ pub struct LearnerSection {
     pub micro_batch_tokens: usize,
     /// Optimizer steps per batch of retained groups (π_old stays the pre-update policy).
     pub updates_per_batch: usize,
+    /// Rows that start with the same tokens run that prefix once per micro-batch (the
+    /// same gradient within float rounding, fewer tokens); `false` runs every row whole.
+    pub share_prefixes: bool,
 }
 
 impl Default for LearnerSection {
@@ -566,6 +569,7 @@ impl Default for LearnerSection {
             max_grad_norm: o.max_grad_norm,
             micro_batch_tokens: l.micro_batch_tokens,
             updates_per_batch: l.updates_per_batch,
+            share_prefixes: l.share_prefixes,
         }
     }
 }
@@ -585,6 +589,7 @@ impl LearnerSection {
             micro_batch_tokens: self.micro_batch_tokens,
             updates_per_batch: self.updates_per_batch,
             seed,
+            share_prefixes: self.share_prefixes,
         }
     }
 }

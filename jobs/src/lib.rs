@@ -9,6 +9,7 @@
 //! The first job kind here is the diagnostic [`sleep`] job used by queue tests and
 //! `harness-s bench queue`.
 
+pub mod edit;
 pub mod env;
 pub mod evolve;
 pub mod harness;
@@ -19,3 +20,5 @@ pub mod rescue;
 pub mod rollout;
 pub mod router;
 pub mod sleep;
+#[cfg(test)]
+pub(crate) mod testing;

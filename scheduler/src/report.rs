@@ -388,6 +388,9 @@ async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Pa
 /// Writes `runs/<run>/reports/{report.md, signals.png, validation.png, rescue.png}`;
 /// returns the report's URL.
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
+    if crate::run::inputs::load_stored(store, run_id).await.is_ok_and(|r| r.spec.editor_training.is_some()) {
+        return crate::run::editor::write_report(store, run_id).await;
+    }
     let s = Series::load(store, run_id).await?;
     let dir = tempfile::tempdir().context("cannot create a temporary folder for plots")?;
     let rows: Vec<schemas::Trajectory> = infra::table::read_committed(store, run_id, &schemas::keys::trajectories_prefix(run_id)).await?;

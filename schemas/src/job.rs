@@ -13,12 +13,15 @@ pub enum JobKind {
     Reanchor,
     Learn,
     Eval,
+    /// A harness editor writes G patches for a trace packet, and each valid one is rerun
+    /// (Harness-R1).
+    Edit,
     /// Diagnostic: sleeps and writes a small output. Used by tests and `bench queue`.
     Sleep,
 }
 
 impl JobKind {
-    pub const ALL: [JobKind; 7] = [Self::Evolve, Self::Rollout, Self::Rescue, Self::Reanchor, Self::Learn, Self::Eval, Self::Sleep];
+    pub const ALL: [JobKind; 8] = [Self::Evolve, Self::Rollout, Self::Rescue, Self::Reanchor, Self::Learn, Self::Eval, Self::Edit, Self::Sleep];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -28,6 +31,7 @@ impl JobKind {
             Self::Reanchor => "reanchor",
             Self::Learn => "learn",
             Self::Eval => "eval",
+            Self::Edit => "edit",
             Self::Sleep => "sleep",
         }
     }

@@ -29,6 +29,31 @@ pub fn group_part(run_id: &str, step: u32, job_id: &str) -> String {
     format!("runs/{run_id}/groups/step={step}/part-{job_id}.parquet")
 }
 
+/// `runs/<run>/packets/part-<job>.parquet`: trace packets for a harness editor.
+pub fn packet_part(run_id: &str, job_id: &str) -> String {
+    format!("runs/{run_id}/packets/part-{job_id}.parquet")
+}
+
+/// `runs/<run>/packets/`
+pub fn packets_prefix(run_id: &str) -> String {
+    format!("runs/{run_id}/packets/")
+}
+
+/// `runs/<run>/patches/step=<n>/part-<job>.parquet`: an editor's patches and rewards.
+pub fn patch_part(run_id: &str, step: u32, job_id: &str) -> String {
+    format!("runs/{run_id}/patches/step={step}/part-{job_id}.parquet")
+}
+
+/// `runs/<run>/patches/step=<n>/`
+pub fn patches_of_step(run_id: &str, step: u32) -> String {
+    format!("runs/{run_id}/patches/step={step}/")
+}
+
+/// `runs/<run>/patches/`
+pub fn patches_prefix(run_id: &str) -> String {
+    format!("runs/{run_id}/patches/")
+}
+
 /// `runs/<run>/profiles/calib=<id>/part-<job>.parquet`
 pub fn profile_part(run_id: &str, calibration_id: &str, job_id: &str) -> String {
     format!("runs/{run_id}/profiles/calib={calibration_id}/part-{job_id}.parquet")

@@ -25,6 +25,7 @@
 //! [`JobEnvelope`] and stays apart from payloads.
 
 mod checkpoint;
+mod edit;
 mod error;
 mod group;
 mod harness;
@@ -37,6 +38,7 @@ mod routing;
 mod trajectory;
 
 pub use checkpoint::{CheckpointManifest, FileEntry};
+pub use edit::{PatchRecord, TracePacket};
 pub use error::SchemaError;
 pub use group::{Group, RetainedKind};
 pub use harness::*;

@@ -14,10 +14,13 @@ pub enum RolloutKind {
     Calibration,
     /// An evaluation rollout (baseline or final, Pass@k / Avg@k).
     Eval,
+    /// A harness editor's reply to a trace packet (Harness-R1): one patch, its reward the
+    /// change it made to the frozen target's success.
+    Edit,
 }
 
 impl RolloutKind {
-    pub const ALL: [RolloutKind; 4] = [Self::Base, Self::Rescue, Self::Calibration, Self::Eval];
+    pub const ALL: [RolloutKind; 5] = [Self::Base, Self::Rescue, Self::Calibration, Self::Eval, Self::Edit];
 
     /// The value used in object names (`kind=<value>`) and in the `kind` column.
     pub fn as_str(self) -> &'static str {
@@ -26,6 +29,7 @@ impl RolloutKind {
             Self::Rescue => "rescue",
             Self::Calibration => "calibration",
             Self::Eval => "eval",
+            Self::Edit => "edit",
         }
     }
 }

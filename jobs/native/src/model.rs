@@ -484,41 +484,54 @@ impl Llama {
         let (b, t) = rows.size2().expect("rows must be [B, T]");
         let hd = c.head_dim();
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let n_rep = nh / nkv;
         let (cos_p, sin_p) = self.rope_tables(0, p);
         let (cos_r, sin_r) = self.rope_tables(p, t);
-        let causal = |start: i64, len: i64| {
-            let q_pos = Tensor::arange_start(start, start + len, (Kind::Int64, self.device())).unsqueeze(1);
-            Tensor::arange(start + len, (Kind::Int64, self.device())).unsqueeze(0).le_tensor(&q_pos)
-        };
-        let (mask_p, mask_r) = (causal(0, p), causal(p, t));
-        let repeat = |x: Tensor| if n_rep > 1 { x.repeat_interleave_self_int(n_rep, 1, None) } else { x };
-        let attend = |q: &Tensor, k: Tensor, v: Tensor, mask: &Tensor| {
-            Tensor::scaled_dot_product_attention(q, &repeat(k), &repeat(v), Some(mask), 0.0, false, None, false)
-        };
+        let (mask_p, mask_r) = (self.causal_mask(0, p), self.causal_mask(p, t));
         let split = |y: &Tensor, heads: i64| {
             (y.narrow(0, 0, p).view([1, p, heads, hd]).transpose(1, 2), y.narrow(0, p, b * t).view([b, t, heads, hd]).transpose(1, 2))
         };
         let tokens = Tensor::cat(&[prefix.shallow_clone(), rows.reshape([-1])], 0);
         let mut x = Tensor::embedding(&self.embed, &tokens, -1, false, false);
         for l in &self.layers {
-            let h = rms_norm(&x, &l.input_norm, c.rms_norm_eps);
-            let (q_p, q_r) = split(&linear(&h, &l.q, l.q_bias.as_ref()), nh);
-            let (k_p, k_r) = split(&linear(&h, &l.k, l.k_bias.as_ref()), nkv);
-            let (v_p, v_r) = split(&linear(&h, &l.v, l.v_bias.as_ref()), nkv);
-            let (q_p, k_p) = (self.rope(&q_p, &cos_p, &sin_p), self.rope(&k_p, &cos_p, &sin_p));
-            let (q_r, k_r) = (self.rope(&q_r, &cos_r, &sin_r), self.rope(&k_r, &cos_r, &sin_r));
-            let att_p = attend(&q_p, k_p.shallow_clone(), v_p.shallow_clone(), &mask_p);
-            let k_all = Tensor::cat(&[k_p.expand([b, nkv, p, hd], false), k_r], 2);
-            let v_all = Tensor::cat(&[v_p.expand([b, nkv, p, hd], false), v_r], 2);
-            let att_r = attend(&q_r, k_all, v_all, &mask_r);
-            let att = Tensor::cat(&[att_p.transpose(1, 2).reshape([p, nh * hd]), att_r.transpose(1, 2).reshape([b * t, nh * hd])], 0);
-            x = x + att.matmul(&l.o.tr());
-            let h = rms_norm(&x, &l.post_norm, c.rms_norm_eps);
-            let mlp = (h.matmul(&l.gate.tr()).silu() * h.matmul(&l.up.tr())).matmul(&l.down.tr());
-            x = x + mlp;
+            x = self.layer(l, &x, |q, k, v| {
+                let ((q_p, q_r), (k_p, k_r), (v_p, v_r)) = (split(&q, nh), split(&k, nkv), split(&v, nkv));
+                let (q_p, k_p) = (self.rope(&q_p, &cos_p, &sin_p), self.rope(&k_p, &cos_p, &sin_p));
+                let (q_r, k_r) = (self.rope(&q_r, &cos_r, &sin_r), self.rope(&k_r, &cos_r, &sin_r));
+                let att_p = self.attend(&q_p, &k_p, &v_p, Some(&mask_p));
+                let k_all = Tensor::cat(&[k_p.expand([b, nkv, p, hd], false), k_r], 2);
+                let v_all = Tensor::cat(&[v_p.expand([b, nkv, p, hd], false), v_r], 2);
+                let att_r = self.attend(&q_r, &k_all, &v_all, Some(&mask_r));
+                Tensor::cat(&[att_p.transpose(1, 2).reshape([p, nh * hd]), att_r.transpose(1, 2).reshape([b * t, nh * hd])], 0)
+            });
         }
         rms_norm(&x.narrow(0, p, b * t), &self.norm, c.rms_norm_eps).view([b, t, -1])
+    }
+
+    /// One decoder layer on the residual stream `x` (`[.., hidden]`): pre-norm, the q, k and
+    /// v projections, `attention` (which places, rotates and attends them and returns `[..,
+    /// heads · head_dim]` in `x`'s row layout), the output projection, and the SwiGLU MLP.
+    /// Only attention differs between the full, cached and shared-prefix passes.
+    fn layer(&self, l: &Layer, x: &Tensor, attention: impl FnOnce(Tensor, Tensor, Tensor) -> Tensor) -> Tensor {
+        let eps = self.config.rms_norm_eps;
+        let h = rms_norm(x, &l.input_norm, eps);
+        let att = attention(linear(&h, &l.q, l.q_bias.as_ref()), linear(&h, &l.k, l.k_bias.as_ref()), linear(&h, &l.v, l.v_bias.as_ref()));
+        let x = x + att.matmul(&l.o.tr());
+        let h = rms_norm(&x, &l.post_norm, eps);
+        let mlp = (h.matmul(&l.gate.tr()).silu() * h.matmul(&l.up.tr())).matmul(&l.down.tr());
+        x + mlp
+    }
+
+    /// Grouped-query attention of `q` `[B, heads, T, hd]` over `k`, `v` `[B, kv_heads, S, hd]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
+        let n_rep = self.config.num_attention_heads / self.config.num_key_value_heads;
+        let repeat = |x: &Tensor| if n_rep > 1 { x.repeat_interleave_self_int(n_rep, 1, None) } else { x.shallow_clone() };
+        Tensor::scaled_dot_product_attention(q, &repeat(k), &repeat(v), mask, 0.0, false, None, false)
+    }
+
+    /// `[len, start + len]`: whether query position `start + i` may attend to key position `j`.
+    fn causal_mask(&self, start: i64, len: i64) -> Tensor {
+        let q_pos = Tensor::arange_start(start, start + len, (Kind::Int64, self.device())).unsqueeze(1);
+        Tensor::arange(start + len, (Kind::Int64, self.device())).unsqueeze(0).le_tensor(&q_pos)
     }
 
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]` (the LM head).
@@ -537,41 +550,24 @@ impl Llama {
         if let Some(cache) = cache.as_mut() {
             cache.layers.resize_with(self.layers.len(), || None);
         }
-        let hd = c.head_dim();
+        let (hd, nh, nkv) = (c.head_dim(), c.num_attention_heads, c.num_key_value_heads);
         let (cos, sin) = self.rope_tables(start, t);
-        let mask = (t > 1).then(|| {
-            let q_pos = Tensor::arange_start(start, start + t, (Kind::Int64, self.device())).unsqueeze(1);
-            let k_pos = Tensor::arange(start + t, (Kind::Int64, self.device())).unsqueeze(0);
-            k_pos.le_tensor(&q_pos)
-        });
-        let n_rep = c.num_attention_heads / c.num_key_value_heads;
+        let mask = (t > 1).then(|| self.causal_mask(start, t));
         let mut x = Tensor::embedding(&self.embed, tokens, -1, false, false);
         for (i, l) in self.layers.iter().enumerate() {
-            let h = rms_norm(&x, &l.input_norm, c.rms_norm_eps);
-            let q = linear(&h, &l.q, l.q_bias.as_ref()).view([b, t, c.num_attention_heads, hd]).transpose(1, 2);
-            let k = linear(&h, &l.k, l.k_bias.as_ref()).view([b, t, c.num_key_value_heads, hd]).transpose(1, 2);
-            let v = linear(&h, &l.v, l.v_bias.as_ref()).view([b, t, c.num_key_value_heads, hd]).transpose(1, 2);
-            let q = self.rope(&q, &cos, &sin);
-            let mut k = self.rope(&k, &cos, &sin);
-            let mut v = v;
-            if let Some(cache) = cache.as_mut() {
-                if let Some((pk, pv)) = &cache.layers[i] {
-                    k = Tensor::cat(&[pk, &k], 2);
-                    v = Tensor::cat(&[pv, &v], 2);
+            x = self.layer(l, &x, |q, k, v| {
+                let q = self.rope(&q.view([b, t, nh, hd]).transpose(1, 2), &cos, &sin);
+                let mut k = self.rope(&k.view([b, t, nkv, hd]).transpose(1, 2), &cos, &sin);
+                let mut v = v.view([b, t, nkv, hd]).transpose(1, 2);
+                if let Some(cache) = cache.as_mut() {
+                    if let Some((pk, pv)) = &cache.layers[i] {
+                        k = Tensor::cat(&[pk, &k], 2);
+                        v = Tensor::cat(&[pv, &v], 2);
+                    }
+                    cache.layers[i] = Some((k.shallow_clone(), v.shallow_clone()));
                 }
-                cache.layers[i] = Some((k.shallow_clone(), v.shallow_clone()));
-            }
-            let (k, v) = if n_rep > 1 {
-                (k.repeat_interleave_self_int(n_rep, 1, None), v.repeat_interleave_self_int(n_rep, 1, None))
-            } else {
-                (k, v)
-            };
-            let att = Tensor::scaled_dot_product_attention(&q, &k, &v, mask.as_ref(), 0.0, false, None, false);
-            let att = att.transpose(1, 2).contiguous().view([b, t, c.num_attention_heads * hd]);
-            x = x + att.matmul(&l.o.tr());
-            let h = rms_norm(&x, &l.post_norm, c.rms_norm_eps);
-            let mlp = (h.matmul(&l.gate.tr()).silu() * h.matmul(&l.up.tr())).matmul(&l.down.tr());
-            x = x + mlp;
+                self.attend(&q, &k, &v, mask.as_ref()).transpose(1, 2).contiguous().view([b, t, nh * hd])
+            });
         }
         rms_norm(&x, &self.norm, c.rms_norm_eps)
     }
@@ -631,14 +627,7 @@ impl Llama {
         let mut x = Tensor::embedding(&self.embed, &Tensor::from_slice(&tokens).to_device(dev), -1, false, false);
         let masks: Vec<Option<Tensor>> = segments
             .iter()
-            .map(|s| {
-                (s.rows > 1).then(|| {
-                    let start = s.cache.len as i64;
-                    let q_pos = Tensor::arange_start(start, start + s.rows as i64, (Kind::Int64, dev)).unsqueeze(1);
-                    let k_pos = Tensor::arange(start + s.rows as i64, (Kind::Int64, dev)).unsqueeze(0);
-                    k_pos.le_tensor(&q_pos)
-                })
-            })
+            .map(|s| (s.rows > 1).then(|| self.causal_mask(s.cache.len as i64, s.rows as i64)))
             .collect();
         let att = Tensor::zeros([1, heads, m, hd], (Kind::Float, dev));
         for (i, (l, pl)) in self.layers.iter().zip(layers).enumerate() {

@@ -579,23 +579,37 @@ pub fn extract_json(text: &str) -> Result<Value, String> {
 /// Turns an editor reply into a validated child, or the reason it is invalid (the
 /// validation problems with their JSON paths).
 pub fn child_from_reply(req: &EditRequest<'_>, reply: &str) -> Result<HarnessSpec, String> {
+    patch_from_reply(req.parent, reply, &req.child_id, req.generation, &req.direction.summary, req.validate)
+}
+
+/// A reply's patch applied to `parent`: the child `child_id` when the reply holds one JSON
+/// diff that parses, applies, validates and changes at least one component; otherwise why
+/// not, in words a revision (or a stored patch row) can show.
+pub fn patch_from_reply(
+    parent: &HarnessSpec,
+    reply: &str,
+    child_id: &str,
+    generation: u32,
+    direction: &str,
+    validate: &ValidateOptions,
+) -> Result<HarnessSpec, String> {
     let diff = extract_json(reply)?;
     if diff.as_object().is_some_and(|m| m.is_empty()) {
         return Err("the edit adds nothing".into());
     }
-    let value = apply_diff(req.parent, &diff, &req.child_id, req.generation, &req.direction.summary)?;
-    let spec = spec_from_value(&req.child_id, &value, req.validate).map_err(|e| e.to_string())?;
-    if spec.prompt_rules == req.parent.prompt_rules
-        && spec.skills == req.parent.skills
-        && spec.hooks == req.parent.hooks
-        && spec.context == req.parent.context
-        && spec.memory == req.parent.memory
-        && spec.examples == req.parent.examples
-        && spec.tool_view == req.parent.tool_view
+    let value = apply_diff(parent, &diff, child_id, generation, direction)?;
+    let spec = spec_from_value(child_id, &value, validate).map_err(|e| e.to_string())?;
+    if spec.prompt_rules == parent.prompt_rules
+        && spec.skills == parent.skills
+        && spec.hooks == parent.hooks
+        && spec.context == parent.context
+        && spec.memory == parent.memory
+        && spec.examples == parent.examples
+        && spec.tool_view == parent.tool_view
     {
         return Err("the edit changes no component of the parent".into());
     }
-    debug_assert!(check_spec(&spec, req.validate).is_empty());
+    debug_assert!(check_spec(&spec, validate).is_empty());
     Ok(spec)
 }
 

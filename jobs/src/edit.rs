@@ -146,10 +146,15 @@ pub async fn run(ctx: &EditContext<'_>, input: &EditInput) -> Result<EditOutput,
     }
     let messages = prompt(&input.parent, &input.packet);
     let replies = sample(ctx, input, &messages).await?;
-    let mut patches = Vec::with_capacity(replies.len());
-    for (g, reply) in replies.iter().enumerate() {
-        patches.push(score(ctx, input, g as u32, &reply.text).await?);
-    }
+    // Patches are scored at the same time: the target's engine batches their reruns.
+    // Owned texts keep the stream's futures `Send` for any caller lifetime.
+    let texts: Vec<(u32, String)> = replies.iter().enumerate().map(|(g, r)| (g as u32, r.text.clone())).collect();
+    let scored: Vec<Result<PatchRecord, EditJobError>> = stream::iter(texts)
+        .map(|(g, text)| async move { score(ctx, input, g, &text).await })
+        .buffered(replies.len().max(1))
+        .collect()
+        .await;
+    let mut patches = scored.into_iter().collect::<Result<Vec<_>, _>>()?;
     // Eq. 3: advantages within the packet's G patches.
     let outcomes: Vec<Outcome> = patches
         .iter()

@@ -230,7 +230,7 @@ pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<Sampling
     if stop.len() > 4 || stop.iter().any(|x| x.is_empty()) {
         return Err(BadRequest::field("stop", "give at most 4 non-empty stop strings"));
     }
-    Ok(SamplingParams { temperature, top_p, max_tokens, seed: Some(s.seed.unwrap_or_else(rand::random)), stop })
+    Ok(SamplingParams { temperature, top_p, max_tokens, seed: Some(s.seed.unwrap_or_else(rand::random)), stop, constrain: None })
 }
 
 fn content_text(c: &Option<Content>, path: &str) -> Result<String, BadRequest> {

@@ -39,7 +39,7 @@ use tch::Tensor;
 
 use crate::model::{EngineWeights, Llama, Segment, SeqKv};
 use crate::packed::WeightFormat;
-use crate::sampler::{sample_next, top_logprobs, validate, Finish, GenerateOptions, Generation};
+use crate::sampler::{sample_masked, sample_next, top_logprobs, validate, Finish, GenerateOptions, Generation};
 use crate::NativeError;
 
 /// Engine settings.
@@ -129,6 +129,17 @@ impl EngineStats {
 /// Stops generation when it returns true for the tokens so far (stop strings).
 pub type StopFn = Box<dyn FnMut(&[u32]) -> bool + Send>;
 
+/// Which tokens may come next (constrained decoding): the engine asks before each draw
+/// and reports the token drawn.
+pub trait Constraint: Send {
+    /// Whether token `id` may come next.
+    fn allows(&self, id: u32) -> bool;
+    /// Whether the generation may end here (a stop token may come next).
+    fn may_stop(&self) -> bool;
+    /// Records the token drawn.
+    fn advance(&mut self, id: u32);
+}
+
 /// One generation.
 pub struct Request {
     pub prompt: Vec<u32>,
@@ -137,12 +148,14 @@ pub struct Request {
     pub should_stop: Option<StopFn>,
     /// Also record this many most likely tokens at each position (0: none).
     pub top_logprobs: usize,
+    /// Draw only tokens this allows.
+    pub constraint: Option<Box<dyn Constraint>>,
 }
 
 impl Request {
     /// A generation of `prompt` with no stop tokens and no top log-probabilities.
     pub fn new(prompt: Vec<u32>, opts: GenerateOptions) -> Self {
-        Request { prompt, opts, stop_ids: vec![], should_stop: None, top_logprobs: 0 }
+        Request { prompt, opts, stop_ids: vec![], should_stop: None, top_logprobs: 0, constraint: None }
     }
 }
 
@@ -559,7 +572,16 @@ impl Worker {
     fn sample(&mut self, i: usize, logits: &Tensor) -> bool {
         let limit = self.limit();
         let s = &mut self.seqs[i];
-        let (token, logprob) = match sample_next(logits, &s.req.opts, &mut s.rng) {
+        let drawn = match s.req.constraint.as_ref() {
+            None => sample_next(logits, &s.req.opts, &mut s.rng),
+            Some(c) => {
+                let allowed: Vec<bool> = (0..logits.size()[0] as u32)
+                    .map(|id| if s.req.stop_ids.contains(&id) { c.may_stop() } else { c.allows(id) })
+                    .collect();
+                sample_masked(logits, &s.req.opts, &mut s.rng, &allowed)
+            }
+        };
+        let (token, logprob) = match drawn {
             Ok(x) => x,
             Err(e) => {
                 self.finish(i, Err(e));
@@ -583,6 +605,9 @@ impl Worker {
             s.out.finish = Finish::Stop;
             s.out.stop_token = Some(token);
             return self.done(i);
+        }
+        if let Some(c) = s.req.constraint.as_mut() {
+            c.advance(token);
         }
         s.out.tokens.push(token);
         s.out.logprobs.push(logprob);

@@ -30,6 +30,7 @@ pub mod device;
 pub mod engine;
 pub mod export;
 pub mod gguf;
+pub mod grammar;
 pub mod hf;
 pub mod kernels;
 pub mod learner;

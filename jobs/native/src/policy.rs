@@ -3,17 +3,19 @@
 //! rollouts of a group, the episodes of a stage) are decoded together.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
 use tch::Device;
 
-use crate::engine::{Engine, EngineConfig, Request, StopFn};
+use crate::engine::{Constraint, Engine, EngineConfig, Request, StopFn};
 use crate::model::Llama;
 use crate::sampler::{Finish, GenerateOptions, Generation};
 use crate::tokenizer::Tokenizer;
 use crate::NativeError;
 use jobs::env::ToolSpec;
+use crate::grammar::{GrammarState, PatchGrammar};
+use jobs::policy::Constrain;
 use jobs::policy::{FinishReason, Message, Policy, PolicyError, PolicyOutput, SamplingParams};
 use schemas::Role;
 
@@ -24,6 +26,8 @@ pub struct NativePolicy {
     tokenizer: Arc<Tokenizer>,
     context_limit: u64,
     checkpoint: String,
+    /// Each token's text alone, for constrained decoding (built on first use).
+    pieces: Arc<OnceLock<Arc<Vec<String>>>>,
 }
 
 impl NativePolicy {
@@ -43,7 +47,7 @@ impl NativePolicy {
     pub fn with_tokenizer(model: Llama, tokenizer: Arc<Tokenizer>, checkpoint: String, engine: EngineConfig) -> Result<Self, NativeError> {
         let context_limit = model.config.max_position_embeddings as u64;
         let engine = Engine::start(model, engine)?;
-        Ok(NativePolicy { engine, tokenizer, context_limit, checkpoint })
+        Ok(NativePolicy { engine, tokenizer, context_limit, checkpoint, pieces: Arc::default() })
     }
 }
 
@@ -76,7 +80,10 @@ impl NativePolicy {
             let (tok, stops) = (self.tokenizer.clone(), stops.clone());
             Box::new(move |ids: &[u32]| tok.decode(ids).map(|t| stops.iter().any(|s| t.contains(s.as_str()))).unwrap_or(false)) as StopFn
         });
-        let request = Request { prompt, opts, stop_ids: self.tokenizer.stop_ids(), should_stop, top_logprobs };
+        let constraint = sampling.constrain.map(|c| match c {
+            Constrain::HarnessPatch => Box::new(PatchConstraint::new(self.pieces())) as Box<dyn Constraint>,
+        });
+        let request = Request { prompt, opts, stop_ids: self.tokenizer.stop_ids(), should_stop, top_logprobs, constraint };
         let gen = self
             .engine
             .submit(request)
@@ -88,6 +95,51 @@ impl NativePolicy {
             text.truncate(cut);
         }
         Ok((gen, text))
+    }
+}
+
+impl NativePolicy {
+    /// Each token's text decoded alone (a byte of a longer character decodes to U+FFFD).
+    fn pieces(&self) -> Arc<Vec<String>> {
+        self.pieces
+            .get_or_init(|| {
+                let n = self.tokenizer.vocab_size() as u32;
+                Arc::new((0..n).map(|id| self.tokenizer.decode(&[id]).unwrap_or_default()).collect())
+            })
+            .clone()
+    }
+}
+
+/// Decoding held to [`PatchGrammar`]: a token may come next when its text keeps the reply
+/// in the grammar; the reply may end once a template is complete.
+struct PatchConstraint {
+    grammar: PatchGrammar,
+    pieces: Arc<Vec<String>>,
+    state: GrammarState,
+}
+
+impl PatchConstraint {
+    fn new(pieces: Arc<Vec<String>>) -> Self {
+        let grammar = PatchGrammar::new();
+        let state = grammar.start();
+        PatchConstraint { grammar, pieces, state }
+    }
+}
+
+impl Constraint for PatchConstraint {
+    fn allows(&self, id: u32) -> bool {
+        match self.pieces.get(id as usize) {
+            Some(text) if !text.is_empty() => !self.grammar.advance(&self.state, text).is_dead(),
+            _ => false,
+        }
+    }
+    fn may_stop(&self) -> bool {
+        self.grammar.is_complete(&self.state)
+    }
+    fn advance(&mut self, id: u32) {
+        if let Some(text) = self.pieces.get(id as usize) {
+            self.state = self.grammar.advance(&self.state, text);
+        }
     }
 }
 

@@ -105,6 +105,31 @@ pub fn sample_next(logits: &Tensor, opts: &GenerateOptions, rng: &mut ChaCha8Rng
     })
 }
 
+/// [`sample_next`] over the tokens `allowed` keeps (constrained decoding): the draw is from
+/// the temperature-scaled distribution renormalised over them, the arg-max among them when
+/// greedy. The log q returned is the model's own, before the mask (what vLLM returns as raw
+/// logprobs): it is what the learner recomputes, and the mask only decides what may be drawn.
+pub fn sample_masked(logits: &Tensor, opts: &GenerateOptions, rng: &mut ChaCha8Rng, allowed: &[bool]) -> Result<(u32, f32), NativeError> {
+    let t = if opts.temperature == 0.0 { 1.0 } else { opts.temperature };
+    let lp = Vec::<f32>::try_from((logits.to_device(Device::Cpu).to_kind(Kind::Float) / t).log_softmax(-1, Kind::Float))?;
+    let best = (0..lp.len()).filter(|&i| allowed.get(i) == Some(&true)).max_by(|&a, &b| lp[a].total_cmp(&lp[b]).then(b.cmp(&a)));
+    let Some(best) = best else {
+        return Err(NativeError::Config { field: "constrain".into(), detail: "the grammar allows no next token".into() });
+    };
+    if opts.temperature == 0.0 {
+        return Ok((best as u32, lp[best]));
+    }
+    let mut probs: Vec<f32> = lp.iter().enumerate().map(|(i, l)| if allowed.get(i) == Some(&true) { l.exp() } else { 0.0 }).collect();
+    let z: f32 = probs.iter().sum();
+    let u = rng.random::<f64>();
+    if z.is_nan() || z <= 0.0 {
+        return Ok((best as u32, lp[best]));
+    }
+    probs.iter_mut().for_each(|p| *p /= z);
+    let id = sample_top_p(&probs, opts.top_p, u);
+    Ok((id as u32, lp[id]))
+}
+
 /// The `k` most likely next tokens with their log q, under the distribution whose log q
 /// [`sample_next`] records (temperature-scaled, before top-p; temperature 1 when greedy).
 pub fn top_logprobs(logits: &Tensor, opts: &GenerateOptions, k: usize) -> Result<Vec<(u32, f32)>, NativeError> {

@@ -374,8 +374,9 @@ fn change_entries(obj: &mut Map<String, Value>, op: &str, changes: &Value) -> Re
 
 /// Applies a JSON diff to a parent and returns the child as JSON, ready for validation:
 /// `remove` and `replace` change the parent's entries (Eq. 2's Edit modifies the parent),
-/// every other component key lists entries to add (`tool_view` replaces the view). Hook ids
-/// that already exist get a suffix.
+/// every other component key lists entries to add (`tool_view` replaces the view). An added
+/// entry whose name (hook id, skill, context or example name, memory key) the child already
+/// has gets a suffix (`-2`, `-3`, ...); an entry equal to one the parent has is not added.
 pub fn apply_diff(parent: &HarnessSpec, diff: &Value, child_id: &str, generation: u32, direction: &str) -> Result<Value, String> {
     let Value::Object(diff) = diff else {
         return Err("the edit must be a JSON object of components to add, `replace` or `remove`".into());
@@ -397,24 +398,28 @@ pub fn apply_diff(parent: &HarnessSpec, diff: &Value, child_id: &str, generation
                 };
                 let list = obj.entry(key.clone()).or_insert_with(|| Value::Array(vec![]));
                 let list = list.as_array_mut().expect("component lists are arrays");
+                // Entries are named (hooks by id, skills, context and examples by name,
+                // memory by key); prompt rules share their slot.
+                let name_key = entry_key(key).filter(|_| key != "prompt_rules");
                 for item in items {
+                    // Do not add a text the parent already has.
+                    if list.contains(item) {
+                        continue;
+                    }
                     let mut item = item.clone();
-                    if key == "hooks" {
-                        if let Some(id) = item.get("id").and_then(Value::as_str).map(str::to_string) {
-                            let taken = |id: &str| list.iter().any(|h| h.get("id").and_then(Value::as_str) == Some(id));
+                    if let Some(k) = name_key {
+                        if let Some(name) = item.get(k).and_then(Value::as_str).map(str::to_string) {
+                            let taken = |n: &str| list.iter().any(|e| e.get(k).and_then(Value::as_str) == Some(n));
                             let mut n = 2;
-                            let mut unique = id.clone();
+                            let mut unique = name.clone();
                             while taken(&unique) {
-                                unique = format!("{id}-{n}");
+                                unique = format!("{name}-{n}");
                                 n += 1;
                             }
-                            item["id"] = Value::String(unique);
+                            item[k] = Value::String(unique);
                         }
                     }
-                    // Do not add a text the parent already has.
-                    if !list.contains(&item) {
-                        list.push(item);
-                    }
+                    list.push(item);
                 }
             }
             "tool_view" => {

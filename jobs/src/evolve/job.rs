@@ -69,7 +69,7 @@ impl Default for EvolveSettings {
             directions: DirectionSettings::default(),
             budgets: Budgets::default(),
             // Table 8: "Greedy decoding; one rollout per task; seed 42".
-            sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![] },
+            sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![], constrain: None },
             concurrency: 1,
         }
     }

@@ -38,11 +38,14 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     #[serde(default)]
     pub stop: Vec<String>,
+    /// Decode only what this grammar allows (the native backend; an endpoint refuses it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub constrain: Option<Constrain>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 1.0, top_p: 1.0, max_tokens: 512, seed: None, stop: vec![] }
+        SamplingParams { temperature: 1.0, top_p: 1.0, max_tokens: 512, seed: None, stop: vec![], constrain: None }
     }
 }
 
@@ -70,6 +73,15 @@ pub struct PolicyOutput {
     /// [`schemas::prompt_hash`] of the prompt token ids the reply was sampled from, when
     /// the backend knows them (the native backend; endpoints that return prompt ids).
     pub prompt_hash: Option<String>,
+}
+
+/// Which grammar a generation is constrained to ([`SamplingParams::constrain`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Constrain {
+    /// One harness patch of the evolve editor's diff format, one entry added (the native
+    /// backend's `grammar` module).
+    HarnessPatch,
 }
 
 /// Typed policy failures; the class decides retry, masking or failing the group.

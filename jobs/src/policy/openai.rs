@@ -480,6 +480,11 @@ impl Policy for OpenAiPolicy {
     }
 
     async fn chat(&self, messages: &[Message], tools: &[ToolSpec], sampling: &SamplingParams) -> Result<PolicyOutput, PolicyError> {
+        if let Some(c) = sampling.constrain {
+            return Err(PolicyError::Config(format!(
+                "constrained decoding ({c:?}) runs in the native backend only; use a native editor or drop the constraint"
+            )));
+        }
         let body = self.request_body(messages, tools, sampling);
         let started = Instant::now();
         let attempts = AtomicU32::new(0);

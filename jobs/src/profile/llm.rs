@@ -43,7 +43,7 @@ impl Default for LlmProfilerConfig {
         LlmProfilerConfig {
             pairs_per_call: 2,
             max_calls: 4,
-            sampling: SamplingParams { temperature: 0.2, top_p: 1.0, max_tokens: 256, seed: None, stop: vec![] },
+            sampling: SamplingParams { temperature: 0.2, top_p: 1.0, max_tokens: 256, seed: None, stop: vec![], constrain: None },
         }
     }
 }

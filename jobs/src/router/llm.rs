@@ -38,7 +38,7 @@ impl LlmVoter {
         LlmVoter {
             label: policy.checkpoint(),
             policy,
-            sampling: SamplingParams { temperature: 0.7, top_p: 1.0, max_tokens: 96, seed: None, stop: vec![] },
+            sampling: SamplingParams { temperature: 0.7, top_p: 1.0, max_tokens: 96, seed: None, stop: vec![], constrain: None },
             max_profile_entries: 2,
         }
     }

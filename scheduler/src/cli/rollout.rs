@@ -234,6 +234,7 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
             max_tokens: args.max_tokens,
             seed: None,
             stop: vec![],
+            constrain: None,
         },
         concurrency: args.concurrency,
     };

@@ -20,6 +20,7 @@ use bytes::Bytes;
 use infra::store::ObjectStore;
 use infra::table::{read_committed, read_records, write_records};
 use jobs::edit::{EditInput, EditSummary};
+use jobs::policy::Constrain;
 use jobs::policy::SamplingParams;
 use jobs::rollout::RolloutInput;
 use schemas::{job_id, keys, JobIdParts, JobKind, PatchRecord, RolloutKind, Split, TracePacket};
@@ -137,7 +138,14 @@ impl Scheduler {
                     packet: (*packet).clone(),
                     parent: parent.clone(),
                     patches: e.patches,
-                    sampling: SamplingParams { temperature: e.temperature, top_p: 1.0, max_tokens: e.max_tokens, seed: None, stop: vec![] },
+                    sampling: SamplingParams {
+                        temperature: e.temperature,
+                        top_p: 1.0,
+                        max_tokens: e.max_tokens,
+                        seed: None,
+                        stop: vec![],
+                        constrain: e.constrain.then_some(Constrain::HarnessPatch),
+                    },
                     seed,
                     editor_checkpoint: editor_checkpoint.clone(),
                     budgets: self.episode_budgets(),

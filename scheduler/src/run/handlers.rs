@@ -321,7 +321,7 @@ impl Handler for EvolveHandler {
         // Diagnoser and editor may share one endpoint; each counts its own calls.
         let (diagnoser_llm, editor_llm) = (llm.as_deref().map(Metered::new), llm.as_deref().map(Metered::new));
         // Appendix F: the diagnoser and editor answer deterministically.
-        let greedy = jobs::policy::SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![] };
+        let greedy = jobs::policy::SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![], constrain: None };
         let missing = || JobFailure::Fatal("evolution.llm is required for an LLM diagnoser or editor".into());
         let rule = jobs::evolve::RuleDiagnoser;
         let llm_diagnoser;

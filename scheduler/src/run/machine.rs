@@ -190,7 +190,7 @@ impl Scheduler {
 
     pub(super) fn sampling(&self) -> SamplingParams {
         let p = &self.spec().policy;
-        SamplingParams { temperature: p.temperature, top_p: p.top_p, max_tokens: p.max_tokens, seed: None, stop: vec![] }
+        SamplingParams { temperature: p.temperature, top_p: p.top_p, max_tokens: p.max_tokens, seed: None, stop: vec![], constrain: None }
     }
 
     /// Per-episode execution limits: the paper's Table 8 defaults unless the spec says.
@@ -335,6 +335,7 @@ impl Scheduler {
                 max_tokens: spec.policy.max_tokens,
                 seed: Some(spec.run.seed),
                 stop: vec![],
+                constrain: None,
             },
             ..Default::default()
         };

@@ -486,6 +486,12 @@ pub struct EditorTrainingSection {
     pub temperature: f32,
     #[serde(default = "default_editor_max_tokens")]
     pub max_tokens: u32,
+    /// Decode the editor's replies in the patch grammar
+    /// (`native::grammar`): every reply is a valid one-entry patch, so a small
+    /// editor's reward comes from what its patch does, not from whether it parses. `false`:
+    /// free text in the full diff format, as a large editor writes it.
+    #[serde(default = "default_true")]
+    pub constrain: bool,
 }
 
 impl EditorTrainingSection {

@@ -45,6 +45,9 @@ learning_rate = 1e-5
 rescue = "none"
 [budgets]
 episode_model_calls = 2
+[learner]
+# An editor's G replies share their ~900-token prompt: one micro-batch runs it once.
+micro_batch_tokens = 2048
 [editor_training]
 steps = 2
 parent = "s1-example-answer"

@@ -42,7 +42,7 @@ fn settings(budget: u32, max_model_calls: u32) -> EvolveSettings {
         local_max_controls: 1,
         revisions: 1,
         budgets: Budgets { max_model_calls, max_env_actions: 3, max_context_tokens: 2000, max_output_tokens: 96 },
-        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 96, seed: Some(42), stop: vec![] },
+        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 96, seed: Some(42), stop: vec![], constrain: None },
         ..EvolveSettings::default()
     }
 }
@@ -57,7 +57,7 @@ async fn llm_editor_output_is_validated_and_invalid_edits_never_enter_the_pool()
     let editor_llm = jobs::policy::metered::Metered::new(&policy);
     let editor = LlmEditor {
         policy: &editor_llm,
-        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 200, seed: Some(42), stop: vec![] },
+        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 200, seed: Some(42), stop: vec![], constrain: None },
     };
     let ctx =
         EvolveContext { store: &store, policy: &policy, envs: &factory, diagnoser: &RuleDiagnoser, editor: &editor, validate: validate() };

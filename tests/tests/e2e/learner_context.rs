@@ -51,7 +51,7 @@ async fn rollout(store: &LocalStore, policy: &dyn jobs::policy::Policy, temperat
         attempts: 2,
         seed: 5,
         budgets,
-        sampling: SamplingParams { temperature, top_p: 0.95, max_tokens: 24, seed: None, stop: vec![] },
+        sampling: SamplingParams { temperature, top_p: 0.95, max_tokens: 24, seed: None, stop: vec![], constrain: None },
         concurrency: 1,
     };
     let ctx = RolloutContext { store, policy, envs: &factory, job_id: "ctx-job", delivery_attempt: 0 };

@@ -106,7 +106,7 @@ async fn llm_profiler_and_llm_voters_on_the_real_server_never_break_routing() {
         attempts: 1,
         seed: 7,
         budgets: Budgets { max_model_calls: 2, max_context_tokens: 2048, ..Budgets::default() },
-        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 40, seed: None, stop: vec![] },
+        sampling: SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 40, seed: None, stop: vec![], constrain: None },
         concurrency: 1,
     };
     // Short answers keep the test quick on a shared CPU; a profile object fits in 160 tokens.

@@ -335,11 +335,7 @@ async fn rerun(ctx: &EditContext<'_>, input: &EditInput, child: &HarnessSpec) ->
     let rctx = RolloutContext { store: ctx.store, policy: ctx.target, envs: ctx.envs, job_id: &id, delivery_attempt: ctx.delivery_attempt };
     rollout::run(&rctx, &rollout_input).await?;
     let rows: Vec<Trajectory> = read_records(ctx.store, &keys::trajectory_part(&input.run_id, input.step, RolloutKind::Eval, &id)).await?;
-    let rewards = packet
-        .task_ids
-        .iter()
-        .map(|t| rows.iter().find(|r| &r.task_id == t).map(|r| r.reward).unwrap_or(0.0))
-        .collect();
+    let rewards = packet.task_ids.iter().map(|t| rows.iter().find(|r| &r.task_id == t).map(|r| r.reward).unwrap_or(0.0)).collect();
     Ok((id, rewards))
 }
 
@@ -580,7 +576,8 @@ mod tests {
         // The same patch is the same child and one rerun.
         assert_eq!((&p[4].child_harness_id, &p[4].rerun_job_id, p[4].reward), (&p[1].child_harness_id, &p[1].rerun_job_id, p[1].reward));
         // Reruns: two jobs (COMMIT and PROSE), three episodes each, all with the parent's seed.
-        let reruns: Vec<Trajectory> = infra::table::read_prefix(&store, &keys::trajectories_of_step("r", 1, Some(RolloutKind::Eval))).await.unwrap();
+        let reruns: Vec<Trajectory> =
+            infra::table::read_prefix(&store, &keys::trajectories_of_step("r", 1, Some(RolloutKind::Eval))).await.unwrap();
         assert_eq!(reruns.len(), 6);
         assert!(reruns.iter().all(|r| r.seed == 42 && r.harness_id.starts_with("r1-")));
         assert!(target.seeds.lock().unwrap().iter().all(|s| *s == 42));
@@ -593,7 +590,8 @@ mod tests {
         assert!(groups[0].retained);
         assert_eq!(groups[0].advantages, p.iter().map(|p| p.advantage).collect::<Vec<_>>());
         // The editor's rows: instructions and packet as context, the reply's tokens trained.
-        let rows: Vec<Trajectory> = infra::table::read_prefix(&store, &keys::trajectories_of_step("r", 1, Some(RolloutKind::Edit))).await.unwrap();
+        let rows: Vec<Trajectory> =
+            infra::table::read_prefix(&store, &keys::trajectories_of_step("r", 1, Some(RolloutKind::Edit))).await.unwrap();
         assert_eq!(rows.len(), 5);
         assert_eq!(groups[0].trajectory_ids, rows.iter().map(|r| r.trajectory_id.clone()).collect::<Vec<_>>());
         let turns = &rows[1].turns;

@@ -123,4 +123,3 @@ impl EnvironmentFactory for Factory {
 pub fn spec(v: serde_json::Value) -> HarnessSpec {
     crate::harness::spec_from_value("test", &v, &Default::default()).unwrap()
 }
-

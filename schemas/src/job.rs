@@ -21,7 +21,8 @@ pub enum JobKind {
 }
 
 impl JobKind {
-    pub const ALL: [JobKind; 8] = [Self::Evolve, Self::Rollout, Self::Rescue, Self::Reanchor, Self::Learn, Self::Eval, Self::Edit, Self::Sleep];
+    pub const ALL: [JobKind; 8] =
+        [Self::Evolve, Self::Rollout, Self::Rescue, Self::Reanchor, Self::Learn, Self::Eval, Self::Edit, Self::Sleep];
 
     pub fn as_str(self) -> &'static str {
         match self {

@@ -575,10 +575,18 @@ impl Worker {
         let drawn = match s.req.constraint.as_ref() {
             None => sample_next(logits, &s.req.opts, &mut s.rng),
             Some(c) => {
-                let allowed: Vec<bool> = (0..logits.size()[0] as u32)
-                    .map(|id| if s.req.stop_ids.contains(&id) { c.may_stop() } else { c.allows(id) })
-                    .collect();
-                sample_masked(logits, &s.req.opts, &mut s.rng, &allowed)
+                let vocab = logits.size()[0] as u32;
+                let stops = &s.req.stop_ids;
+                let mask = catch_unwind(AssertUnwindSafe(|| {
+                    (0..vocab).map(|id| if stops.contains(&id) { c.may_stop() } else { c.allows(id) }).collect::<Vec<bool>>()
+                }));
+                match mask {
+                    Ok(allowed) => sample_masked(logits, &s.req.opts, &mut s.rng, &allowed),
+                    Err(p) => {
+                        self.fail(i, format!("the decoding constraint panicked: {}", panic_text(p)));
+                        return false;
+                    }
+                }
             }
         };
         let (token, logprob) = match drawn {
@@ -943,5 +951,51 @@ mod tests {
         assert_eq!(good.blocking_recv().unwrap().unwrap().tokens, alone(req(prompt(7, 1), 1, 10), &small()).tokens);
         let after = engine.generate(req(prompt(5, 4), 4, 4)).unwrap();
         assert_eq!(after.tokens.len(), 4);
+    }
+
+    /// Tokens a constraint allows: only even ids here, and no stop until 6 tokens.
+    struct Even(usize);
+
+    impl Constraint for Even {
+        fn allows(&self, id: u32) -> bool {
+            id.is_multiple_of(2)
+        }
+        fn may_stop(&self) -> bool {
+            self.0 >= 6
+        }
+        fn advance(&mut self, _id: u32) {
+            self.0 += 1;
+        }
+    }
+
+    #[test]
+    fn a_constraint_decides_what_is_drawn_and_the_logprobs_stay_the_models() {
+        let engine = Engine::start(model(), small()).unwrap();
+        let mut r = req(prompt(7, 3), 9, 12);
+        r.constraint = Some(Box::new(Even(0)));
+        let got = engine.generate(r).unwrap();
+        assert_eq!(got.tokens.len(), 12);
+        assert!(got.tokens.iter().all(|t| t.is_multiple_of(2)), "{:?}", got.tokens);
+        // The first token's log q is the model's own, unmasked, distribution's.
+        let logits = crate::sampler::next_token_logits(&model(), &prompt(7, 3)).unwrap();
+        let lp = Tensor::from_slice(&logits).log_softmax(-1, tch::Kind::Float);
+        let want = lp.double_value(&[got.tokens[0] as i64]) as f32;
+        assert!((got.logprobs[0] - want).abs() < 1e-4, "{} vs {want}", got.logprobs[0]);
+        // A constraint that panics fails its own request only.
+        struct Panics;
+        impl Constraint for Panics {
+            fn allows(&self, _id: u32) -> bool {
+                panic!("broken grammar")
+            }
+            fn may_stop(&self) -> bool {
+                false
+            }
+            fn advance(&mut self, _id: u32) {}
+        }
+        let mut bad = req(prompt(5, 1), 1, 4);
+        bad.constraint = Some(Box::new(Panics));
+        let err = engine.generate(bad).unwrap_err().to_string();
+        assert!(err.contains("broken grammar"), "{err}");
+        assert_eq!(engine.generate(req(prompt(5, 1), 1, 4)).unwrap().tokens.len(), 4);
     }
 }

@@ -22,6 +22,8 @@
 //! token's text keeps a state alive ([`PatchGrammar::advance`]) and whether the state may
 //! end ([`PatchGrammar::is_complete`]).
 
+use jobs::harness::condition::event_name;
+
 /// Characters of one free-text field at most.
 pub const MAX_TEXT: u16 = 160;
 /// Characters of one name at most.
@@ -74,8 +76,13 @@ impl PatchGrammar {
         for (component, key) in [("skills", "name"), ("context", "name"), ("memory", "key")] {
             templates.push(vec![lit(&format!(r#"{{"{component}": [{{"{key}": ""#)), Name, lit(r#"", "text": ""#), Text, lit(r#""}]}"#)]);
         }
+        // Each condition at the events where it can be evaluated (the validator's table).
         for event in EVENTS {
             for condition in CONDITIONS {
+                let at = jobs::harness::condition::predicate(condition).map(|p| p.events.iter().any(|e| event_name(*e) == event));
+                if at != Some(true) {
+                    continue;
+                }
                 templates.push(vec![
                     lit(r#"{"hooks": [{"id": ""#),
                     Name,

@@ -625,10 +625,8 @@ impl Llama {
         let (cos, sin) = self.rope_at(&pos);
         let tokens: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
         let mut x = Tensor::embedding(&self.embed, &Tensor::from_slice(&tokens).to_device(dev), -1, false, false);
-        let masks: Vec<Option<Tensor>> = segments
-            .iter()
-            .map(|s| (s.rows > 1).then(|| self.causal_mask(s.cache.len as i64, s.rows as i64)))
-            .collect();
+        let masks: Vec<Option<Tensor>> =
+            segments.iter().map(|s| (s.rows > 1).then(|| self.causal_mask(s.cache.len as i64, s.rows as i64))).collect();
         let att = Tensor::zeros([1, heads, m, hd], (Kind::Float, dev));
         for (i, (l, pl)) in self.layers.iter().zip(layers).enumerate() {
             let h = rms_norm(&x, &l.input_norm, c.rms_norm_eps);

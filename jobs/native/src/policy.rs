@@ -9,12 +9,12 @@ use async_trait::async_trait;
 use tch::Device;
 
 use crate::engine::{Constraint, Engine, EngineConfig, Request, StopFn};
+use crate::grammar::{GrammarState, PatchGrammar};
 use crate::model::Llama;
 use crate::sampler::{Finish, GenerateOptions, Generation};
 use crate::tokenizer::Tokenizer;
 use crate::NativeError;
 use jobs::env::ToolSpec;
-use crate::grammar::{GrammarState, PatchGrammar};
 use jobs::policy::Constrain;
 use jobs::policy::{FinishReason, Message, Policy, PolicyError, PolicyOutput, SamplingParams};
 use schemas::Role;

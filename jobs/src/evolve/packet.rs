@@ -213,8 +213,7 @@ mod tests {
 
     #[test]
     fn packets_hold_failed_tasks_with_controls_and_the_parents_outcomes() {
-        let rows: Vec<Trajectory> =
-            ["a", "b", "c", "d", "e", "f", "g"].iter().enumerate().map(|(i, t)| row(t, i % 3 == 0, 3)).collect();
+        let rows: Vec<Trajectory> = ["a", "b", "c", "d", "e", "f", "g"].iter().enumerate().map(|(i, t)| row(t, i % 3 == 0, 3)).collect();
         // a, d, g solved; b, c, e, f failed.
         let s = PacketSettings { failed: 3, controls: 2, ..PacketSettings::default() };
         let ps = packets("r", &rows, &s);

@@ -12,7 +12,8 @@ use schemas::{LlmUsage, RoutingDecision, Trajectory};
 pub const STAGE_PREFIX: &str = "cost:";
 
 /// Stage kinds in run order, as [`super::stage::Stage::kind`] names them.
-pub const KINDS: [&str; 11] = ["evolve", "packets", "baseline", "calibration", "base", "rescue", "groups", "edit", "learn", "evaluation", "report"];
+pub const KINDS: [&str; 11] =
+    ["evolve", "packets", "baseline", "calibration", "base", "rescue", "groups", "edit", "learn", "evaluation", "report"];
 
 /// LLM components besides the policy, in report order.
 pub const COMPONENTS: [&str; 4] = ["voter", "profiler", "diagnoser", "editor"];

@@ -56,7 +56,11 @@ impl Scheduler {
     fn editor_parent(&self) -> anyhow::Result<schemas::HarnessSpec> {
         let e = self.editor_training()?;
         self.inputs.harness(&e.parent).with_context(|| {
-            format!("editor_training.parent: `{}` is neither h0 nor a member of the run's pool ({})", e.parent, self.inputs.stored.pool.join(", "))
+            format!(
+                "editor_training.parent: `{}` is neither h0 nor a member of the run's pool ({})",
+                e.parent,
+                self.inputs.stored.pool.join(", ")
+            )
         })
     }
 
@@ -152,15 +156,24 @@ impl Scheduler {
                     rerun_sampling: self.sampling(),
                     concurrency: self.spec().policy.concurrency() as usize,
                 };
-                let id =
-                    job_id(&JobIdParts { run_id: self.run_id(), stage: "edit", step: u, task_id: &packet.packet_id, seed, ..Default::default() });
+                let id = job_id(&JobIdParts {
+                    run_id: self.run_id(),
+                    stage: "edit",
+                    step: u,
+                    task_id: &packet.packet_id,
+                    seed,
+                    ..Default::default()
+                });
                 self.envelope(id, JobKind::Edit, serde_json::to_value(EditJob { input, editor_step }).expect("payloads serialise"))
             })
             .collect();
         let markers = self.exec.run(self.run_id(), &Stage::Update(u, UpdatePart::Edit).to_string(), jobs).await?;
-        let summaries: Vec<EditSummary> =
-            markers.iter().map(|m| serde_json::from_value(m.result.clone()).context("reading an edit job's result")).collect::<Result<_, _>>()?;
-        let patches: Vec<PatchRecord> = read_committed(self.store.as_ref(), self.run_id(), &keys::patches_of_step(self.run_id(), u)).await?;
+        let summaries: Vec<EditSummary> = markers
+            .iter()
+            .map(|m| serde_json::from_value(m.result.clone()).context("reading an edit job's result"))
+            .collect::<Result<_, _>>()?;
+        let patches: Vec<PatchRecord> =
+            read_committed(self.store.as_ref(), self.run_id(), &keys::patches_of_step(self.run_id(), u)).await?;
         let total = patches.len().max(1) as f64;
         let valid = patches.iter().filter(|p| p.valid).count() as f64;
         let best = best_patch(&patches);

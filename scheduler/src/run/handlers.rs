@@ -186,7 +186,8 @@ async fn native_checkpoint(
     base_model: &std::path::Path,
     engine: native::engine::EngineConfig,
 ) -> Result<Arc<dyn Policy>, JobFailure> {
-    let (model, tokenizer, _) = native::checkpoint::load_model(store, run_id, step, device).await.map_err(|e| JobFailure::Retryable(e.to_string()))?;
+    let (model, tokenizer, _) =
+        native::checkpoint::load_model(store, run_id, step, device).await.map_err(|e| JobFailure::Retryable(e.to_string()))?;
     let tokenizer = match tokenizer {
         Some(t) => t,
         None => native::loader::load(base_model, native::device::Device::Cpu).map_err(|e| JobFailure::Fatal(e.to_string()))?.1,
@@ -321,7 +322,8 @@ impl Handler for EvolveHandler {
         // Diagnoser and editor may share one endpoint; each counts its own calls.
         let (diagnoser_llm, editor_llm) = (llm.as_deref().map(Metered::new), llm.as_deref().map(Metered::new));
         // Appendix F: the diagnoser and editor answer deterministically.
-        let greedy = jobs::policy::SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![], constrain: None };
+        let greedy =
+            jobs::policy::SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 512, seed: Some(42), stop: vec![], constrain: None };
         let missing = || JobFailure::Fatal("evolution.llm is required for an LLM diagnoser or editor".into());
         let rule = jobs::evolve::RuleDiagnoser;
         let llm_diagnoser;

@@ -942,7 +942,10 @@ impl Scheduler {
             self.inputs.stored.editor_model.clone().context("the editor run names no editor weights ([editor_training] model)")?
         } else {
             if spec.policy.backend != super::spec::Backend::Native && !spec.policy.syncs_weights() {
-                bail!("policy.backend = \"{}\" cannot be trained without [policy] weight_sync; use backend = \"native\"", spec.policy.backend);
+                bail!(
+                    "policy.backend = \"{}\" cannot be trained without [policy] weight_sync; use backend = \"native\"",
+                    spec.policy.backend
+                );
             }
             self.inputs
                 .stored

@@ -496,11 +496,7 @@ pub struct EditorTrainingSection {
 
 impl EditorTrainingSection {
     pub fn packet_settings(&self) -> jobs::evolve::packet::PacketSettings {
-        jobs::evolve::packet::PacketSettings {
-            failed: self.failed_per_packet,
-            controls: self.controls_per_packet,
-            ..Default::default()
-        }
+        jobs::evolve::packet::PacketSettings { failed: self.failed_per_packet, controls: self.controls_per_packet, ..Default::default() }
     }
 }
 
@@ -1101,7 +1097,10 @@ fn check_editor_training(spec: &RunSpec, e: &EditorTrainingSection, base_dir: &P
     if let Some(model) = &e.model {
         check_model_path(model, base_dir, "editor_training.model", bad);
     } else if spec.policy.backend != Backend::Native {
-        bad("editor_training.model", "required when the target policy is an endpoint: the editor is trained natively (a GGUF or safetensors folder)".into());
+        bad(
+            "editor_training.model",
+            "required when the target policy is an endpoint: the editor is trained natively (a GGUF or safetensors folder)".into(),
+        );
     }
     if e.steps == 0 {
         bad("editor_training.steps", "must be at least 1".into());
@@ -1757,5 +1756,24 @@ rescue = "h0"
         .unwrap();
         assert_eq!((s.spec.environment.kind, s.spec.environment.engine), (EnvKind::Dbbench, DbEngine::Mysql));
         assert_eq!(parse(GOOD, "good.toml", Path::new("."), "good").unwrap().spec.environment.engine, DbEngine::Sqlite);
+    }
+
+    /// `[editor_training]`: an endpoint target needs the editor's own weights, a group
+    /// needs two patches, and unknown keys are named.
+    #[test]
+    fn editor_training_is_checked_by_key() {
+        let with = |section: &str| format!("{GOOD}[editor_training]\n{section}\n");
+        let problems = |section: &str| parse(&with(section), "e.toml", Path::new("."), "e").unwrap_err().to_string();
+        let err = problems("steps = 0\npatches = 1");
+        for key in ["editor_training.model", "editor_training.steps", "editor_training.patches"] {
+            assert!(err.contains(key), "{key}: {err}");
+        }
+        assert!(problems("steps = 2\nmodle = \"x\"").contains("modle"));
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("m.gguf");
+        std::fs::write(&model, b"GGUF\x03\0\0\0").unwrap();
+        let ok = parse(&with(&format!("steps = 2\nmodel = \"{}\"", model.display())), "e.toml", Path::new("."), "e").unwrap();
+        let e = ok.spec.editor_training.unwrap();
+        assert_eq!((e.steps, e.patches, e.constrain, e.parent.as_str()), (2, 8, true, "h0"));
     }
 }

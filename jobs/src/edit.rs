@@ -31,8 +31,8 @@ use crate::rollout::{self, RolloutContext, RolloutError, RolloutInput};
 use infra::store::{ObjectStore, StoreError};
 use infra::table::{read_records, write_records, TableError};
 use schemas::{
-    decode_document, job_id, keys, now_unix_ms, DoneMarker, Group, HarnessSpec, JobIdParts, JobKind, PatchRecord, RetainedKind, Role,
-    RolloutKind, Split, Termination, TracePacket, Trajectory, Turn, TurnSource,
+    job_id, keys, now_unix_ms, DoneMarker, Group, HarnessSpec, JobIdParts, JobKind, PatchRecord, RetainedKind, Role, RolloutKind, Split,
+    Termination, TracePacket, Trajectory, Turn, TurnSource,
 };
 
 /// What the editor is told before the packet: the patch format of the evolve editor, and
@@ -64,12 +64,8 @@ pub struct EditInput {
     #[serde(default)]
     pub rerun_sampling: SamplingParams,
     /// Episodes of a rerun at the same time.
-    #[serde(default = "one")]
+    #[serde(default = "rollout::one")]
     pub concurrency: usize,
-}
-
-fn one() -> usize {
-    1
 }
 
 /// What an edit job runs against.
@@ -122,8 +118,6 @@ pub enum EditJobError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Table(#[from] TableError),
-    #[error("{key}: existing done-marker cannot be read: {detail}")]
-    Marker { key: String, detail: String },
 }
 
 impl infra::Transient for EditJobError {
@@ -133,7 +127,7 @@ impl infra::Transient for EditJobError {
             EditJobError::Rollout(e) => e.is_transient(),
             EditJobError::Store(e) => e.is_transient(),
             EditJobError::Table(e) => e.is_transient(),
-            EditJobError::InvalidInput { .. } | EditJobError::Marker { .. } => false,
+            EditJobError::InvalidInput { .. } => false,
         }
     }
 }
@@ -216,12 +210,9 @@ fn check_input(input: &EditInput) -> Result<(), EditJobError> {
 
 /// A redelivered job: the patches its committed run stored.
 async fn existing(ctx: &EditContext<'_>, input: &EditInput, marker_key: &str) -> Result<Option<EditOutput>, EditJobError> {
-    if ctx.store.head(marker_key).await?.is_none() {
+    let Some(marker) = rollout::committed_marker(ctx.store, marker_key).await? else {
         return Ok(None);
-    }
-    let bytes = ctx.store.get(marker_key).await?;
-    let marker: DoneMarker = decode_document(&ctx.store.object_url(marker_key), &bytes)
-        .map_err(|e| EditJobError::Marker { key: marker_key.to_string(), detail: e.to_string() })?;
+    };
     let summary = serde_json::from_value(marker.result).unwrap_or_default();
     let patches = read_records(ctx.store, &keys::patch_part(&input.run_id, input.step, ctx.job_id)).await?;
     tracing::info!(job = ctx.job_id, "edit job already done; nothing to do");
@@ -342,31 +333,17 @@ async fn rerun(ctx: &EditContext<'_>, input: &EditInput, child: &HarnessSpec) ->
 /// The editor's row for one patch: its prompt as turns (so the learner rebuilds the exact
 /// context the reply was sampled from) and the reply with its sampled tokens.
 fn editor_row(ctx: &EditContext<'_>, input: &EditInput, messages: &[Message], reply: PolicyOutput, patch: &PatchRecord) -> Trajectory {
-    let turn = |index: u32, role: Role, source: TurnSource, text: String| Turn {
-        index,
-        role,
-        source,
-        text,
-        token_ids: vec![],
-        logprobs: vec![],
-        loss_mask: vec![],
-        tool_name: None,
-        tool_args: None,
-        hook_id: None,
-        prompt_token_count: 0,
-        prompt_hash: None,
-    };
     let completion_tokens = u64::from(reply.completion_tokens);
     let turns = vec![
-        turn(0, Role::System, TurnSource::System, messages[0].content.clone()),
-        turn(1, Role::User, TurnSource::Env, messages[1].content.clone()),
+        Turn::context(0, Role::System, TurnSource::System, messages[0].content.clone()),
+        Turn::context(1, Role::User, TurnSource::Env, messages[1].content.clone()),
         Turn {
             loss_mask: vec![true; reply.token_ids.len()],
             token_ids: reply.token_ids,
             logprobs: reply.logprobs,
             prompt_token_count: reply.prompt_tokens,
             prompt_hash: reply.prompt_hash,
-            ..turn(2, Role::Assistant, TurnSource::Policy, reply.text)
+            ..Turn::context(2, Role::Assistant, TurnSource::Policy, reply.text)
         },
     ];
     Trajectory {
@@ -433,8 +410,13 @@ fn group_of(input: &EditInput, patches: &[PatchRecord], rows: &[Trajectory], out
     }
 }
 
+/// The valid patch with the highest reward (the lowest index on ties).
+pub fn best_patch(patches: &[PatchRecord]) -> Option<&PatchRecord> {
+    patches.iter().filter(|p| p.valid).max_by(|a, b| a.reward.total_cmp(&b.reward).then(b.patch_index.cmp(&a.patch_index)))
+}
+
 fn summarize(patches: &[PatchRecord], group: &Group) -> EditSummary {
-    let best = patches.iter().filter(|p| p.valid).max_by(|a, b| a.reward.total_cmp(&b.reward).then(b.patch_index.cmp(&a.patch_index)));
+    let best = best_patch(patches);
     EditSummary {
         patches: patches.len() as u32,
         valid: patches.iter().filter(|p| p.valid).count() as u32,

@@ -57,7 +57,7 @@ pub struct RolloutInput {
     pub concurrency: usize,
 }
 
-fn one() -> usize {
+pub(crate) fn one() -> usize {
     1
 }
 
@@ -136,7 +136,8 @@ pub struct RolloutOutput {
 pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<RolloutOutput, RolloutError> {
     check_input(input)?;
     let marker_key = keys::done_marker(&input.run_id, ctx.job_id);
-    if let Some(summary) = existing_marker(ctx.store, &marker_key).await? {
+    if let Some(marker) = committed_marker(ctx.store, &marker_key).await? {
+        let summary = serde_json::from_value(marker.result).unwrap_or_default();
         tracing::info!(job = ctx.job_id, "rollout job already done; nothing to do");
         return Ok(RolloutOutput { summary, outputs: vec![], marker_key, already_done: true });
     }
@@ -219,15 +220,14 @@ fn check_input(input: &RolloutInput) -> Result<(), RolloutError> {
     Ok(())
 }
 
-async fn existing_marker(store: &dyn ObjectStore, key: &str) -> Result<Option<RolloutSummary>, RolloutError> {
+pub(crate) async fn committed_marker(store: &dyn ObjectStore, key: &str) -> Result<Option<DoneMarker>, RolloutError> {
     if store.head(key).await?.is_none() {
         return Ok(None);
     }
     let bytes = store.get(key).await?;
-    let marker: DoneMarker = decode_document(&store.object_url(key), &bytes)
+    let marker = decode_document(&store.object_url(key), &bytes)
         .map_err(|e| RolloutError::Marker { key: key.to_string(), detail: e.to_string() })?;
-    let summary = serde_json::from_value(marker.result).unwrap_or_default();
-    Ok(Some(summary))
+    Ok(Some(marker))
 }
 
 /// One (task, attempt): a fresh environment, one episode, one row; and whether the

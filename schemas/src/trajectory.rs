@@ -153,6 +153,27 @@ pub struct Turn {
     pub prompt_hash: Option<String>,
 }
 
+impl Turn {
+    /// A turn the policy did not sample (system, task, harness or environment text): no
+    /// token ids, no logprobs, an empty loss mask, no tool call.
+    pub fn context(index: u32, role: Role, source: TurnSource, text: String) -> Turn {
+        Turn {
+            index,
+            role,
+            source,
+            text,
+            token_ids: vec![],
+            logprobs: vec![],
+            loss_mask: vec![],
+            tool_name: None,
+            tool_args: None,
+            hook_id: None,
+            prompt_token_count: 0,
+            prompt_hash: None,
+        }
+    }
+}
+
 /// Fingerprint of a prompt's token ids: SHA-256 over the ids as little-endian u32, first
 /// 128 bits in hex.
 pub fn prompt_hash(ids: &[u32]) -> String {

@@ -151,20 +151,7 @@ mod tests {
     use schemas::{RolloutKind, Split, Termination, Turn};
 
     fn turn(role: Role, source: TurnSource, text: &str) -> Turn {
-        Turn {
-            index: 0,
-            role,
-            source,
-            text: text.into(),
-            token_ids: vec![],
-            logprobs: vec![],
-            loss_mask: vec![],
-            tool_name: None,
-            tool_args: None,
-            hook_id: None,
-            prompt_token_count: 0,
-            prompt_hash: None,
-        }
+        Turn::context(0, role, source, text.into())
     }
 
     pub(crate) fn row(task: &str, success: bool, replies: usize) -> Trajectory {

@@ -518,18 +518,10 @@ impl Session {
     /// Appends a non-policy turn: no token ids, an all-false (empty) loss mask.
     fn push(&mut self, role: Role, source: TurnSource, text: String, call: Option<&ToolCall>, hook_id: Option<String>) {
         self.turns.push(Turn {
-            index: self.turns.len() as u32,
-            role,
-            source,
-            text,
-            token_ids: vec![],
-            logprobs: vec![],
-            loss_mask: vec![],
             tool_name: call.map(|c| c.name.clone()),
             tool_args: call.map(|c| c.args.to_string()),
             hook_id,
-            prompt_token_count: 0,
-            prompt_hash: None,
+            ..Turn::context(self.turns.len() as u32, role, source, text)
         });
     }
 }

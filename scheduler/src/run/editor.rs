@@ -19,7 +19,7 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 use infra::store::ObjectStore;
 use infra::table::{read_committed, read_records, write_records};
-use jobs::edit::{EditInput, EditSummary};
+use jobs::edit::{best_patch, EditInput, EditSummary};
 use jobs::policy::Constrain;
 use jobs::policy::SamplingParams;
 use jobs::rollout::RolloutInput;
@@ -190,14 +190,6 @@ impl Scheduler {
         ];
         self.write_metrics(u, "edit", &values, st).await
     }
-}
-
-/// The valid patch with the highest reward (the first such on ties).
-fn best_patch(patches: &[PatchRecord]) -> Option<&PatchRecord> {
-    patches.iter().filter(|p| p.valid).fold(None, |best: Option<&PatchRecord>, p| match best {
-        Some(b) if b.reward >= p.reward => Some(b),
-        _ => Some(p),
-    })
 }
 
 /// The editor run's report: `report.md` and `editor.png` under the run's reports.

@@ -381,7 +381,7 @@ async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Pa
         "\n## Sibling pool: repairs relative to H0 on {} validation tasks (Figure 1a, Figure 5)\n\n{}\n![repairs](repairs.png)\n![overlap](overlap.png)\n\n### Mechanisms\n\nPolicy-side siblings change what the policy itself writes, which training keeps; harness-side ones act in its place (`[environment] harness_actions`), and those tokens are never trained on.\n\n{}",
         m.validation_tasks.len(),
         repair_table(&counts),
-        mechanism_table(&specs)
+        mechanism_table(&specs, Some(&m))
     )))
 }
 

@@ -138,6 +138,13 @@ pub trait Constraint: Send {
     fn may_stop(&self) -> bool;
     /// Records the token drawn.
     fn advance(&mut self, id: u32);
+    /// Sets `allowed[id]` to [`Constraint::allows`] for every token (a constraint may
+    /// answer many tokens at once faster than one by one).
+    fn mask(&self, allowed: &mut [bool]) {
+        for (id, a) in allowed.iter_mut().enumerate() {
+            *a = self.allows(id as u32);
+        }
+    }
 }
 
 /// One generation.
@@ -578,7 +585,15 @@ impl Worker {
                 let vocab = logits.size()[0] as u32;
                 let stops = &s.req.stop_ids;
                 let mask = catch_unwind(AssertUnwindSafe(|| {
-                    (0..vocab).map(|id| if stops.contains(&id) { c.may_stop() } else { c.allows(id) }).collect::<Vec<bool>>()
+                    let mut allowed = vec![false; vocab as usize];
+                    c.mask(&mut allowed);
+                    let may_stop = c.may_stop();
+                    for &id in stops {
+                        if let Some(a) = allowed.get_mut(id as usize) {
+                            *a = may_stop;
+                        }
+                    }
+                    allowed
                 }));
                 match mask {
                     Ok(allowed) => sample_masked(logits, &s.req.opts, &mut s.rng, &allowed),

@@ -113,10 +113,7 @@ impl PatchGrammar {
     pub fn advance(&self, state: &GrammarState, text: &str) -> GrammarState {
         let mut at = state.at.clone();
         for c in text.chars() {
-            let mut next = Vec::with_capacity(at.len());
-            for &(t, s, n) in &at {
-                self.step(t, s, n, c, &mut next);
-            }
+            let mut next: Vec<(u16, u16, u16)> = at.iter().filter_map(|&p| self.step(p, c)).collect();
             next.sort_unstable();
             next.dedup();
             at = next;
@@ -132,16 +129,20 @@ impl PatchGrammar {
         state.at.iter().any(|&(t, s, _)| s as usize == self.templates[t as usize].len())
     }
 
-    /// Position (t, s, n) after character `c`, pushed to `out` when alive.
-    fn step(&self, t: u16, s: u16, n: u16, c: char, out: &mut Vec<(u16, u16, u16)>) {
+    /// Whether `text` keeps `state` in the grammar: `!advance(state, text).is_dead()`,
+    /// without allocating (a decoder asks this of every token at every step).
+    pub fn accepts(&self, state: &GrammarState, text: &str) -> bool {
+        state.at.iter().any(|&p| text.chars().try_fold(p, |p, c| self.step(p, c)).is_some())
+    }
+
+    /// Position (t, s, n) after character `c`, when alive. From one position each
+    /// character leads to at most one: a field ends only at a quote, which nothing inside
+    /// a field may hold.
+    fn step(&self, (t, s, n): (u16, u16, u16), c: char) -> Option<(u16, u16, u16)> {
         let segs = &self.templates[t as usize];
-        let Some(seg) = segs.get(s as usize) else { return };
+        let seg = segs.get(s as usize)?;
         match seg {
-            Seg::Lit(l) => {
-                if l.as_bytes().get(n as usize) == Some(&(c as u32 as u8)) && c.is_ascii() {
-                    out.push(normal(segs, t, s, n + 1));
-                }
-            }
+            Seg::Lit(l) => (c.is_ascii() && l.as_bytes().get(n as usize) == Some(&(c as u8))).then(|| normal(segs, t, s, n + 1)),
             Seg::Text | Seg::Name => {
                 let (max, ok) = match seg {
                     Seg::Text => (MAX_TEXT, c != '"' && c != '\\' && !c.is_control()),
@@ -149,9 +150,11 @@ impl PatchGrammar {
                 };
                 if c == '"' && n > 0 {
                     // The field ends; the next literal starts with this quote.
-                    self.step(t, s + 1, 0, c, out);
+                    self.step((t, s + 1, 0), c)
                 } else if ok && n < max {
-                    out.push((t, s, n + 1));
+                    Some((t, s, n + 1))
+                } else {
+                    None
                 }
             }
         }
@@ -228,6 +231,16 @@ mod tests {
         assert!(g.advance(&g.start(), r#"{"hooks": [{"id": "Bad"#).is_dead(), "names are lower case");
         let long = format!(r#"{{"memory": [{{"key": "k", "text": "{}"#, "x".repeat(MAX_TEXT as usize + 1));
         assert!(g.advance(&g.start(), &long).is_dead());
+        // `accepts` answers as `advance` does, from every state a reply passes through.
+        for reply in filled(&g) {
+            let mut state = g.start();
+            for (i, c) in reply.char_indices() {
+                for text in ["\"", "\"}]}", "a", "Commit", "\\", " \"", "-1", "é", "\"}, {\"role", &reply[i..]] {
+                    assert_eq!(g.accepts(&state, text), !g.advance(&state, text).is_dead(), "{text:?} after {:?}", &reply[..i]);
+                }
+                state = g.advance(&state, c.encode_utf8(&mut [0; 4]));
+            }
+        }
         // Split anywhere, the same text reaches the same state.
         let reply = &filled(&g)[7];
         let (a, b) = reply.split_at(23);

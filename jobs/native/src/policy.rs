@@ -27,7 +27,7 @@ pub struct NativePolicy {
     context_limit: u64,
     checkpoint: String,
     /// Each token's text alone, for constrained decoding (built on first use).
-    pieces: Arc<OnceLock<Arc<Vec<String>>>>,
+    pieces: Arc<OnceLock<Arc<Pieces>>>,
 }
 
 impl NativePolicy {
@@ -100,13 +100,34 @@ impl NativePolicy {
 
 impl NativePolicy {
     /// Each token's text decoded alone (a byte of a longer character decodes to U+FFFD).
-    fn pieces(&self) -> Arc<Vec<String>> {
+    fn pieces(&self) -> Arc<Pieces> {
         self.pieces
             .get_or_init(|| {
                 let n = self.tokenizer.vocab_size() as u32;
-                Arc::new((0..n).map(|id| self.tokenizer.decode(&[id]).unwrap_or_default()).collect())
+                Arc::new(Pieces::new((0..n).map(|id| self.tokenizer.decode(&[id]).unwrap_or_default()).collect()))
             })
             .clone()
+    }
+}
+
+/// The vocabulary's texts, for constraints that read them.
+struct Pieces {
+    /// Each token's text alone.
+    texts: Vec<String>,
+    /// Token ids by the first character of their text (empty texts left out): a character
+    /// a grammar refuses rules out its whole group with one check.
+    by_first: Vec<(char, Vec<u32>)>,
+}
+
+impl Pieces {
+    fn new(texts: Vec<String>) -> Self {
+        let mut groups: std::collections::BTreeMap<char, Vec<u32>> = Default::default();
+        for (id, text) in texts.iter().enumerate() {
+            if let Some(c) = text.chars().next() {
+                groups.entry(c).or_default().push(id as u32);
+            }
+        }
+        Pieces { texts, by_first: groups.into_iter().collect() }
     }
 }
 
@@ -114,12 +135,12 @@ impl NativePolicy {
 /// in the grammar; the reply may end once a template is complete.
 struct PatchConstraint {
     grammar: PatchGrammar,
-    pieces: Arc<Vec<String>>,
+    pieces: Arc<Pieces>,
     state: GrammarState,
 }
 
 impl PatchConstraint {
-    fn new(pieces: Arc<Vec<String>>) -> Self {
+    fn new(pieces: Arc<Pieces>) -> Self {
         let grammar = PatchGrammar::new();
         let state = grammar.start();
         PatchConstraint { grammar, pieces, state }
@@ -128,8 +149,8 @@ impl PatchConstraint {
 
 impl Constraint for PatchConstraint {
     fn allows(&self, id: u32) -> bool {
-        match self.pieces.get(id as usize) {
-            Some(text) if !text.is_empty() => !self.grammar.advance(&self.state, text).is_dead(),
+        match self.pieces.texts.get(id as usize) {
+            Some(text) if !text.is_empty() => self.grammar.accepts(&self.state, text),
             _ => false,
         }
     }
@@ -137,8 +158,22 @@ impl Constraint for PatchConstraint {
         self.grammar.is_complete(&self.state)
     }
     fn advance(&mut self, id: u32) {
-        if let Some(text) = self.pieces.get(id as usize) {
+        if let Some(text) = self.pieces.texts.get(id as usize) {
             self.state = self.grammar.advance(&self.state, text);
+        }
+    }
+    fn mask(&self, allowed: &mut [bool]) {
+        allowed.fill(false);
+        let mut buf = [0u8; 4];
+        for (c, ids) in &self.pieces.by_first {
+            if !self.grammar.accepts(&self.state, c.encode_utf8(&mut buf)) {
+                continue;
+            }
+            for &id in ids {
+                if let Some(a) = allowed.get_mut(id as usize) {
+                    *a = self.grammar.accepts(&self.state, &self.pieces.texts[id as usize]);
+                }
+            }
         }
     }
 }
@@ -206,5 +241,37 @@ impl Policy for NativePolicy {
                 Finish::Length => FinishReason::Length,
             },
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The grouped mask answers as the token-by-token check does, in every state a reply
+    /// passes through.
+    #[test]
+    fn the_patch_mask_equals_the_per_token_check() {
+        let mut texts: Vec<String> = [
+            "", "{\"", "{", "\"", "hooks", "prompt", "_rules", "\": [", "{\"slot", "\": \"", "answer", "_format", "\", \"", "text",
+            "Commit", " the", " value", ".\"", "}]", "}", "é", "\\", "\n", "-", "x1", "\"}]}", " ", "ids", "Say",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        texts.extend((b'a'..=b'z').map(|b| (b as char).to_string()));
+        let pieces = Arc::new(Pieces::new(texts.clone()));
+        let mut c = PatchConstraint::new(pieces);
+        let reply = r#"{"prompt_rules": [{"slot": "answer_format", "text": "Commit the value."}]}"#;
+        let mut seen_allowed = 0;
+        for ch in reply.chars() {
+            let mut mask = vec![true; texts.len()];
+            c.mask(&mut mask);
+            let one_by_one: Vec<bool> = (0..texts.len() as u32).map(|id| c.allows(id)).collect();
+            assert_eq!(mask, one_by_one, "state {:?}", c.state);
+            seen_allowed += mask.iter().filter(|a| **a).count();
+            c.state = c.grammar.advance(&c.state, ch.encode_utf8(&mut [0; 4]));
+        }
+        assert!(c.may_stop() && seen_allowed > reply.len(), "the reply completes the grammar");
     }
 }

@@ -21,7 +21,7 @@ use super::direction::Direction;
 use super::reading::{SINGLE_VALUE_PATTERN, STATED_ANSWER_PATTERN, STATED_NAME_PATTERN, STATED_NUMBER_PATTERN, STATED_SQL_PATTERN};
 use crate::harness::{check_spec, spec_from_value, ValidateOptions};
 use crate::policy::{Message, Policy, SamplingParams};
-use schemas::{HarnessSpec, Role};
+use schemas::{HarnessSpec, Role, Trajectory};
 
 /// What an editor is asked to do.
 #[derive(Debug, Clone)]
@@ -41,6 +41,8 @@ pub struct EditRequest<'a> {
     pub earlier: Vec<HarnessSpec>,
     /// Validation options (the environment's tool names).
     pub validate: &'a ValidateOptions,
+    /// The parent's episodes of this round (a learned editor reads its failures).
+    pub evidence: &'a [Trajectory],
 }
 
 /// Why no child came out.
@@ -697,6 +699,7 @@ mod tests {
             other_briefs: vec![],
             earlier: vec![],
             validate,
+            evidence: &[],
         }
     }
 

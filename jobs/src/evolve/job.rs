@@ -433,6 +433,8 @@ struct Plan {
     direction: Direction,
     failed: BTreeSet<String>,
     solved: BTreeSet<String>,
+    /// The parent's episodes of the round (what a learned editor reads).
+    rows: std::sync::Arc<Vec<Trajectory>>,
 }
 
 /// Steps 2a–b: every parent on the round's fresh tasks, its failures diagnosed and formed
@@ -456,10 +458,18 @@ async fn plan_round(
         let diagnoses = ctx.diagnoser.diagnose(&rows).await?;
         let dirs = form_directions(&diagnoses, &s.directions, per_parent);
         tracing::info!(round, parent = %parent.id, solved = ok.len(), failed = failed.len(), directions = dirs.len(), "parent diagnosed");
+        let rows = std::sync::Arc::new(rows);
         per_parent_plans.push(
             dirs.into_iter()
                 .enumerate()
-                .map(|(index, direction)| Plan { index, parent: parent.clone(), direction, failed: failed.clone(), solved: ok.clone() })
+                .map(|(index, direction)| Plan {
+                    index,
+                    parent: parent.clone(),
+                    direction,
+                    failed: failed.clone(),
+                    solved: ok.clone(),
+                    rows: rows.clone(),
+                })
                 .collect(),
         );
     }
@@ -596,6 +606,7 @@ async fn make_children(
             other_briefs: others,
             earlier: proposed.clone(),
             validate: &ctx.validate,
+            evidence: &plan.rows,
         };
         let (child, local) = match propose(ctx, input, round, plan, req, &pool.specs).await? {
             Ok(v) => v,

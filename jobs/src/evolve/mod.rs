@@ -8,6 +8,7 @@
 //! - [`select`]: parent selection maximising |∪ V(H)| with at most B parents (Eq. 3).
 //! - [`pool`]: the pool as a versioned artifact with lineage under `runs/<run>/pool/`.
 //! - [`packet`]: trace packets for a learned editor (Harness-R1 §3.1).
+//! - [`learned`]: a trained harness editor as evolution's editor (`editor = "learned"`).
 //! - [`job`]: the evolve stage, built from rollout jobs.
 //! - [`report`]: Figure 1a (repaired vs regressed per sibling) and Figure 5 (directed
 //!   repair overlap), numbers and PNG plots.
@@ -24,6 +25,7 @@ pub mod diagnose;
 pub mod direction;
 pub mod editor;
 pub mod job;
+pub mod learned;
 pub mod packet;
 pub mod pool;
 pub mod reading;
@@ -34,5 +36,6 @@ pub use diagnose::{Diagnoser, Finding, LlmDiagnoser, RuleDiagnoser, TaskDiagnosi
 pub use direction::{form_directions, Direction, DirectionSettings};
 pub use editor::{EditError, EditRequest, Editor, LlmEditor, TemplateEditor};
 pub use job::{run, EvolveContext, EvolveError, EvolveInput, EvolveOutput, EvolveSettings, RoundSummary};
+pub use learned::LearnedEditor;
 pub use pool::{PoolEntry, PoolError, PoolManifest};
 pub use select::{select_parents, Candidate, Selection};

@@ -146,7 +146,7 @@ fn clip(text: &str, max: usize) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use schemas::{RolloutKind, Split, Termination, Turn};
 

@@ -50,9 +50,14 @@ pub fn pool_repair_counts(m: &super::pool::PoolManifest) -> Option<Vec<RepairCou
 /// Each sibling's mechanisms and on which side they act: `policy-side` when every
 /// component changes what the policy itself writes (worked examples, prompt rules, skills,
 /// context, memory, tool views, warn / block_and_prompt hooks), else `harness-side` with
-/// the hooks that act in its place (`force_action`, `rewrite_action`). Markdown table.
-pub fn mechanism_table(specs: &[HarnessSpec]) -> String {
-    let mut md = String::from("| sibling | components | side |\n|---|---|---|\n");
+/// the hooks that act in its place (`force_action`, `rewrite_action`); with an evolution
+/// manifest, also the editor that wrote each (`template`, `llm`, `learned:<run>@<step>`).
+/// Markdown table.
+pub fn mechanism_table(specs: &[HarnessSpec], manifest: Option<&super::pool::PoolManifest>) -> String {
+    let mut md = match manifest {
+        Some(_) => String::from("| sibling | editor | components | side |\n|---|---|---|---|\n"),
+        None => String::from("| sibling | components | side |\n|---|---|---|\n"),
+    };
     for s in specs.iter().filter(|s| s.id != schemas::H0_ID) {
         let mut parts: Vec<String> = Vec::new();
         for (name, n) in [
@@ -76,7 +81,11 @@ pub fn mechanism_table(specs: &[HarnessSpec]) -> String {
         } else {
             format!("harness-side (acts for the policy: {})", forced.join(", "))
         };
-        md.push_str(&format!("| {} | {} | {} |\n", s.id, if parts.is_empty() { "none".into() } else { parts.join(", ") }, side));
+        let editor = match manifest {
+            Some(m) => format!(" {} |", m.member(&s.id).map(|e| e.editor.as_str()).unwrap_or("-")),
+            None => String::new(),
+        };
+        md.push_str(&format!("| {} |{editor} {} | {} |\n", s.id, if parts.is_empty() { "none".into() } else { parts.join(", ") }, side));
     }
     md
 }
@@ -263,10 +272,32 @@ mod tests {
             serde_json::json!({"id": "s2", "parent": "h0", "hooks": [{"id": "commit-stated", "event": "before_decision", "condition": "text_only_reply",
             "action": "force_action", "message": "", "parameters": {"tool": "commit_final_answer", "args": {"answers": ["1"]}}}]}),
         );
-        let t = mechanism_table(&[HarnessSpec::h0(), example, forced]);
+        let specs = [HarnessSpec::h0(), example, forced];
+        let t = mechanism_table(&specs, None);
         assert!(t.contains("| s1 | 1 examples, 1 hooks | policy-side |"), "{t}");
         assert!(t.contains("| s2 | 1 hooks | harness-side (acts for the policy: commit-stated) |"), "{t}");
         assert!(!t.contains("| h0 |"), "{t}");
+        // With the manifest: which editor wrote each sibling.
+        let mut m = super::super::pool::PoolManifest::new("r");
+        for (id, editor) in [("s1", "learned:ed@2"), ("s2", "template")] {
+            m.members.push(super::super::pool::PoolEntry {
+                id: id.into(),
+                parent: Some("h0".into()),
+                generation: 1,
+                round: 1,
+                direction: None,
+                causes: vec![],
+                version: String::new(),
+                editor: editor.into(),
+                local: None,
+                validation_coverage: vec![],
+                selected_as_parent: false,
+                origin_run: "r".into(),
+            });
+        }
+        let t = mechanism_table(&specs, Some(&m));
+        assert!(t.contains("| s1 | learned:ed@2 | 1 examples, 1 hooks | policy-side |"), "{t}");
+        assert!(t.contains("| s2 | template | 1 hooks |"), "{t}");
     }
 
     fn set(v: &[&str]) -> BTreeSet<String> {

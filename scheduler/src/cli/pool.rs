@@ -86,12 +86,16 @@ async fn ls(args: LsArgs) -> anyhow::Result<u8> {
         m.validation_tasks.len(),
         m.seeded_from.as_ref().map(|s| format!(", seeded from {s}")).unwrap_or_default()
     )?;
-    writeln!(out, "{:<14} {:<10} {:>3} {:>5} {:>9} {:>7} {:>6}  causes", "id", "parent", "gen", "round", "V(H)", "local", "parent")?;
+    writeln!(
+        out,
+        "{:<14} {:<10} {:>3} {:>5} {:>9} {:>7} {:>6}  {:<20} causes",
+        "id", "parent", "gen", "round", "V(H)", "local", "parent", "editor"
+    )?;
     for e in &m.members {
         let local = e.local.as_ref().map(|l| format!("{}/{}", l.repaired.len(), l.targeted.len())).unwrap_or_else(|| "-".into());
         writeln!(
             out,
-            "{:<14} {:<10} {:>3} {:>5} {:>9} {:>7} {:>6}  {}",
+            "{:<14} {:<10} {:>3} {:>5} {:>9} {:>7} {:>6}  {:<20} {}",
             e.id,
             e.parent.as_deref().unwrap_or("-"),
             e.generation,
@@ -99,6 +103,7 @@ async fn ls(args: LsArgs) -> anyhow::Result<u8> {
             format!("{}/{}", e.validation_coverage.len(), m.validation_tasks.len()),
             local,
             if e.selected_as_parent { "yes" } else { "" },
+            e.editor,
             e.causes.join(", ")
         )?;
     }
@@ -129,7 +134,7 @@ async fn ls_submitted(store: &dyn infra::store::ObjectStore, run_id: &str) -> an
     for id in &stored.pool {
         specs.push(load_member(store, run_id, id).await?);
     }
-    write!(out, "{}", jobs::evolve::report::mechanism_table(&specs))?;
+    write!(out, "{}", jobs::evolve::report::mechanism_table(&specs, None))?;
     Ok(exit::OK)
 }
 

@@ -335,11 +335,35 @@ impl Handler for EvolveHandler {
         };
         let template = jobs::evolve::TemplateEditor::default();
         let llm_editor;
-        let editor: &dyn jobs::evolve::Editor = if settings.editor == EditorKind::Llm {
-            llm_editor = jobs::evolve::LlmEditor { policy: editor_llm.as_ref().ok_or_else(missing)?, sampling: greedy };
-            &llm_editor
-        } else {
-            &template
+        let (learned_policy, learned_editor);
+        let editor: &dyn jobs::evolve::Editor = match settings.editor {
+            EditorKind::Llm => {
+                llm_editor = jobs::evolve::LlmEditor { policy: editor_llm.as_ref().ok_or_else(missing)?, sampling: greedy };
+                &llm_editor
+            }
+            EditorKind::Learned => {
+                let (pinned, l) = inputs.stored.learned_editor.as_ref().zip(settings.learned_editor.as_ref()).ok_or_else(|| {
+                    JobFailure::Fatal("editor = \"learned\" without a pinned evolution.learned_editor; resubmit the run".into())
+                })?;
+                let spec = inputs.spec();
+                let device = native::device::parse(&spec.policy.device).map_err(|e| JobFailure::Fatal(e.to_string()))?;
+                learned_policy =
+                    native_checkpoint(store, &pinned.run, pinned.step, device, &pinned.base_model, spec.policy.engine()).await?;
+                let sampling = jobs::policy::SamplingParams {
+                    temperature: l.temperature,
+                    max_tokens: l.max_tokens,
+                    constrain: l.constrain.then_some(jobs::policy::Constrain::HarnessPatch),
+                    ..greedy
+                };
+                learned_editor = jobs::evolve::LearnedEditor {
+                    policy: learned_policy.as_ref(),
+                    name: jobs::evolve::LearnedEditor::name_of(&pinned.run, pinned.step),
+                    sampling,
+                    packet: pinned.packet.clone(),
+                };
+                &learned_editor
+            }
+            EditorKind::Template => &template,
         };
         let validate = inputs.spec().environment.validate_options();
         let ectx = jobs::evolve::EvolveContext { store, policy: &policy, envs: envs.as_ref(), diagnoser, editor, validate };

@@ -33,8 +33,50 @@ pub struct StoredRun {
     /// the native policy's model).
     #[serde(default)]
     pub editor_model: Option<PathBuf>,
+    /// The trained editor of `[evolution] editor = "learned"`, pinned at submission.
+    #[serde(default)]
+    pub learned_editor: Option<PinnedEditor>,
     /// Harness ids of the pool, in file-name order (H0 excluded).
     pub pool: Vec<String>,
+}
+
+/// A checkpoint of an editor run that writes a run's evolution children: the step is fixed
+/// when the run is submitted, so a resumed run uses the same weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PinnedEditor {
+    pub run: String,
+    pub step: u32,
+    /// The editor run's starting weights (the tokenizer, when the checkpoint has none).
+    pub base_model: PathBuf,
+    /// How the editor run cut its packets: the learned editor reads packets cut the same way.
+    pub packet: jobs::evolve::packet::PacketSettings,
+}
+
+/// `[evolution] learned_editor` resolved against the store: the editor run exists, trained
+/// an editor, and has the checkpoint (the latest complete one when no step is given).
+pub async fn pin_learned_editor(store: &dyn ObjectStore, l: &super::spec::LearnedEditorSection) -> anyhow::Result<PinnedEditor> {
+    let field = "evolution.learned_editor.run";
+    let editor_run = load_stored(store, &l.run)
+        .await
+        .with_context(|| format!("{field}: no editor run `{}` (train one with an [editor_training] spec first)", l.run))?;
+    let Some(training) = &editor_run.spec.editor_training else {
+        bail!("{field}: run `{}` trained a policy, not a harness editor; name a run with [editor_training]", l.run);
+    };
+    let packet = training.packet_settings();
+    let base_model = editor_run.editor_model.with_context(|| format!("{field}: run `{}` records no editor model", l.run))?;
+    let step = match l.step {
+        Some(step) => {
+            if store.head(&native::checkpoint::manifest_key(&l.run, step)).await?.is_none() {
+                bail!("evolution.learned_editor.step: editor run `{}` has no checkpoint at step {step}; `harness-s status {}` shows its latest", l.run, l.run);
+            }
+            step
+        }
+        None => match native::checkpoint::latest(store, &l.run).await? {
+            Some(m) => m.step,
+            None => bail!("{field}: editor run `{}` has no complete checkpoint yet; resume it until a step finishes", l.run),
+        },
+    };
+    Ok(PinnedEditor { run: l.run.clone(), step, base_model, packet })
 }
 
 impl schemas::Document for StoredRun {
@@ -183,12 +225,17 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
         },
         None => None,
     };
+    let learned_editor = match spec.evolution.as_ref().and_then(|e| e.learned_editor.as_ref()) {
+        Some(l) => Some(pin_learned_editor(store, l).await?),
+        None => None,
+    };
     let stored = StoredRun {
         schema_version: 1,
         run_id: run_id.clone(),
         spec: spec.clone(),
         base_model,
         editor_model,
+        learned_editor,
         pool: pool.iter().map(|h| h.id.clone()).collect(),
     };
     store.put(&keys::spec(run_id), Bytes::from(loaded.text.clone())).await?;

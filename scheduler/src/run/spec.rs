@@ -47,7 +47,8 @@
 //!
 //! # [evolution]                  # evolve the pool first instead (§3.2); see EvolutionSection
 //! # proposal_budgets = [7, 8, 8]
-//! # editor = "template"          # or "llm" with llm = { base_url, model }
+//! # editor = "template"          # or "llm" with llm = { base_url, model }, or "learned"
+//! # learned_editor = { run = "editor-1" }   # with a trained editor: an editor run's checkpoint
 //!
 //! # [editor_training]            # train a harness editor instead (Harness-R1); see
 //! # steps = 2                    # EditorTrainingSection ([policy] is the frozen target)
@@ -298,6 +299,8 @@ pub enum EditorKind {
     Template,
     /// The `[evolution] llm` endpoint with Appendix F's instructions.
     Llm,
+    /// A harness editor trained by an editor run (`[evolution] learned_editor`).
+    Learned,
 }
 
 macro_rules! names {
@@ -319,7 +322,7 @@ names!(EnvKind { Dbbench => "dbbench", Http => "http" });
 names!(DbEngine { Sqlite => "sqlite", Mysql => "mysql" });
 names!(Backend { Native => "native", Openai => "openai" });
 names!(DiagnoserKind { Rule => "rule", Llm => "llm" });
-names!(EditorKind { Template => "template", Llm => "llm" });
+names!(EditorKind { Template => "template", Llm => "llm", Learned => "learned" });
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicySection {
@@ -442,13 +445,38 @@ pub struct EvolutionSection {
     /// `rule` (built-in, no LLM) or `llm` (the `llm` endpoint reads the trajectories).
     #[serde(default)]
     pub diagnoser: DiagnoserKind,
-    /// `template` (built-in library of repairs, no LLM) or `llm` (Appendix F instructions).
+    /// `template` (built-in library of repairs, no LLM), `llm` (Appendix F instructions) or
+    /// `learned` (a trained editor, `learned_editor`).
     #[serde(default)]
     pub editor: EditorKind,
     /// The endpoint of the LLM diagnoser or editor.
     pub llm: Option<EndpointSection>,
+    /// The trained editor of `editor = "learned"`.
+    pub learned_editor: Option<LearnedEditorSection>,
     /// Start from another run's pool in the same store.
     pub seed_from: Option<String>,
+}
+
+/// `[evolution] learned_editor`: which trained harness editor writes the children — a
+/// checkpoint of an editor run (`[editor_training]`) in the same store, in the native
+/// engine on `[policy] device`. The step is pinned when the run is submitted (default:
+/// the editor run's latest checkpoint), so a resumed run uses the same weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LearnedEditorSection {
+    /// The editor run.
+    pub run: String,
+    /// Its checkpoint step (default: the latest at submission).
+    pub step: Option<u32>,
+    /// The first version's temperature (default 0: greedy, as Appendix F's editor); a
+    /// revision samples at the training temperature (1) with another seed.
+    #[serde(default)]
+    pub temperature: f32,
+    #[serde(default = "default_editor_max_tokens")]
+    pub max_tokens: u32,
+    /// Decode in the patch grammar, as the editor was trained (default true).
+    #[serde(default = "default_true")]
+    pub constrain: bool,
 }
 
 /// `[editor_training]`: a run that trains a harness editor with GRPO (Harness-R1 §3.2):
@@ -1339,6 +1367,28 @@ fn check_evolution(spec: &RunSpec, e: &EvolutionSection, bad: &mut impl FnMut(&s
     if (e.diagnoser == DiagnoserKind::Llm || e.editor == EditorKind::Llm) && e.llm.is_none() {
         bad("evolution.llm", "required with diagnoser = \"llm\" or editor = \"llm\": { base_url, model }".into());
     }
+    match (&e.learned_editor, e.editor) {
+        (None, EditorKind::Learned) => bad(
+            "evolution.learned_editor",
+            "required with editor = \"learned\": { run = \"<editor run>\" } (an [editor_training] run in this store)".into(),
+        ),
+        (Some(_), k) if k != EditorKind::Learned => bad(
+            "evolution.learned_editor",
+            format!("is only read with editor = \"learned\" (editor is \"{k}\"); remove it or set editor = \"learned\""),
+        ),
+        (Some(l), _) => {
+            if l.run.trim().is_empty() {
+                bad("evolution.learned_editor.run", "is empty: name the editor run whose checkpoint writes the children".into());
+            }
+            if !(0.0..=2.0).contains(&l.temperature) {
+                bad("evolution.learned_editor.temperature", format!("{} is outside 0..=2", l.temperature));
+            }
+            if l.max_tokens == 0 {
+                bad("evolution.learned_editor.max_tokens", "must be at least 1".into());
+            }
+        }
+        (None, _) => {}
+    }
 }
 
 /// `[router]`: the variant and its voters, and every LLM endpoint's URL and model (voters,
@@ -1775,5 +1825,24 @@ rescue = "h0"
         let ok = parse(&with(&format!("steps = 2\nmodel = \"{}\"", model.display())), "e.toml", Path::new("."), "e").unwrap();
         let e = ok.spec.editor_training.unwrap();
         assert_eq!((e.steps, e.patches, e.constrain, e.parent.as_str()), (2, 8, true, "h0"));
+    }
+
+    /// `editor = "learned"` needs `learned_editor`, and `learned_editor` needs it; its
+    /// values are checked by key.
+    #[test]
+    fn a_learned_editor_is_checked_by_key() {
+        let with = |section: &str| format!("{GOOD}[evolution]\n{section}\n");
+        let problems = |section: &str| parse(&with(section), "e.toml", Path::new("."), "e").unwrap_err().to_string();
+        assert!(problems("editor = \"learned\"").contains("evolution.learned_editor"));
+        let err = problems("learned_editor = { run = \"ed\" }");
+        assert!(err.contains("evolution.learned_editor") && err.contains("editor = \"learned\""), "{err}");
+        let err = problems("editor = \"learned\"\nlearned_editor = { run = \" \", temperature = 3.0, max_tokens = 0 }");
+        for key in ["learned_editor.run", "learned_editor.temperature", "learned_editor.max_tokens"] {
+            assert!(err.contains(key), "{key}: {err}");
+        }
+        assert!(problems("editor = \"learned\"\nlearned_editor = { run = \"ed\", stpe = 2 }").contains("stpe"));
+        let ok = parse(&with("editor = \"learned\"\nlearned_editor = { run = \"ed\" }"), "e.toml", Path::new("."), "e").unwrap();
+        let l = ok.spec.evolution.unwrap().learned_editor.unwrap();
+        assert_eq!((l.run.as_str(), l.step, l.temperature, l.max_tokens, l.constrain), ("ed", None, 0.0, 256, true));
     }
 }

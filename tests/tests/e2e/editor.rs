@@ -274,3 +274,103 @@ episode_model_calls = 2
     std::fs::write(&path, spec).unwrap();
     path
 }
+
+/// An edit job with an OpenAI-compatible editor (the real llama.cpp server with SmolLM2,
+/// free text, no grammar) and the same server as the frozen target: every reply is stored
+/// with the endpoint's logprobs and scored like a native editor's (an invalid one scores 0
+/// and never runs, a valid one is rerun with the packet's seed); a redelivery re-reads the
+/// stored patches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_editor_writes_patches_scored_like_a_native_ones() {
+    use jobs::edit::{EditContext, EditInput};
+    use jobs::env::dbbench::generate::{generate_jsonl, Difficulty, GenerateOptions};
+    use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
+    use jobs::policy::openai::{OpenAiConfig, OpenAiPolicy, ToolProtocol};
+    use jobs::policy::SamplingParams;
+    use jobs::rollout::{RolloutContext, RolloutInput};
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = infra::store::LocalStore::new(dir.path()).unwrap();
+    let mut config = OpenAiConfig::new(harness_s_tests::openai_url(), harness_s_tests::openai_model());
+    config.tool_protocol = ToolProtocol::Text;
+    let endpoint = OpenAiPolicy::new(config).unwrap();
+    let text = generate_jsonl(&GenerateOptions { seed: 6, n: 4, difficulty: Some(Difficulty::Easy), kinds: vec![] }).unwrap();
+    let set = TaskSet::parse(&text, "gen.jsonl", "gen");
+    let ids = set.tasks.ids();
+    let envs = DbBenchFactory { tasks: std::sync::Arc::new(set.tasks), config: DbBenchConfig::sqlite().with_max_rounds(2).unwrap() };
+    let run = harness_s_tests::unique("edit-endpoint");
+    let parent = schemas::HarnessSpec::h0();
+    let budgets = jobs::harness::Budgets { max_model_calls: 2, ..Default::default() };
+    let sampling = SamplingParams { temperature: 0.7, max_tokens: 24, seed: Some(3), ..Default::default() };
+
+    // The parent's episodes, cut into one packet.
+    let rollout = RolloutInput {
+        run_id: run.clone(),
+        step: 0,
+        kind: RolloutKind::Eval,
+        split: schemas::Split::Train,
+        task_ids: ids.clone(),
+        harness: parent.clone(),
+        attempts: 1,
+        seed: 9,
+        budgets,
+        sampling: sampling.clone(),
+        concurrency: 1,
+    };
+    let rctx = RolloutContext { store: &store, policy: &endpoint, envs: &envs, job_id: "parent", delivery_attempt: 0 };
+    jobs::rollout::run(&rctx, &rollout).await.unwrap();
+    let rows: Vec<Trajectory> =
+        infra::table::read_records(&store, &schemas::keys::trajectory_part(&run, 0, RolloutKind::Eval, "parent")).await.unwrap();
+    let settings = jobs::evolve::packet::PacketSettings { failed: 2, controls: 1, ..Default::default() };
+    let packet = jobs::evolve::packet::packets(&run, &rows, &settings).into_iter().next().expect("the target failed some task");
+
+    let validate = jobs::env::dbbench::validate_options(false);
+    let ctx = EditContext {
+        store: &store,
+        editor: &endpoint,
+        target: &endpoint,
+        envs: &envs,
+        validate: &validate,
+        job_id: "edit-1",
+        delivery_attempt: 0,
+    };
+    let input = EditInput {
+        run_id: run.clone(),
+        step: 1,
+        packet: packet.clone(),
+        parent,
+        patches: 3,
+        sampling: SamplingParams { temperature: 1.0, max_tokens: 96, ..Default::default() },
+        seed: 5,
+        editor_checkpoint: harness_s_tests::openai_model(),
+        budgets,
+        rerun_sampling: sampling,
+        concurrency: 1,
+    };
+    let out = jobs::edit::run(&ctx, &input).await.unwrap();
+    assert_eq!(out.patches.len(), 3);
+    for p in &out.patches {
+        if p.valid {
+            let job = p.rerun_job_id.as_deref().unwrap();
+            let rerun: Vec<Trajectory> =
+                infra::table::read_records(&store, &schemas::keys::trajectory_part(&run, 1, RolloutKind::Eval, job)).await.unwrap();
+            assert!(rerun.iter().all(|r| r.seed == packet.seed && Some(&r.harness_id) == p.child_harness_id.as_ref()));
+            assert_eq!(p.patched_rewards.len(), packet.task_ids.len());
+        } else {
+            assert!(p.error.is_some() && p.reward == 0.0 && p.rerun_job_id.is_none(), "{p:?}");
+        }
+    }
+    let edits: Vec<Trajectory> =
+        infra::table::read_records(&store, &schemas::keys::trajectory_part(&run, 1, RolloutKind::Edit, "edit-1")).await.unwrap();
+    assert_eq!(edits.len(), 3);
+    for (row, p) in edits.iter().zip(&out.patches) {
+        let reply = row.turns.last().unwrap();
+        assert_eq!(reply.text, p.reply);
+        assert!(!reply.logprobs.is_empty() && reply.logprobs.iter().all(|l| *l <= 0.0), "the endpoint's logprobs are stored");
+        assert_eq!(row.policy_checkpoint, harness_s_tests::openai_model());
+    }
+    // A redelivery: the stored patches, nothing sampled or run again.
+    let again = jobs::edit::run(&ctx, &input).await.unwrap();
+    assert!(again.already_done);
+    assert_eq!(again.patches, out.patches);
+}

@@ -214,6 +214,7 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         checkpoint: &loaded.checkpoint,
         prompt: &prompt,
         return_token_ids: return_ids,
+        constrain: sampling.constrain,
     };
     with_checkpoint(openai::chat_response(&meta, &gen, &text, &calls, lp), &loaded.checkpoint)
 }
@@ -265,6 +266,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
         checkpoint: &loaded.checkpoint,
         prompt: &prompt,
         return_token_ids: return_ids,
+        constrain: sampling.constrain,
     };
     with_checkpoint(openai::completion_response(&meta, &gen, &text, req.logprobs, &piece), &loaded.checkpoint)
 }

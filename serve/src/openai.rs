@@ -151,6 +151,10 @@ pub struct Sampling {
     /// `prompt_token_ids` (vLLM's request field).
     #[serde(default)]
     pub return_token_ids: Option<bool>,
+    /// harness-s's own field: decode in this grammar (`"harness_patch"`: one harness patch,
+    /// [`native::grammar`]); the answer echoes it as `constrain`.
+    #[serde(default)]
+    pub constrain: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -230,7 +234,13 @@ pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<Sampling
     if stop.len() > 4 || stop.iter().any(|x| x.is_empty()) {
         return Err(BadRequest::field("stop", "give at most 4 non-empty stop strings"));
     }
-    Ok(SamplingParams { temperature, top_p, max_tokens, seed: Some(s.seed.unwrap_or_else(rand::random)), stop, constrain: None })
+    let constrain = match s.constrain.as_deref() {
+        None => None,
+        Some(name) => Some(jobs::policy::Constrain::from_wire(name).ok_or_else(|| {
+            BadRequest::field("constrain", format!("`{name}` is not a grammar of this server; it knows `harness_patch`"))
+        })?),
+    };
+    Ok(SamplingParams { temperature, top_p, max_tokens, seed: Some(s.seed.unwrap_or_else(rand::random)), stop, constrain })
 }
 
 fn content_text(c: &Option<Content>, path: &str) -> Result<String, BadRequest> {
@@ -382,6 +392,8 @@ pub struct Meta<'a> {
     pub checkpoint: &'a str,
     pub prompt: &'a [u32],
     pub return_token_ids: bool,
+    /// The grammar the reply was decoded in, echoed as `constrain`.
+    pub constrain: Option<jobs::policy::Constrain>,
 }
 
 fn usage(prompt: usize, gen: &Generation) -> Value {
@@ -408,6 +420,9 @@ pub fn chat_response(meta: &Meta, gen: &Generation, text: &str, calls: &[ToolCal
     if meta.return_token_ids {
         choice["token_ids"] = json!(gen.tokens);
         body["prompt_token_ids"] = json!(meta.prompt);
+    }
+    if let Some(c) = meta.constrain {
+        body["constrain"] = json!(c.wire_name());
     }
     body["choices"] = json!([choice]);
     body
@@ -443,6 +458,9 @@ pub fn completion_response(meta: &Meta, gen: &Generation, text: &str, logprobs: 
     if meta.return_token_ids {
         choice["token_ids"] = json!(gen.tokens);
         body["prompt_token_ids"] = json!(meta.prompt);
+    }
+    if let Some(c) = meta.constrain {
+        body["constrain"] = json!(c.wire_name());
     }
     body["choices"] = json!([choice]);
     body
@@ -487,6 +505,7 @@ mod tests {
             (r#", "max_tokens": 0"#, "max_tokens"),
             (r#", "n": 2"#, "n"),
             (r#", "stream": true"#, "stream"),
+            (r#", "constrain": "json""#, "constrain"),
         ] {
             let e = sampling(&samp(extra), "m", 16).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{extra}: {e:?}");
@@ -498,6 +517,8 @@ mod tests {
         assert_eq!(chat_top_logprobs(&req(r#", "logprobs": true, "top_logprobs": 3"#)).unwrap(), 3);
         let s = sampling(&samp(r#", "stop": "\n", "seed": 4, "max_completion_tokens": 7"#), "m", 16).unwrap();
         assert_eq!((s.stop, s.seed, s.max_tokens), (vec!["\n".to_string()], Some(4), 7));
+        let s = sampling(&samp(r#", "constrain": "harness_patch""#), "m", 16).unwrap();
+        assert_eq!(s.constrain, Some(jobs::policy::Constrain::HarnessPatch));
     }
 
     #[test]
@@ -522,7 +543,15 @@ mod tests {
     #[test]
     fn responses_carry_calls_logprobs_and_token_ids() {
         let piece = |id: u32| format!("<{id}>");
-        let meta = Meta { id: "x".into(), created: 1, model: "m", checkpoint: "ckpt", prompt: &[1, 2, 3], return_token_ids: true };
+        let meta = Meta {
+            id: "x".into(),
+            created: 1,
+            model: "m",
+            checkpoint: "ckpt",
+            prompt: &[1, 2, 3],
+            return_token_ids: true,
+            constrain: None,
+        };
         let calls = vec![ToolCall { name: "execute_sql".into(), args: json!({"query": "SELECT 1"}) }];
         let body = chat_response(&meta, &generation(), "Action: ...", &calls, Some(chat_logprobs(&generation(), &piece)));
         let choice = &body["choices"][0];

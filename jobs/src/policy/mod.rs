@@ -84,6 +84,20 @@ pub enum Constrain {
     HarnessPatch,
 }
 
+impl Constrain {
+    /// The name on the wire (`harness-s serve`'s `constrain` field).
+    pub fn wire_name(self) -> &'static str {
+        match self {
+            Constrain::HarnessPatch => "harness_patch",
+        }
+    }
+
+    /// The constraint of a wire name.
+    pub fn from_wire(name: &str) -> Option<Constrain> {
+        [Constrain::HarnessPatch].into_iter().find(|c| c.wire_name() == name)
+    }
+}
+
 /// Typed policy failures; the class decides retry, masking or failing the group.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {

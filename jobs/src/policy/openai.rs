@@ -138,6 +138,11 @@ pub struct OpenAiConfig {
     /// sync); recorded on rows when the server does not name its weights itself.
     #[serde(default)]
     pub checkpoint: Option<String>,
+    /// The server decodes in harness-s's grammars (`harness-s serve`): a constrained call
+    /// sends `constrain` (e.g. `"harness_patch"`) and refuses an answer that does not echo
+    /// it. Off: a constrained call fails with a configuration error.
+    #[serde(default)]
+    pub grammars: bool,
 }
 
 fn default_true() -> bool {
@@ -181,6 +186,7 @@ impl OpenAiConfig {
             max_backoff_ms: default_max_backoff(),
             return_token_ids: false,
             checkpoint: None,
+            grammars: false,
         }
     }
 }
@@ -315,6 +321,9 @@ impl OpenAiPolicy {
         }
         if self.config.return_token_ids {
             obj.insert("return_token_ids".into(), json!(true));
+        }
+        if let Some(c) = sampling.constrain {
+            obj.insert("constrain".into(), json!(c.wire_name()));
         }
         if self.config.tool_protocol == ToolProtocol::Native && !tools.is_empty() {
             let wire_tools: Vec<Value> = tools
@@ -480,9 +489,9 @@ impl Policy for OpenAiPolicy {
     }
 
     async fn chat(&self, messages: &[Message], tools: &[ToolSpec], sampling: &SamplingParams) -> Result<PolicyOutput, PolicyError> {
-        if let Some(c) = sampling.constrain {
+        if let (Some(c), false) = (sampling.constrain, self.config.grammars) {
             return Err(PolicyError::Config(format!(
-                "constrained decoding ({c:?}) runs in the native backend only; use a native editor or drop the constraint"
+                "constrained decoding ({c:?}) needs the native backend or an endpoint served by `harness-s serve`; use one of those or drop the constraint"
             )));
         }
         let body = self.request_body(messages, tools, sampling);
@@ -498,6 +507,15 @@ impl Policy for OpenAiPolicy {
             attempts.fetch_add(1, Ordering::Relaxed);
             let c = self.attempt(&body).await?;
             self.check_weights(&c).await?;
+            if let Some(want) = sampling.constrain {
+                if c.constrained.as_deref() != Some(want.wire_name()) {
+                    return Err(PolicyError::Config(format!(
+                        "{} answered without decoding in the `{}` grammar: it is not `harness-s serve`; drop the constraint for this endpoint",
+                        self.root_url,
+                        want.wire_name()
+                    )));
+                }
+            }
             Ok(c)
         })
         .retry(backoff)
@@ -686,6 +704,8 @@ struct Completion {
     token_ids: Option<Vec<u32>>,
     /// The weights the server named in [`CHECKPOINT_HEADER`].
     checkpoint: Option<String>,
+    /// The grammar the server says it decoded in (`constrain`, `harness-s serve`'s field).
+    constrained: Option<String>,
 }
 
 /// The response header in which `harness-s serve` names the weights that answered.
@@ -715,6 +735,8 @@ fn parse_completion(body: &str) -> Result<Completion, PolicyError> {
         usage: Option<Usage>,
         #[serde(default)]
         prompt_token_ids: Option<Vec<u32>>,
+        #[serde(default)]
+        constrain: Option<String>,
     }
     #[derive(Deserialize)]
     struct Choice {
@@ -794,6 +816,7 @@ fn parse_completion(body: &str) -> Result<Completion, PolicyError> {
         prompt_ids: response.prompt_token_ids.or(choice.prompt_token_ids),
         token_ids: choice.token_ids,
         checkpoint: None,
+        constrained: response.constrain,
     })
 }
 

@@ -132,6 +132,12 @@ impl Scheduler {
             Some(s) => native::checkpoint::manifest_key(self.run_id(), s),
             None => self.inputs.stored.editor_model.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
         };
+        // An endpoint editor samples from the editor's latest weights.
+        if let Some(config) = e.endpoint_config() {
+            if let Some(want) = self.inputs.stored.editor_weights(self.store.as_ref(), editor_step) {
+                super::machine::bring_endpoint_to(&config, &want, "editor").await?;
+            }
+        }
         let jobs = chosen
             .iter()
             .map(|packet| {

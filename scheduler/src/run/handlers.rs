@@ -397,7 +397,17 @@ impl Handler for EditHandler {
         let store = ctx.store.as_ref();
         let (payload, inputs) = self.shared.open::<EditJob>(store, job).await?;
         let target = self.shared.policy(store, &inputs, None).await?;
-        let editor = self.shared.editor(store, &inputs, payload.editor_step).await?;
+        let editor = match inputs.spec().editor_training.as_ref().and_then(|e| e.endpoint_config()) {
+            // The scheduler brought the endpoint to these weights before the step; a reply
+            // from others is refused and the weights loaded again.
+            Some(mut config) => {
+                config.checkpoint = inputs.stored.editor_weights(store, payload.editor_step);
+                let p = jobs::policy::openai::OpenAiPolicy::new(config)
+                    .map_err(|e| JobFailure::Fatal(format!("editor_training.endpoint: {e}")))?;
+                Arc::new(p) as Arc<dyn Policy>
+            }
+            None => self.shared.editor(store, &inputs, payload.editor_step).await?,
+        };
         let envs = inputs.env_factory(schemas::Split::Train).map_err(|e| JobFailure::Fatal(format!("{e:#}")))?;
         let validate = inputs.spec().environment.validate_options();
         let ectx = jobs::edit::EditContext {

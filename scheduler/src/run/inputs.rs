@@ -95,6 +95,15 @@ impl StoredRun {
             None => self.base_model.as_ref().map(|p| p.display().to_string()),
         }
     }
+
+    /// The same for an editor run's endpoint editor: its checkpoint `step`, or its starting
+    /// weights.
+    pub fn editor_weights(&self, store: &dyn ObjectStore, step: Option<u32>) -> Option<String> {
+        match step {
+            Some(s) => Some(jobs::policy::weight_sync::model_path_of(&store.folder_url(&keys::checkpoint_dir(&self.run_id, s)))),
+            None => self.editor_model.as_ref().map(|p| p.display().to_string()),
+        }
+    }
 }
 
 pub fn run_json_key(run_id: &str) -> String {

@@ -296,17 +296,7 @@ impl Scheduler {
         let Some(want) = self.inputs.stored.served_weights(self.store.as_ref(), step) else {
             return Ok(());
         };
-        let endpoint =
-            jobs::policy::weight_sync::Endpoint::of_policy(&p.openai_config(), std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))?;
-        let started = std::time::Instant::now();
-        let loaded = endpoint
-            .ensure(&want, std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S))
-            .await
-            .with_context(|| format!("bringing the policy endpoint to {}", infra::redact_url(&want)))?;
-        if loaded {
-            tracing::info!(endpoint = %endpoint.root(), weights = %infra::redact_url(&want), seconds = started.elapsed().as_secs_f64(), "policy endpoint loaded the run's weights");
-        }
-        Ok(())
+        bring_endpoint_to(&p.openai_config(), &want, "policy").await
     }
 
     /// Directional Harness Evolution (§3.2) with the starting policy frozen: one evolve
@@ -1073,4 +1063,18 @@ mod tests {
         }
         assert_eq!(best, Some((2, 0.5)));
     }
+}
+
+/// Asks the endpoint of `config` to load `want` (SGLang's weight-update protocol) unless it
+/// serves them already, and waits until it reports them; `what` names it in errors and logs.
+pub(super) async fn bring_endpoint_to(config: &jobs::policy::openai::OpenAiConfig, want: &str, what: &str) -> anyhow::Result<()> {
+    let timeout = std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S);
+    let endpoint = jobs::policy::weight_sync::Endpoint::of_policy(config, timeout)?;
+    let started = std::time::Instant::now();
+    let loaded =
+        endpoint.ensure(want, timeout).await.with_context(|| format!("bringing the {what} endpoint to {}", infra::redact_url(want)))?;
+    if loaded {
+        tracing::info!(endpoint = %endpoint.root(), weights = %infra::redact_url(want), seconds = started.elapsed().as_secs_f64(), "{what} endpoint loaded the run's weights");
+    }
+    Ok(())
 }

@@ -43,6 +43,9 @@ pub async fn check(spec: &RunSpec) -> anyhow::Result<()> {
     if let Some(llm) = spec.evolution.as_ref().and_then(|e| e.llm.as_ref()) {
         endpoints.push(("evolution.llm".into(), llm.openai_config()));
     }
+    if let Some(config) = spec.editor_training.as_ref().and_then(|e| e.endpoint_config()) {
+        endpoints.push(("editor_training.endpoint".into(), config));
+    }
     for (key, mut config) in endpoints {
         config.connect_timeout_s = TIMEOUT.as_secs_f64();
         let outcome = match jobs::policy::openai::OpenAiPolicy::new(config) {

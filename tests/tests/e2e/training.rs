@@ -921,7 +921,7 @@ fn plain(text: &str) -> String {
 
 /// `harness-s serve` on SmolLM2 on `port` (0: a free one); returns the child and its `/v1`
 /// base URL.
-fn start_serve(log: &Path, port: u16) -> (std::process::Child, String) {
+pub(crate) fn start_serve(log: &Path, port: u16) -> (std::process::Child, String) {
     use std::io::BufRead;
     let mut child = Command::new(harness_s_bin())
         .args([
@@ -952,7 +952,7 @@ fn start_serve(log: &Path, port: u16) -> (std::process::Child, String) {
 }
 
 /// The weights `harness-s serve` at `base_url` serves now (`/get_model_info`).
-fn served_weights(base_url: &str) -> String {
+pub(crate) fn served_weights(base_url: &str) -> String {
     let root = base_url.trim_end_matches("/v1");
     let out = Command::new("curl").args(["-sf", &format!("{root}/get_model_info")]).output().unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();

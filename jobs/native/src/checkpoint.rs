@@ -112,6 +112,7 @@ pub async fn save(
     info: &SaveInfo,
 ) -> Result<String, NativeError> {
     let dir = keys::checkpoint_dir(&info.run_id, info.step);
+    let t0 = std::time::Instant::now();
     // `format = pt`: what transformers' loader looks for in a safetensors header.
     let pt = || Some(HashMap::from([("format".to_string(), "pt".to_string())]));
     let tensors = learner.model.named_tensors();
@@ -128,11 +129,18 @@ pub async fn save(
         files.push((TOKENIZER_FILE, tok.to_json()?.into_bytes()));
         files.push(("tokenizer_config.json", serde_json::to_vec_pretty(&tok.hf_config()).expect("serialises")));
     }
+    let t1 = std::time::Instant::now();
     let mut entries = vec![];
+    let (mut hash_s, mut put_s) = (0.0, 0.0);
     for (name, bytes) in files {
+        let a = std::time::Instant::now();
         entries.push(FileEntry { name: name.to_string(), size: bytes.len() as u64, sha256: sha256(&bytes) });
+        let b = std::time::Instant::now();
         store.put(&format!("{dir}{name}"), Bytes::from(bytes)).await?;
+        hash_s += (b - a).as_secs_f64();
+        put_s += b.elapsed().as_secs_f64();
     }
+    tracing::info!(serialize_s = (t1 - t0).as_secs_f64(), hash_s, put_s, "checkpoint timing");
     let key = put_manifest(store, info, learner.model.config.model_type.clone(), entries, learner.rng_state(), Some(info.step)).await?;
     tracing::info!(key = %key, "checkpoint written");
     Ok(key)

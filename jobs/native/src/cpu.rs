@@ -1,7 +1,8 @@
 //! The rollout engine's forward pass on the CPU with its own kernels ([`crate::kernels`]):
-//! the `int4` weight format. Matrices are 4-bit (the LM head 8-bit) times 8-bit
-//! activations; norms, RoPE, attention and the residual stream are float32 loops; keys and
-//! values go straight into the engine's per-sequence caches ([`SeqKv`]).
+//! the `int4` weight format (matrices 4-bit, the LM head 8-bit, times 8-bit activations)
+//! and `f32` on the CPU (float32 products with the learner's weights as they are). Norms,
+//! RoPE, attention and the residual stream are float32 loops; keys and values go straight
+//! into the engine's per-sequence caches ([`SeqKv`]).
 //!
 //! Each row of a pass (one token of one sequence) is computed on its own: only the rows
 //! that carry a real token are computed (padding costs nothing), a position's keys and
@@ -10,26 +11,53 @@
 
 use tch::{Kind, Tensor};
 
-use crate::kernels::{self, Bits, QActs, QMatrix, Shared};
+use crate::kernels::{self, Bits, FMatrix, QActs, QMatrix, Shared};
+use crate::packed::WeightFormat;
 use crate::model::{Llama, Segment};
 use crate::threads::Pool;
 use crate::NativeError;
 
+/// One weight matrix in the engine's format.
+enum Matrix {
+    Quant(QMatrix),
+    Float(FMatrix),
+}
+
+impl Matrix {
+    /// `y = x · Wᵀ` for `rows` rows of `x`; quantised matrices quantise `x` into `qa` first.
+    fn apply(&self, x: &[f32], rows: usize, qa: &mut QActs, y: &mut [f32], pool: Option<&Pool>) {
+        match self {
+            Matrix::Quant(w) => {
+                qa.quantize(x, rows, w.cols, pool);
+                kernels::matmul(w, qa, y, pool);
+            }
+            Matrix::Float(w) => kernels::fmatmul(w, x, rows, y, pool),
+        }
+    }
+
+    fn rows(&self) -> usize {
+        match self {
+            Matrix::Quant(w) => w.rows,
+            Matrix::Float(w) => w.rows,
+        }
+    }
+}
+
 struct CpuLayer {
     input_norm: Vec<f32>,
-    qkv: QMatrix,
+    qkv: Matrix,
     qkv_bias: Option<Vec<f32>>,
-    o: QMatrix,
+    o: Matrix,
     post_norm: Vec<f32>,
-    gate_up: QMatrix,
-    down: QMatrix,
+    gate_up: Matrix,
+    down: Matrix,
 }
 
 /// A model's weights for the CPU kernels.
 pub struct CpuWeights {
     layers: Vec<CpuLayer>,
     norm: Vec<f32>,
-    head: QMatrix,
+    head: Matrix,
     /// float32 `[vocab, hidden]`, the model's own (shared, not copied)
     embed: Tensor,
     inv_freq: Vec<f32>,
@@ -69,21 +97,38 @@ fn floats(t: &Tensor, name: &str) -> Result<Vec<f32>, NativeError> {
         .map_err(|e| NativeError::Config { field: "rollout_weights".into(), detail: format!("cannot read `{name}`: {e}") })
 }
 
-fn matrix(parts: &[&Tensor], bits: Bits, name: &str) -> Result<QMatrix, NativeError> {
+/// The rows of `parts` stacked, quantised to `bits` (`None`: float32 as they are).
+fn matrix(parts: &[&Tensor], bits: Option<Bits>, name: &str) -> Result<Matrix, NativeError> {
     let w = Tensor::cat(parts, 0);
     let (rows, cols) = w.size2()?;
-    Ok(QMatrix::quantize(&floats(&w, name)?, rows as usize, cols as usize, bits))
+    let (rows, cols) = (rows as usize, cols as usize);
+    let v = floats(&w, name)?;
+    Ok(match bits {
+        Some(bits) => Matrix::Quant(QMatrix::quantize(&v, rows, cols, bits)),
+        None => Matrix::Float(FMatrix::new(v, rows, cols)),
+    })
 }
 
 impl CpuWeights {
-    /// Quantises `model`'s matrices; products run on `threads` threads.
-    pub fn new(model: &Llama, threads: usize) -> Result<CpuWeights, NativeError> {
+    /// `model`'s matrices in `format` (`int4` quantises them, `f32` copies them); products
+    /// run on `threads` threads.
+    pub fn new(model: &Llama, format: WeightFormat, threads: usize) -> Result<CpuWeights, NativeError> {
         if model.device() != tch::Device::Cpu {
             return Err(NativeError::Config {
                 field: "rollout_weights".into(),
-                detail: "int4 runs on the CPU's own kernels; on a GPU use bf16".into(),
+                detail: format!("the CPU kernels do not run `{}` on a GPU; there use f32 or bf16", format.name()),
             });
         }
+        let (bits, head_bits) = match format {
+            WeightFormat::Int4 => (Some(Bits::Four), Some(Bits::Eight)),
+            WeightFormat::F32 => (None, None),
+            WeightFormat::Bf16 => {
+                return Err(NativeError::Config {
+                    field: "rollout_weights".into(),
+                    detail: "bf16 runs on libtorch, not on the CPU kernels".into(),
+                })
+            }
+        };
         let _g = tch::no_grad_guard();
         let c = &model.config;
         let mut layers = Vec::with_capacity(model.layers.len());
@@ -95,16 +140,17 @@ impl CpuWeights {
             };
             layers.push(CpuLayer {
                 input_norm: floats(&l.input_norm, &name("input_layernorm"))?,
-                qkv: matrix(&[&l.q, &l.k, &l.v], Bits::Four, &name("self_attn.qkv"))?,
+                qkv: matrix(&[&l.q, &l.k, &l.v], bits, &name("self_attn.qkv"))?,
                 qkv_bias,
-                o: matrix(&[&l.o], Bits::Four, &name("self_attn.o_proj"))?,
+                o: matrix(&[&l.o], bits, &name("self_attn.o_proj"))?,
                 post_norm: floats(&l.post_norm, &name("post_attention_layernorm"))?,
-                gate_up: matrix(&[&l.gate, &l.up], Bits::Four, &name("mlp.gate_up"))?,
-                down: matrix(&[&l.down], Bits::Four, &name("mlp.down_proj"))?,
+                gate_up: matrix(&[&l.gate, &l.up], bits, &name("mlp.gate_up"))?,
+                down: matrix(&[&l.down], bits, &name("mlp.down_proj"))?,
             });
         }
-        // 4-bit logits over a 49k vocabulary cost more quality than the head's share of the time is worth
-        let head = matrix(&[model.lm_head.as_ref().unwrap_or(&model.embed)], Bits::Eight, "lm_head")?;
+        // (int4) 4-bit logits over a 49k vocabulary cost more quality than the head's share of
+        // the time is worth: the head is 8-bit
+        let head = matrix(&[model.lm_head.as_ref().unwrap_or(&model.embed)], head_bits, "lm_head")?;
         let hd = c.head_dim() as usize;
         let theta = c.rope_theta as f32;
         let inv_freq = (0..hd / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / hd as f32)).collect();
@@ -122,14 +168,13 @@ impl CpuWeights {
 
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.
     pub fn logits(&self, h: &Tensor) -> Tensor {
-        let (rows, hidden) = h.size2().expect("hidden states [rows, hidden]");
+        let (rows, _) = h.size2().expect("hidden states [rows, hidden]");
         let x = Vec::<f32>::try_from(&h.to_kind(Kind::Float).contiguous().view([-1])).expect("float32 hidden states");
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch { qa, logits, .. } = &mut *scratch;
-        qa.quantize(&x, rows as usize, hidden as usize, self.pool.as_ref());
-        let y = buf(logits, rows as usize * self.head.rows);
-        kernels::matmul(&self.head, qa, y, self.pool.as_ref());
-        Tensor::from_slice(y).view([rows, self.head.rows as i64])
+        let y = buf(logits, rows as usize * self.head.rows());
+        self.head.apply(&x, rows as usize, qa, y, self.pool.as_ref());
+        Tensor::from_slice(y).view([rows, self.head.rows() as i64])
     }
 
     fn embed_row(&self, token: u32, out: &mut [f32]) {
@@ -247,8 +292,7 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
     let scale = 1.0 / (hd as f32).sqrt();
     for (li, l) in w.layers.iter().enumerate() {
         each_row(h, hidden, pool, |r, out| rms_norm(&x[r * hidden..(r + 1) * hidden], &l.input_norm, eps, out));
-        qa.quantize(h, n, hidden, pool);
-        kernels::matmul(&l.qkv, qa, qkv, pool);
+        l.qkv.apply(h, n, qa, qkv, pool);
         // bias, rotation, and this position's keys and values into its sequence's cache
         let caches: Vec<(Shared<f32>, Shared<f32>, usize)> = segments
             .iter_mut()
@@ -301,20 +345,17 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
                 }
             }
         });
-        qa.quantize(att, n, heads * hd, pool);
-        kernels::matmul(&l.o, qa, tmp, pool);
+        l.o.apply(att, n, qa, tmp, pool);
         x.iter_mut().zip(&*tmp).for_each(|(a, b)| *a += b);
         each_row(h, hidden, pool, |r, out| rms_norm(&x[r * hidden..(r + 1) * hidden], &l.post_norm, eps, out));
-        qa.quantize(h, n, hidden, pool);
-        kernels::matmul(&l.gate_up, qa, gu, pool);
+        l.gate_up.apply(h, n, qa, gu, pool);
         each_row(act, inter, pool, |r, out| {
             let (gate, up) = gu[r * 2 * inter..(r + 1) * 2 * inter].split_at(inter);
             for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
                 *o = g / (1.0 + (-g).exp()) * u;
             }
         });
-        qa.quantize(act, n, inter, pool);
-        kernels::matmul(&l.down, qa, tmp, pool);
+        l.down.apply(act, n, qa, tmp, pool);
         x.iter_mut().zip(&*tmp).for_each(|(a, b)| *a += b);
     }
     for s in segments.iter_mut() {

@@ -49,7 +49,7 @@ pub struct EngineConfig {
     /// Sequences generating at once; further requests wait.
     pub max_batch: usize,
     /// Rows of every decode pass (the fixed shape; more sequences take more passes). The
-    /// CPU kernels (`int4`) have no fixed shape and decode every sequence in one pass.
+    /// CPU kernels (`int4`, and `f32` on the CPU) have no fixed shape and decode every sequence in one pass.
     pub decode_rows: usize,
     /// Rows of every prefill chunk (the fixed shape; chunks start at multiples of it). On
     /// the CPU kernels one pass carries a chunk of every prefilling sequence.
@@ -58,10 +58,11 @@ pub struct EngineConfig {
     /// the least recently used go beyond it. SmolLM2-135M needs 46 KB per position.
     pub cache_tokens: usize,
     /// The format of the weights decoded with (see [`crate::packed`]): `f32` rolls out with
-    /// the learner's numerics; `bf16` and `int4` trade a measured mismatch for speed.
+    /// the learner's numerics (to ~1e-6 nats per token); `bf16` and `int4` trade a measured
+    /// mismatch for speed.
     pub weights: WeightFormat,
-    /// Threads of the engine's products: the `int4` kernels' thread count, and libtorch's
-    /// on the engine thread for `f32`/`bf16` (`None`: the machine's cores). A thread's
+    /// Threads of the engine's products: the CPU kernels' thread count (`int4`, `f32` on
+    /// the CPU), and libtorch's on the engine thread otherwise (`None`: the machine's cores). A thread's
     /// OpenMP team size is its own setting, so the engine sets it on its thread; with
     /// several threads calling into libtorch, teams of more than one thread hand off
     /// through sleeps and a decode pass of hundreds of small operations slows down many

@@ -1082,6 +1082,158 @@ pub fn attend(q: &[f32], keys: &[f32], values: &[f32], scale: f32, scores: &mut 
     }
 }
 
+/// A float32 weight matrix `[rows, cols]` (one row per output feature) for [`fmatmul`]:
+/// the `f32` weight format on the CPU kernels.
+pub struct FMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    w: Vec<f32>,
+}
+
+impl FMatrix {
+    pub fn new(w: Vec<f32>, rows: usize, cols: usize) -> FMatrix {
+        assert_eq!(w.len(), rows * cols, "matrix data does not match its shape");
+        FMatrix { rows, cols, w }
+    }
+}
+
+/// `y[a, o] = Σ_c x[a, c] · w[o, c]` in float32 for every input row `a` of `x` (`[rows,
+/// w.cols]`) and output row `o`: `y` is `[rows, w.rows]`. Each output is one vector
+/// accumulator over `c` (lane `i` sums the columns `≡ i` modulo the vector width, in
+/// column order), then a fixed reduction of the lanes, whatever tile computes it: as in
+/// [`matmul`], results are bitwise independent of the other rows and of the thread
+/// count (they may differ between AVX-512, AVX2 and the portable loop).
+///
+/// Why not libtorch's product: at the engine's row counts (a decode step's handful of
+/// rows) MKL packs the whole weight matrix on every call, and on CPUs where it takes its
+/// generic path (AMD's) that copy costs twice the product (`harness-s bench sampler`:
+/// 5.5 decode tokens/s for one stream).
+pub fn fmatmul(w: &FMatrix, x: &[f32], rows: usize, y: &mut [f32], pool: Option<&Pool>) {
+    assert_eq!(x.len(), rows * w.cols, "activations do not match the product's shape");
+    assert_eq!(y.len(), rows * w.rows, "output does not match the product's shape");
+    let out = Shared::new(y.as_mut_ptr());
+    let run = move |o0: usize, o1: usize| {
+        // SAFETY: every (a, o) with o in o0..o1 is written by this call only; the shapes
+        // are asserted above.
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") {
+            unsafe { frows_avx512(w, x.as_ptr(), rows, o0, o1, out.ptr()) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            unsafe { frows_avx2(w, x.as_ptr(), rows, o0, o1, out.ptr()) };
+            return;
+        }
+        unsafe { frows_portable(w, x.as_ptr(), rows, o0, o1, out.ptr()) };
+    };
+    let pool = pool.filter(|_| w.rows >= 64);
+    split(w.rows, 16, pool, |r| run(r.start, r.end));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn frows_avx512(w: &FMatrix, x: *const f32, n: usize, o0: usize, o1: usize, y: *mut f32) {
+    // 32 registers: 4 × 4 accumulators, 4 weight vectors, 1 input vector
+    frows::<Avx512, 4>(w, x, n, o0, o1, y)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn frows_avx2(w: &FMatrix, x: *const f32, n: usize, o0: usize, o1: usize, y: *mut f32) {
+    // 16 registers: 4 × 2 accumulators, 2 weight vectors, 1 input vector
+    frows::<Avx2, 2>(w, x, n, o0, o1, y)
+}
+
+/// Output rows `o0..o1` of every input row: tiles of 4 inputs by `TO` outputs (one weight
+/// load per 4 inputs, one input load per `TO` outputs), inputs in blocks that stay in the
+/// cache while the outputs go past them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn frows<L: Lanes, const TO: usize>(w: &FMatrix, x: *const f32, n: usize, o0: usize, o1: usize, y: *mut f32) {
+    const INPUTS: usize = 16;
+    for a0 in (0..n).step_by(INPUTS) {
+        let a1 = (a0 + INPUTS).min(n);
+        let mut o = o0;
+        while o + TO <= o1 {
+            let mut a = a0;
+            while a + 4 <= a1 {
+                ftile::<L, 4, TO>(w, x, a, o, y);
+                a += 4;
+            }
+            match a1 - a {
+                3 => ftile::<L, 3, TO>(w, x, a, o, y),
+                2 => ftile::<L, 2, TO>(w, x, a, o, y),
+                1 => ftile::<L, 1, TO>(w, x, a, o, y),
+                _ => {}
+            }
+            o += TO;
+        }
+        for o in o..o1 {
+            for a in a0..a1 {
+                ftile::<L, 1, 1>(w, x, a, o, y);
+            }
+        }
+    }
+}
+
+/// Inputs `a..a + A` times outputs `o..o + O`: the one operation sequence per output.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn ftile<L: Lanes, const A: usize, const O: usize>(w: &FMatrix, x: *const f32, a: usize, o: usize, y: *mut f32) {
+    let cols = w.cols;
+    let full = cols / L::WIDTH * L::WIDTH;
+    let wp = w.w.as_ptr();
+    let mut acc = [[L::zero(); O]; A];
+    let mut c = 0;
+    while c < full {
+        let wv: [L::V; O] = std::array::from_fn(|j| L::load(wp.add((o + j) * cols + c)));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let xv = L::load(x.add((a + i) * cols + c));
+            for j in 0..O {
+                acc[j] = L::fmadd(xv, wv[j], acc[j]);
+            }
+        }
+        c += L::WIDTH;
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        for (j, acc) in acc.iter().enumerate() {
+            let mut tail = 0f32;
+            for c in full..cols {
+                tail += *x.add((a + i) * cols + c) * *wp.add((o + j) * cols + c);
+            }
+            *y.add((a + i) * w.rows + o + j) = L::sum(*acc) + tail;
+        }
+    }
+}
+
+/// [`fmatmul`] without SIMD intrinsics: 16 lanes the compiler vectorises, reduced as
+/// [`crate::cpu`]'s dot products are.
+unsafe fn frows_portable(w: &FMatrix, x: *const f32, n: usize, o0: usize, o1: usize, y: *mut f32) {
+    for a in 0..n {
+        let xr = std::slice::from_raw_parts(x.add(a * w.cols), w.cols);
+        for o in o0..o1 {
+            let wr = &w.w[o * w.cols..(o + 1) * w.cols];
+            let mut acc = [0f32; 16];
+            let (cx, cw) = (xr.chunks_exact(16), wr.chunks_exact(16));
+            let tail: f32 = cx.remainder().iter().zip(cw.remainder()).map(|(p, q)| p * q).sum();
+            for (p, q) in cx.zip(cw) {
+                for i in 0..16 {
+                    acc[i] += p[i] * q[i];
+                }
+            }
+            let mut k = 16;
+            while k > 1 {
+                k /= 2;
+                for i in 0..k {
+                    acc[i] += acc[i + k];
+                }
+            }
+            *y.add(a * w.rows + o) = acc[0] + tail;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1191,6 +1343,48 @@ mod tests {
             }
             for (f, s) in fast.iter().zip(&slow) {
                 assert!((f - s).abs() <= 1e-4 * s.abs().max(1.0), "{bits:?}: {f} vs {s}");
+            }
+        }
+    }
+
+    /// The float32 product equals a float64 reference to float32 rounding on every tile
+    /// shape (row and column counts that leave edges, a column tail), every path agrees,
+    /// and a row's outputs are bitwise the same alone, among others and on two threads.
+    #[test]
+    fn the_float_product_is_exact_and_a_row_does_not_depend_on_the_others() {
+        for (rows, cols, n) in [(70, 576, 9), (5, 40, 3), (64, 100, 17), (1, 16, 1)] {
+            let (wv, x) = (data(rows * cols, 10), data(n * cols, 11));
+            let w = FMatrix::new(wv.clone(), rows, cols);
+            let mut y = vec![0f32; n * rows];
+            fmatmul(&w, &x, n, &mut y, None);
+            for a in 0..n {
+                for o in 0..rows {
+                    let want: f64 = (0..cols).map(|c| wv[o * cols + c] as f64 * x[a * cols + c] as f64).sum();
+                    let got = y[a * rows + o] as f64;
+                    assert!((got - want).abs() < 1e-5 * cols as f64, "[{rows}, {cols}] × {n}: ({a}, {o}) {got} vs {want}");
+                }
+            }
+            let two = Pool::new(2);
+            let mut y_par = vec![0f32; n * rows];
+            fmatmul(&w, &x, n, &mut y_par, two.as_ref());
+            assert_eq!(y, y_par, "[{rows}, {cols}] × {n} on two threads");
+            for a in 0..n {
+                let mut one = vec![0f32; rows];
+                fmatmul(&w, &x[a * cols..(a + 1) * cols], 1, &mut one, None);
+                assert_eq!(one, y[a * rows..(a + 1) * rows], "[{rows}, {cols}]: row {a} alone");
+            }
+            let mut slow = vec![0f32; n * rows];
+            unsafe { frows_portable(&w, x.as_ptr(), n, 0, rows, slow.as_mut_ptr()) };
+            #[cfg(target_arch = "x86_64")]
+            if avx2() {
+                let mut mid = vec![0f32; n * rows];
+                unsafe { frows_avx2(&w, x.as_ptr(), n, 0, rows, mid.as_mut_ptr()) };
+                for (m, s) in mid.iter().zip(&slow) {
+                    assert!((m - s).abs() <= 1e-5 * s.abs().max(1.0), "avx2: {m} vs {s}");
+                }
+            }
+            for (f, s) in y.iter().zip(&slow) {
+                assert!((f - s).abs() <= 1e-5 * s.abs().max(1.0), "{f} vs {s}");
             }
         }
     }

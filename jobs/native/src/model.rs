@@ -296,8 +296,9 @@ struct EngineLayer {
 }
 
 /// The weights the rollout engine decodes with: a copy of the model's matrices in one
-/// [`WeightFormat`] (norms and embeddings are the model's own). `f32` and `bf16` run on
-/// libtorch (any device); `int4` on the CPU's own kernels ([`crate::cpu`]).
+/// [`WeightFormat`] (norms and embeddings are the model's own). `int4`, and `f32` on the
+/// CPU, run on the CPU's own kernels ([`crate::cpu`]); `bf16`, and `f32` on a GPU, on
+/// libtorch.
 pub struct EngineWeights {
     pub format: WeightFormat,
     kernels: Kernels,
@@ -576,8 +577,11 @@ impl Llama {
     /// fused (q, k and v into one matrix; gate and up into another): fewer, larger products
     /// per layer. `threads`: the CPU kernels' thread count (`int4`).
     pub fn engine_weights(&self, format: WeightFormat, threads: usize) -> Result<EngineWeights, NativeError> {
-        if format == WeightFormat::Int4 {
-            return Ok(EngineWeights { format, kernels: Kernels::Cpu(crate::cpu::CpuWeights::new(self, threads)?) });
+        // int4 exists on the CPU kernels only; f32 on the CPU runs there too (libtorch's CPU
+        // product at a decode step's few rows costs a copy of every weight matrix per call)
+        let on_cpu = self.device() == tch::Device::Cpu;
+        if format == WeightFormat::Int4 || (format == WeightFormat::F32 && on_cpu) {
+            return Ok(EngineWeights { format, kernels: Kernels::Cpu(crate::cpu::CpuWeights::new(self, format, threads)?) });
         }
         let _g = tch::no_grad_guard();
         let mut layers = Vec::with_capacity(self.layers.len());

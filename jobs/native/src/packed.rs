@@ -8,7 +8,7 @@
 //!
 //! | format | matrix product | runs on | rollout = learner |
 //! |---|---|---|---|
-//! | `f32` | float32 (the learner's own) | libtorch, any device | to ~1e-6 |
+//! | `f32` | float32 (the learner's own) | the CPU's own kernels ([`crate::kernels::fmatmul`]) on the CPU, libtorch on a GPU | to ~1e-6 |
 //! | `bf16` | bfloat16 weights and inputs, float32 residual stream | libtorch, any device | to ~1e-2 |
 //! | `int4` | 4-bit weights in groups of 32 with a scale and offset each (GGUF's Q4_1), 8-bit LM head, 8-bit activations | the CPU's own kernels ([`crate::kernels`]) | to ~1e-1 |
 //!
@@ -54,7 +54,7 @@ impl WeightFormat {
     }
 }
 
-/// One weight matrix `[out, in]` of a libtorch format (`f32`, `bf16`).
+/// One weight matrix `[out, in]` of a libtorch format (`bf16`; `f32` on a GPU).
 pub struct Packed(Tensor);
 
 impl Packed {

@@ -15,7 +15,8 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
 
-use crate::hf::{read_safetensors, write_safetensors, write_safetensors_as, write_safetensors_with};
+use crate::hf::{read_safetensors, safetensors_parts};
+use crate::retention::Dtype;
 use crate::learner::{AdamW, AdamWConfig, Learner, LearnerConfig};
 use crate::model::{Llama, LlamaConfig};
 use crate::tokenizer::Tokenizer;
@@ -57,9 +58,9 @@ fn ckpt_err(location: impl Into<String>, detail: impl Into<String>) -> NativeErr
     NativeError::Checkpoint { location: location.into(), detail: detail.into() }
 }
 
-/// Serialises the AdamW moments (`exp_avg.<param>`, `exp_avg_sq.<param>`) with the step
-/// count and hyper-parameters in the file's metadata.
-fn optimizer_bytes(optim: &AdamW) -> Result<Vec<u8>, NativeError> {
+/// The AdamW moments (`exp_avg.<param>`, `exp_avg_sq.<param>`) as a safetensors file's
+/// parts, with the step count and hyper-parameters in the file's metadata.
+fn optimizer_parts(optim: &AdamW) -> Result<Vec<Bytes>, NativeError> {
     let mut tensors: Vec<(String, Tensor)> = vec![];
     for (n, t) in &optim.exp_avg {
         tensors.push((format!("exp_avg.{n}"), t.shallow_clone()));
@@ -71,10 +72,31 @@ fn optimizer_bytes(optim: &AdamW) -> Result<Vec<u8>, NativeError> {
     // entry: the header serialises a hash map, so several entries would come out in a
     // different order in every process and identical states would hash differently.
     let state = serde_json::json!({"step": optim.step, "config": optim.config});
-    let meta = HashMap::from([("optimizer".to_string(), state.to_string())]);
-    let bytes =
-        if !tensors.is_empty() || optim.step > 0 { write_safetensors_with(&tensors, Some(meta))? } else { write_safetensors(&tensors)? };
-    Ok(bytes)
+    let meta = (!tensors.is_empty() || optim.step > 0).then(|| HashMap::from([("optimizer".to_string(), state.to_string())]));
+    safetensors_parts(&tensors, Dtype::F32, meta)
+}
+
+/// Streams a file's `parts` to `key` (one upload, visible once complete) and returns its
+/// manifest entry; each part is hashed on a helper thread while it is written.
+async fn put_parts(store: &dyn ObjectStore, key: &str, name: &str, parts: Vec<Bytes>) -> Result<FileEntry, NativeError> {
+    let mut upload = store.put_multipart(key).await?;
+    let (mut hasher, mut size) = (Sha256::new(), 0u64);
+    for part in parts {
+        size += part.len() as u64;
+        let hashed = part.clone();
+        let hashing = tokio::task::spawn_blocking(move || {
+            hasher.update(&hashed);
+            hasher
+        });
+        let written = upload.write(part).await;
+        hasher = hashing.await.map_err(|e| ckpt_err(key, format!("hashing failed: {e}")))?;
+        if let Err(e) = written {
+            let _ = upload.abort().await;
+            return Err(e.into());
+        }
+    }
+    upload.complete().await?;
+    Ok(FileEntry { name: name.to_string(), size, sha256: hex::encode(hasher.finalize()) })
 }
 
 fn restore_optimizer(bytes: &[u8], location: &str, device: Device) -> Result<AdamW, NativeError> {
@@ -112,37 +134,32 @@ pub async fn save(
     info: &SaveInfo,
 ) -> Result<String, NativeError> {
     let dir = keys::checkpoint_dir(&info.run_id, info.step);
-    let t0 = std::time::Instant::now();
+    let started = std::time::Instant::now();
     // `format = pt`: what transformers' loader looks for in a safetensors header.
     let pt = || Some(HashMap::from([("format".to_string(), "pt".to_string())]));
     let tensors = learner.model.named_tensors();
-    let mut files: Vec<(&str, Vec<u8>)> = vec![(MODEL_FILE, write_safetensors_as(&tensors, info.dtype, pt())?)];
-    if info.dtype != crate::retention::Dtype::F32 {
-        files.push((MASTER_FILE, write_safetensors_with(&tensors, pt())?));
+    let mut large = vec![(MODEL_FILE, safetensors_parts(&tensors, info.dtype, pt())?)];
+    if info.dtype != Dtype::F32 {
+        large.push((MASTER_FILE, safetensors_parts(&tensors, Dtype::F32, pt())?));
     }
     drop(tensors);
-    files.extend([
-        (OPTIMIZER_FILE, optimizer_bytes(&learner.optim)?),
-        (CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config.to_hf_json()).expect("serialises")),
-    ]);
-    if let Some(tok) = tokenizer {
-        files.push((TOKENIZER_FILE, tok.to_json()?.into_bytes()));
-        files.push(("tokenizer_config.json", serde_json::to_vec_pretty(&tok.hf_config()).expect("serialises")));
-    }
-    let t1 = std::time::Instant::now();
+    large.push((OPTIMIZER_FILE, optimizer_parts(&learner.optim)?));
     let mut entries = vec![];
-    let (mut hash_s, mut put_s) = (0.0, 0.0);
-    for (name, bytes) in files {
-        let a = std::time::Instant::now();
-        entries.push(FileEntry { name: name.to_string(), size: bytes.len() as u64, sha256: sha256(&bytes) });
-        let b = std::time::Instant::now();
-        store.put(&format!("{dir}{name}"), Bytes::from(bytes)).await?;
-        hash_s += (b - a).as_secs_f64();
-        put_s += b.elapsed().as_secs_f64();
+    for (name, parts) in large {
+        entries.push(put_parts(store, &format!("{dir}{name}"), name, parts).await?);
     }
-    tracing::info!(serialize_s = (t1 - t0).as_secs_f64(), hash_s, put_s, "checkpoint timing");
+    let mut small = vec![(CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config.to_hf_json()).expect("serialises"))];
+    if let Some(tok) = tokenizer {
+        small.push((TOKENIZER_FILE, tok.to_json()?.into_bytes()));
+        small.push(("tokenizer_config.json", serde_json::to_vec_pretty(&tok.hf_config()).expect("serialises")));
+    }
+    for (name, bytes) in small {
+        entries.push(FileEntry { name: name.to_string(), size: bytes.len() as u64, sha256: sha256(&bytes) });
+        store.put(&format!("{dir}{name}"), Bytes::from(bytes)).await?;
+    }
+    let bytes: u64 = entries.iter().map(|e| e.size).sum();
     let key = put_manifest(store, info, learner.model.config.model_type.clone(), entries, learner.rng_state(), Some(info.step)).await?;
-    tracing::info!(key = %key, "checkpoint written");
+    tracing::info!(key = %key, bytes, seconds = started.elapsed().as_secs_f64(), "checkpoint written");
     Ok(key)
 }
 

@@ -20,6 +20,20 @@ fn limit_malloc_arenas() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn limit_malloc_arenas() {}
 
+/// libtorch's CPU allocator asks for transparent huge pages on its buffers of 2 MB and
+/// more when `THP_MEM_ALLOC_ENABLE` is set. A learn step allocates gigabytes of activations
+/// and gradients afresh for every micro-batch; in 4 KB pages the kernel faults and clears
+/// each one (9 % of the quickstart's time in `clear_page`). Measured on the quickstart: the
+/// GRPO updates took 18.2, 18.3 and 9.3 s instead of 21.4, 20.6 and 10.5, and the run 2:09
+/// instead of 2:27, with the same figures. libtorch reads the variable once, at its first
+/// allocation, so it is set before anything runs; a value the user set stays.
+fn huge_pages_for_libtorch() {
+    if std::env::var_os("THP_MEM_ALLOC_ENABLE").is_none() {
+        // SAFETY: no other thread exists yet (called first thing in main).
+        std::env::set_var("THP_MEM_ALLOC_ENABLE", "1");
+    }
+}
+
 /// A closed pipe (`harness-s ... | head`) ends the program quietly: `println!` panics on
 /// it, and `writeln!` returns the error; neither is worth a message.
 fn quiet_on_closed_pipe() {
@@ -40,6 +54,7 @@ fn is_closed_pipe(e: &anyhow::Error) -> bool {
 
 fn main() -> std::process::ExitCode {
     limit_malloc_arenas();
+    huge_pages_for_libtorch();
     quiet_on_closed_pipe();
     let cli = scheduler::cli::Cli::parse();
     scheduler::cli::init_tracing(&cli.global);

@@ -279,7 +279,10 @@ async fn read_file(store: &dyn ObjectStore, dir: &str, manifest: &CheckpointMani
     let Some(entry) = manifest.files.iter().find(|f| f.name == name) else { return Ok(None) };
     let key = format!("{dir}{name}");
     let bytes = store.get(&key).await?;
-    if bytes.len() as u64 != entry.size || sha256(&bytes) != entry.sha256 {
+    // hashed on a helper thread: a checkpoint's two large files are read and checked at once
+    let hashed = bytes.clone();
+    let digest = tokio::task::spawn_blocking(move || sha256(&hashed)).await.map_err(|e| ckpt_err(store.object_url(&key), format!("hashing failed: {e}")))?;
+    if bytes.len() as u64 != entry.size || digest != entry.sha256 {
         return Err(ckpt_err(store.object_url(&key), "size or SHA-256 differs from the manifest (corrupt or overwritten file)"));
     }
     Ok(Some(bytes))
@@ -351,19 +354,26 @@ async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: De
     let cfg = LlamaConfig::from_hf_json(&PathBuf::from(url(CONFIG_FILE)), &String::from_utf8_lossy(&cfg_bytes))?;
     // the float32 weights where this step kept them, else `model.safetensors` (any dtype)
     let weights = if manifest.files.iter().any(|f| f.name == MASTER_FILE) { MASTER_FILE } else { MODEL_FILE };
-    let model_bytes = read_file(store, &dir, &manifest, weights).await?.ok_or_else(|| missing(weights))?;
+    let started = std::time::Instant::now();
+    let (model_bytes, optimizer_bytes) = tokio::try_join!(read_file(store, &dir, &manifest, weights), async {
+        match optimizer {
+            true => read_file(store, &dir, &manifest, OPTIMIZER_FILE).await,
+            false => Ok(None),
+        }
+    })?;
+    let model_bytes = model_bytes.ok_or_else(|| missing(weights))?;
+    let read_s = started.elapsed().as_secs_f64();
     let model_path = PathBuf::from(url(weights));
     let tensors = read_safetensors(&model_bytes, &model_path)?;
     drop(model_bytes);
     let tensors: HashMap<String, Tensor> = tensors.into_iter().map(|(k, v)| (k, v.to_device(device))).collect();
     let model = Llama::from_tensors(cfg, &tensors, device, &model_path)?;
-    let optimizer = match optimizer {
-        true => match read_file(store, &dir, &manifest, OPTIMIZER_FILE).await? {
-            Some(bytes) => Some(restore_optimizer(&bytes, &url(OPTIMIZER_FILE), device)?),
-            None => None,
-        },
-        false => None,
+    drop(tensors);
+    let optimizer = match optimizer_bytes {
+        Some(bytes) => Some(restore_optimizer(&bytes, &url(OPTIMIZER_FILE), device)?),
+        None => None,
     };
+    tracing::info!(run = run_id, step, read_s, seconds = started.elapsed().as_secs_f64(), "checkpoint loaded");
     let tokenizer = match read_file(store, &dir, &manifest, TOKENIZER_FILE).await? {
         Some(bytes) => {
             let cfg = read_file(store, &dir, &manifest, "tokenizer_config.json").await?;

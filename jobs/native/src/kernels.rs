@@ -290,16 +290,68 @@ impl<T> Shared<T> {
     }
 }
 
-/// Whether this CPU runs the AVX-512 VNNI kernel (std caches the CPU's answer).
-#[cfg(target_arch = "x86_64")]
-pub fn vnni() -> bool {
-    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") && std::is_x86_feature_detected!("avx512vnni")
+/// The widest instruction set the kernels may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    Portable,
+    Avx2,
+    Avx512,
 }
 
-/// Whether this CPU runs the AVX2 kernel (the fallback without AVX-512 VNNI).
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+/// The cap on the kernels' instruction set: `HARNESS_S_MAX_CPU_ISA` (`avx512`, `avx2` or
+/// `portable`), to run and measure a narrower path on one machine (`harness-s bench
+/// sampler`), as oneDNN's `ONEDNN_MAX_CPU_ISA` does; unset, the CPU decides. Read once.
+pub fn max_isa() -> Isa {
+    static CAP: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| match std::env::var("HARNESS_S_MAX_CPU_ISA") {
+        Err(_) => Isa::Avx512,
+        Ok(v) => match v.as_str() {
+            "avx512" => Isa::Avx512,
+            "avx2" => Isa::Avx2,
+            "portable" => Isa::Portable,
+            other => {
+                tracing::warn!(value = other, "HARNESS_S_MAX_CPU_ISA is not avx512, avx2 or portable; ignored");
+                Isa::Avx512
+            }
+        },
+    })
+}
+
+/// The instruction set the kernels use on this CPU under [`max_isa`].
+pub fn isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    if vnni() {
+        return Isa::Avx512;
+    } else if avx2() {
+        return Isa::Avx2;
+    }
+    Isa::Portable
+}
+
+/// Whether the kernels take their AVX-512 path (with VNNI for the quantised products;
+/// std caches the CPU's answer).
+#[cfg(target_arch = "x86_64")]
+pub fn vnni() -> bool {
+    max_isa() >= Isa::Avx512
+        && std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512vnni")
+}
+
+/// Whether the kernels take their AVX2 path (the fallback without AVX-512 VNNI).
 #[cfg(target_arch = "x86_64")]
 pub fn avx2() -> bool {
-    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+    max_isa() >= Isa::Avx2 && std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 
 /// `y[a, o] = Σ_c x[a, c] · w[o, c]` for every input row `a` and output row `o`:
@@ -738,16 +790,17 @@ mod avx2 {
         #[inline(always)]
         unsafe fn step(w: W, x: X, acc: &mut __m256) {
             let ones = _mm256_set1_epi16(1);
-            let (d0, d1) = if FOUR {
-                (_mm256_maddubs_epi16(w.0, x.0), _mm256_maddubs_epi16(w.1, x.1))
-            } else {
-                (
-                    _mm256_maddubs_epi16(_mm256_abs_epi8(w.0), _mm256_sign_epi8(x.0, w.0)),
-                    _mm256_maddubs_epi16(_mm256_abs_epi8(w.1), _mm256_sign_epi8(x.1, w.1)),
-                )
-            };
             // both halves alternate block 0 and block 1 lane by lane, so their sums add
-            let dot = _mm256_add_epi32(_mm256_madd_epi16(d0, ones), _mm256_madd_epi16(d1, ones));
+            let dot = if FOUR {
+                // 16-bit pair sums of 4-bit weights are at most 2·15·127 = 3810 in size, so
+                // the halves add in 16 bits (exactly) before one widening
+                let d = _mm256_add_epi16(_mm256_maddubs_epi16(w.0, x.0), _mm256_maddubs_epi16(w.1, x.1));
+                _mm256_madd_epi16(d, ones)
+            } else {
+                let d0 = _mm256_maddubs_epi16(_mm256_abs_epi8(w.0), _mm256_sign_epi8(x.0, w.0));
+                let d1 = _mm256_maddubs_epi16(_mm256_abs_epi8(w.1), _mm256_sign_epi8(x.1, w.1));
+                _mm256_add_epi32(_mm256_madd_epi16(d0, ones), _mm256_madd_epi16(d1, ones))
+            };
             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(w.2, x.2), *acc);
         }
 
@@ -1116,7 +1169,7 @@ pub fn fmatmul(w: &FMatrix, x: &[f32], rows: usize, y: &mut [f32], pool: Option<
         // SAFETY: every (a, o) with o in o0..o1 is written by this call only; the shapes
         // are asserted above.
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx512f") {
+        if vnni() {
             unsafe { frows_avx512(w, x.as_ptr(), rows, o0, o1, out.ptr()) };
             return;
         }

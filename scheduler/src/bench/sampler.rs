@@ -393,11 +393,12 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     let base = rows[0].decode_rate();
     let base_agg = rows[0].aggregate;
     println!(
-        "model: {}  prompt: {} tokens  generated: {} tokens per stream  threads: {}",
+        "model: {}  prompt: {} tokens  generated: {} tokens per stream  threads: {}  engine kernels: {} (HARNESS_S_MAX_CPU_ISA caps them)",
         model_path.display(),
         args.prompt_tokens,
         args.max_tokens,
-        args.threads
+        args.threads,
+        native::kernels::isa().name()
     );
     println!(
         "{:<26} {:>7} {:>11} {:>11} {:>11} {:>9} {:>9}",

@@ -16,9 +16,9 @@ use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
 
 use crate::hf::{read_safetensors, safetensors_parts};
-use crate::retention::Dtype;
 use crate::learner::{AdamW, AdamWConfig, Learner, LearnerConfig};
 use crate::model::{Llama, LlamaConfig};
+use crate::retention::Dtype;
 use crate::tokenizer::Tokenizer;
 use crate::NativeError;
 use infra::store::ObjectStore;
@@ -281,7 +281,9 @@ async fn read_file(store: &dyn ObjectStore, dir: &str, manifest: &CheckpointMani
     let bytes = store.get(&key).await?;
     // hashed on a helper thread: a checkpoint's two large files are read and checked at once
     let hashed = bytes.clone();
-    let digest = tokio::task::spawn_blocking(move || sha256(&hashed)).await.map_err(|e| ckpt_err(store.object_url(&key), format!("hashing failed: {e}")))?;
+    let digest = tokio::task::spawn_blocking(move || sha256(&hashed))
+        .await
+        .map_err(|e| ckpt_err(store.object_url(&key), format!("hashing failed: {e}")))?;
     if bytes.len() as u64 != entry.size || digest != entry.sha256 {
         return Err(ckpt_err(store.object_url(&key), "size or SHA-256 differs from the manifest (corrupt or overwritten file)"));
     }

@@ -12,8 +12,8 @@
 use tch::{Kind, Tensor};
 
 use crate::kernels::{self, Bits, FMatrix, QActs, QMatrix, Shared};
-use crate::packed::WeightFormat;
 use crate::model::{Llama, Segment};
+use crate::packed::WeightFormat;
 use crate::threads::Pool;
 use crate::NativeError;
 

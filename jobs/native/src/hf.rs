@@ -64,7 +64,8 @@ pub fn safetensors_parts(
     };
     let format_err = |detail: String| NativeError::Format { path: PathBuf::from("<memory>"), detail };
     // native byte order is little-endian on every platform libtorch runs on
-    let data: Vec<(&str, Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t.to_device(Device::Cpu).to_kind(kind).contiguous())).collect();
+    let data: Vec<(&str, Tensor)> =
+        tensors.iter().map(|(n, t)| (n.as_str(), t.to_device(Device::Cpu).to_kind(kind).contiguous())).collect();
     let shapes: Vec<(&str, Shape)> = data
         .iter()
         .map(|(n, t)| {
@@ -74,11 +75,15 @@ pub fn safetensors_parts(
         .collect();
     // The crate lays out the header from each view's length and then appends each view's
     // data, which a `Shape` leaves empty: what comes back is the header alone.
-    let header = safetensors::tensor::serialize(shapes.iter().map(|(n, s)| (*n, s)), &metadata).map_err(|e| format_err(format!("{e:?}")))?;
+    let header =
+        safetensors::tensor::serialize(shapes.iter().map(|(n, s)| (*n, s)), &metadata).map_err(|e| format_err(format!("{e:?}")))?;
     let layout: HashMap<String, serde_json::Value> =
         serde_json::from_slice(&header[8..]).map_err(|e| format_err(format!("safetensors header: {e}")))?;
     let start = |name: &str| layout.get(name).and_then(|v| v["data_offsets"][0].as_u64());
-    let mut ordered = data.into_iter().map(|(n, t)| Ok((start(n).ok_or_else(|| format_err(format!("`{n}` is not in the header")))?, t))).collect::<Result<Vec<_>, NativeError>>()?;
+    let mut ordered = data
+        .into_iter()
+        .map(|(n, t)| Ok((start(n).ok_or_else(|| format_err(format!("`{n}` is not in the header")))?, t)))
+        .collect::<Result<Vec<_>, NativeError>>()?;
     ordered.sort_by_key(|(offset, _)| *offset);
     let mut parts = vec![Bytes::from(header)];
     parts.extend(ordered.into_iter().map(|(_, t)| TensorBytes::bytes(t)));

@@ -11,7 +11,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::kernels::{self, Bits, FMatrix, QActs, QMatrix, Shared};
+use crate::kernels::{self, dot, Bits, FMatrix, QActs, QMatrix, Shared};
 use crate::model::{Llama, Segment};
 use crate::packed::WeightFormat;
 use crate::threads::Pool;
@@ -192,27 +192,6 @@ struct Row {
     seg: usize,
     row: usize,
     pos: usize,
-}
-
-/// `Σ a·b` in 16 lanes (a plain float sum is sequential; lanes let the compiler vectorise).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    // a tree, not a chain: 16 → 8 → 4 → 2 → 1
-    let mut n = 16;
-    while n > 1 {
-        n /= 2;
-        for i in 0..n {
-            acc[i] += acc[i + n];
-        }
-    }
-    acc[0] + tail
 }
 
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {

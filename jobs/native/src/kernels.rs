@@ -1260,31 +1260,35 @@ unsafe fn ftile<L: Lanes, const A: usize, const O: usize>(w: &FMatrix, x: *const
     }
 }
 
-/// [`fmatmul`] without SIMD intrinsics: 16 lanes the compiler vectorises, reduced as
-/// [`crate::cpu`]'s dot products are.
+/// [`fmatmul`] without SIMD intrinsics: each output one [`dot`].
 unsafe fn frows_portable(w: &FMatrix, x: *const f32, n: usize, o0: usize, o1: usize, y: *mut f32) {
     for a in 0..n {
         let xr = std::slice::from_raw_parts(x.add(a * w.cols), w.cols);
         for o in o0..o1 {
-            let wr = &w.w[o * w.cols..(o + 1) * w.cols];
-            let mut acc = [0f32; 16];
-            let (cx, cw) = (xr.chunks_exact(16), wr.chunks_exact(16));
-            let tail: f32 = cx.remainder().iter().zip(cw.remainder()).map(|(p, q)| p * q).sum();
-            for (p, q) in cx.zip(cw) {
-                for i in 0..16 {
-                    acc[i] += p[i] * q[i];
-                }
-            }
-            let mut k = 16;
-            while k > 1 {
-                k /= 2;
-                for i in 0..k {
-                    acc[i] += acc[i + k];
-                }
-            }
-            *y.add(a * w.rows + o) = acc[0] + tail;
+            *y.add(a * w.rows + o) = dot(xr, &w.w[o * w.cols..(o + 1) * w.cols]);
         }
     }
+}
+
+/// `Σ a·b` in 16 lanes (a plain float sum is sequential; lanes let the compiler vectorise).
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    // a tree, not a chain: 16 → 8 → 4 → 2 → 1
+    let mut n = 16;
+    while n > 1 {
+        n /= 2;
+        for i in 0..n {
+            acc[i] += acc[i + n];
+        }
+    }
+    acc[0] + tail
 }
 
 #[cfg(test)]

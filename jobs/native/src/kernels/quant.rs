@@ -579,18 +579,19 @@ mod amx {
 
     /// One product of each kind the kernel uses, on zeros (see `kernels::amx`).
     pub(in crate::kernels) unsafe fn probe() {
-        let zeros = Sums([0; ROUND * PANEL * PANEL]);
+        let mut zeros = Sums([0; ROUND * PANEL * PANEL]);
         asm!(
             "ldtilecfg [{c}]",
             "tileloadd tmm4, [{z} + {stride}]",
             "tileloadd tmm5, [{z} + {stride}]",
             "tilezero tmm0",
             "tdpbsud tmm0, tmm4, tmm5",
+            "tilestored [{z} + {stride}], tmm0",
             "tilerelease",
             c = in(reg) &raw const CONFIG,
-            z = in(reg) zeros.0.as_ptr(),
+            z = in(reg) zeros.0.as_mut_ptr(),
             stride = in(reg) 64usize,
-            options(nostack, readonly),
+            options(nostack),
         );
     }
 

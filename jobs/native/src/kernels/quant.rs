@@ -211,12 +211,12 @@ struct Row<'a> {
 }
 
 /// One row of activations: per block of 32 values, 8-bit values, scale, scaled sum and sum.
-/// Whole blocks pairs take the AVX-512 or AVX2 path where the CPU has it, with the same
+/// Whole block pairs take the AVX-512 or AVX2 path where the CPU has it, with the same
 /// operations value by value, so every path gives the same bytes.
 fn quantize_row(row: &[f32], out: Row) {
-    let whole = row.len() / (2 * BLOCK);
     #[cfg(target_arch = "x86_64")]
     if super::vnni() || super::avx2() {
+        let whole = row.len() / (2 * BLOCK);
         for p in 0..whole {
             let b = 2 * p;
             // SAFETY: pair p's 64 values, 64 bytes and two blocks' scales are in range.

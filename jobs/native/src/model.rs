@@ -575,7 +575,7 @@ impl Llama {
 
     /// The engine's copy of the weights in `format`, with the products that share an input
     /// fused (q, k and v into one matrix; gate and up into another): fewer, larger products
-    /// per layer. `threads`: the CPU kernels' thread count (`int4`).
+    /// per layer. `threads`: the CPU kernels' thread count (`int4`, and `f32` on the CPU).
     pub fn engine_weights(&self, format: WeightFormat, threads: usize) -> Result<EngineWeights, NativeError> {
         // int4 exists on the CPU kernels only; f32 on the CPU runs there too (libtorch's CPU
         // product at a decode step's few rows costs a copy of every weight matrix per call)

@@ -286,6 +286,17 @@ pub fn matmul(w: &QMatrix, x: &QActs, y: &mut [f32], pool: Option<&Pool>) {
     split(w.panels(), 1, pool, |r| run(r.start, r.end));
 }
 
+/// The tiles of the SIMD kernels, as `(first input, inputs, panel)`: inputs `a0..rows` in
+/// groups of 32 that stay in the L1/L2 cache while panels `p0..p1` go past them, each group
+/// cut into tiles of at most `most` inputs.
+fn tiles(a0: usize, rows: usize, p0: usize, p1: usize, most: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    const INPUTS: usize = 32;
+    (a0..rows).step_by(INPUTS).flat_map(move |g| {
+        let end = rows.min(g + INPUTS);
+        (p0..p1).flat_map(move |p| (g..end).step_by(most).map(move |a| (a, most.min(end - a), p)))
+    })
+}
+
 /// The kernel without SIMD intrinsics: the defining loop, one output at a time.
 unsafe fn portable_rows(w: &QMatrix, x: &QActs, p0: usize, p1: usize, y: *mut f32) {
     let stride = x.blocks * BLOCK;
@@ -323,25 +334,16 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn rows_of<const FOUR: bool>(w: &QMatrix, x: &QActs, a0: usize, p0: usize, p1: usize, y: *mut f32) {
-        // inputs in groups that stay in the L1/L2 cache while the panels go past them
-        const INPUTS: usize = 32;
-        for g in (a0..x.rows).step_by(INPUTS) {
-            let end = x.rows.min(g + INPUTS);
-            for p in p0..p1 {
-                let mut a = g;
-                while a < end {
-                    match end - a {
-                        1 => tile::<FOUR, 1>(w, x, a, p, y),
-                        2 => tile::<FOUR, 2>(w, x, a, p, y),
-                        3 => tile::<FOUR, 3>(w, x, a, p, y),
-                        4 => tile::<FOUR, 4>(w, x, a, p, y),
-                        5 => tile::<FOUR, 5>(w, x, a, p, y),
-                        6 => tile::<FOUR, 6>(w, x, a, p, y),
-                        7 => tile::<FOUR, 7>(w, x, a, p, y),
-                        _ => tile::<FOUR, 8>(w, x, a, p, y),
-                    }
-                    a += 8;
-                }
+        for (a, n, p) in tiles(a0, x.rows, p0, p1, 8) {
+            match n {
+                1 => tile::<FOUR, 1>(w, x, a, p, y),
+                2 => tile::<FOUR, 2>(w, x, a, p, y),
+                3 => tile::<FOUR, 3>(w, x, a, p, y),
+                4 => tile::<FOUR, 4>(w, x, a, p, y),
+                5 => tile::<FOUR, 5>(w, x, a, p, y),
+                6 => tile::<FOUR, 6>(w, x, a, p, y),
+                7 => tile::<FOUR, 7>(w, x, a, p, y),
+                _ => tile::<FOUR, 8>(w, x, a, p, y),
             }
         }
     }
@@ -623,20 +625,12 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     unsafe fn rows_of<const FOUR: bool>(w: &QMatrix, x: &QActs, p0: usize, p1: usize, y: *mut f32) {
-        const INPUTS: usize = 32;
-        for g in (0..x.rows).step_by(INPUTS) {
-            let end = x.rows.min(g + INPUTS);
-            for p in p0..p1 {
-                let mut a = g;
-                while a < end {
-                    match end - a {
-                        1 => tile::<FOUR, 1>(w, x, a, p, y),
-                        2 => tile::<FOUR, 2>(w, x, a, p, y),
-                        3 => tile::<FOUR, 3>(w, x, a, p, y),
-                        _ => tile::<FOUR, 4>(w, x, a, p, y),
-                    }
-                    a += 4;
-                }
+        for (a, n, p) in tiles(0, x.rows, p0, p1, 4) {
+            match n {
+                1 => tile::<FOUR, 1>(w, x, a, p, y),
+                2 => tile::<FOUR, 2>(w, x, a, p, y),
+                3 => tile::<FOUR, 3>(w, x, a, p, y),
+                _ => tile::<FOUR, 4>(w, x, a, p, y),
             }
         }
     }

@@ -406,7 +406,11 @@ mod tests {
     }
 
     fn batch() -> Batch {
-        Batch { tasks: vec!["a".into()], samples: vec![Sample::plain(0, &[1, 2], &[3, 4], 1.0), Sample::plain(0, &[1, 2], &[5], -1.0)] }
+        Batch {
+            tasks: vec!["a".into()],
+            samples: vec![Sample::plain(0, &[1, 2], &[3, 4], 1.0), Sample::plain(0, &[1, 2], &[5], -1.0)],
+            ..Default::default()
+        }
     }
 
     fn store() -> (tempfile::TempDir, LocalStore) {

@@ -49,6 +49,10 @@ pub struct LearnInput {
     /// The step with the best H0 validation success so far (kept by `keep_best`).
     #[serde(default)]
     pub best_step: Option<u32>,
+    /// `[algorithm] rescue_context`: the context rescue rows are scored in, with what H0's
+    /// re-rendering needs.
+    #[serde(default)]
+    pub rescue_context: data::RescueContext,
 }
 
 fn default_device() -> String {
@@ -128,7 +132,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
         input.max_off_policy_steps,
         trajectories.iter().filter(|t| retained.contains(t.trajectory_id.as_str())),
     )?;
-    let batch = data::batch_from_groups(&groups, &trajectories, &tokenizer)?;
+    let batch = data::batch_from_groups(&groups, &trajectories, &tokenizer, &input.rescue_context)?;
     tracing::info!(run = %input.run_id, step = input.step, tasks = batch.tasks.len(), samples = batch.samples.len(), "learn job: training on retained groups");
     let metrics = learner.update(&batch)?;
 
@@ -298,6 +302,7 @@ mod tests {
             max_off_policy_steps: 0,
             checkpoints: Default::default(),
             best_step: None,
+            rescue_context: Default::default(),
         };
         let out = run(&store, &input).await.unwrap();
         assert_eq!(out.manifest_key, "runs/r/checkpoints/step=1/manifest.json");
@@ -385,6 +390,7 @@ mod tests {
             max_off_policy_steps: 0,
             checkpoints: Default::default(),
             best_step: None,
+            rescue_context: Default::default(),
         };
         let first = run(&store, &input(1)).await.unwrap();
         assert!(!first.trained && first.weights_step.is_none() && first.metrics.policy_tokens == 0, "{first:?}");

@@ -9,6 +9,8 @@
 //!   lifecycle points, execution budgets, and turn provenance (harness text is never
 //!   trained on).
 //! - [`diff`]: edits between two specs (`harness-s harness diff`).
+//! - [`replay`]: a recorded episode re-rendered under another harness (the contexts H0
+//!   would have shown for a sibling's rescue trajectory).
 //!
 //! ```
 //! use jobs::harness::{parse_spec, ValidateOptions};
@@ -24,10 +26,12 @@
 
 pub mod condition;
 pub mod diff;
+pub mod replay;
 pub mod runtime;
 pub mod validate;
 
 pub use diff::{diff_specs, diff_values, Edit, EditKind};
+pub use replay::{render_under, EpisodeFacts, NotRenderable, Rendered, RenderedTurn};
 pub use runtime::{approx_tokens, chat_messages, Budgets, Next, PolicyRequest, RuntimeError, Session, Usage, Verdict, BASE_SYSTEM_PROMPT};
 pub use validate::{
     check_spec, harness_side_hooks, parse_spec, spec_from_value, validate_value, Problem, SpecError, ValidateOptions, MAX_TEXT_BYTES,

@@ -77,10 +77,12 @@ fn run_blocking(args: &LearnerArgs) -> anyhow::Result<u8> {
                     logq: vec![],
                     advantage: 0.0,
                     temperature: 1.0,
+                    scale: 1.0,
+                    shift: None,
                 })
                 .collect();
             let rewards: Vec<f64> = (0..group).map(|j| (j % 2) as f64).collect();
-            let mut batch = Batch { tasks: vec!["bench".into()], samples };
+            let mut batch = Batch { tasks: vec!["bench".into()], samples, ..Default::default() };
             for (s, a) in batch.samples.iter_mut().zip(grpo::group_advantages(&rewards)) {
                 s.advantage = a;
             }

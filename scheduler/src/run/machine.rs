@@ -195,15 +195,7 @@ impl Scheduler {
 
     /// Per-episode execution limits: the paper's Table 8 defaults unless the spec says.
     pub(super) fn episode_budgets(&self) -> jobs::harness::Budgets {
-        let b = &self.spec().budgets;
-        let mut budgets = jobs::harness::Budgets::default();
-        if let Some(n) = b.episode_model_calls {
-            budgets.max_model_calls = n;
-        }
-        if let Some(n) = b.episode_context_tokens {
-            budgets.max_context_tokens = n;
-        }
-        budgets
+        self.spec().budgets.episode()
     }
 
     /// The stages of this run, in order.
@@ -967,6 +959,16 @@ impl Scheduler {
                 ("mismatch_max", m.mismatch_max),
                 ("tis_clipped_share", m.tis_clipped_share),
             ]);
+            if m.context_tokens > 0 || m.kept_rows > 0 {
+                values.extend([
+                    ("rescue_rows_under_h0", m.rendered_rows as f64),
+                    ("rescue_rows_kept", m.kept_rows as f64),
+                    ("context_tokens", m.context_tokens as f64),
+                    ("context_ratio_mean", m.context_ratio_mean),
+                    ("context_ratio_max", m.context_ratio_max),
+                    ("context_clipped_share", m.context_clipped_share),
+                ]);
+            }
         }
         self.write_metrics(u, "learn", &values, st).await?;
         if !out.trained && !out.already_done {
@@ -1018,7 +1020,22 @@ fn learn_job(spec: &super::spec::RunSpec, run_id: &str, u: u32, st: &RunState, b
         max_off_policy_steps: spec.algorithm.max_off_policy_steps,
         checkpoints: spec.checkpoints.clone(),
         best_step: st.best_checkpoint.map(|(s, _)| s),
+        rescue_context: rescue_context(spec),
     }
+}
+
+/// `[algorithm] rescue_context` with what H0's re-rendering needs: H0's spec (always the
+/// unedited base harness), DBBench's tools (the spec check keeps other environments on
+/// `generating`), its round limit and the episode limits.
+fn rescue_context(spec: &super::spec::RunSpec) -> native::learner::data::RescueContext {
+    let mut rc = spec.algorithm.rescue_context();
+    if rc.mode != native::learner::data::RescueContextMode::Generating {
+        rc.h0 = Some(HarnessSpec::h0());
+        rc.env_tools = jobs::env::dbbench::tools();
+        rc.max_rounds = spec.environment.max_rounds.unwrap_or(jobs::env::dbbench::DEFAULT_MAX_ROUNDS);
+        rc.budgets = spec.budgets.episode();
+    }
+    rc
 }
 
 /// The best-validating checkpoint after a calibration of `current` (None: the starting

@@ -38,6 +38,7 @@
 //! updates = 3
 //! learning_rate = 1e-5
 //! rescue = "router"              # none | h0 | router | mixed
+//! # rescue_context = "h0"        # generating (default) | h0 | both: where rescue rows are scored
 //!
 //! [router]
 //! variant = "topk_adaptive"      # random | rule | llm_4x2 | topk_fixed | topk_adaptive
@@ -599,6 +600,34 @@ pub struct AlgorithmSection {
     /// unless this allows them; the TIS weight of Appendix B then corrects their mismatch.
     #[serde(default)]
     pub max_off_policy_steps: u32,
+    /// The context a sibling's rescue trajectory is scored in: `generating` (the paper's
+    /// Eq. 13, default), `h0` (the context H0 would have shown given the same history; the
+    /// ratio π_θ(y | c_H0) / π_old(y | c_H) with the shift as a truncated importance
+    /// weight) or `both` (each copy scaled by `rescue_context_weights`).
+    #[serde(default)]
+    pub rescue_context: native::learner::data::RescueContextMode,
+    /// `both`: the Eq. 15 scales of the generating and the H0 copy (default [0.5, 0.5]).
+    pub rescue_context_weights: Option<[f64; 2]>,
+    /// Bounds of the context weight clip(π_old(y | c_H0) / q(y | c_H), floor, cap);
+    /// default 0 and 2 (the TIS clip of Eq. 16). floor = cap = 1 trains the H0 copy as if
+    /// it had been sampled there.
+    pub rescue_context_floor: Option<f64>,
+    pub rescue_context_cap: Option<f64>,
+}
+
+impl AlgorithmSection {
+    /// The learner's rescue-context settings; H0's spec, the environment's tools and the
+    /// episode limits are filled in by the scheduler.
+    pub fn rescue_context(&self) -> native::learner::data::RescueContext {
+        let d = native::learner::data::RescueContext::default();
+        native::learner::data::RescueContext {
+            mode: self.rescue_context,
+            weights: self.rescue_context_weights.unwrap_or(d.weights),
+            floor: self.rescue_context_floor.unwrap_or(d.floor),
+            cap: self.rescue_context_cap.unwrap_or(d.cap),
+            ..d
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -786,6 +815,18 @@ pub struct BudgetSection {
 impl BudgetSection {
     pub fn stage_failure_share(&self) -> f64 {
         self.stage_failure_share.unwrap_or(0.5)
+    }
+
+    /// Per-episode execution limits: the paper's Table 8 defaults unless the spec says.
+    pub fn episode(&self) -> jobs::harness::Budgets {
+        let mut budgets = jobs::harness::Budgets::default();
+        if let Some(n) = self.episode_model_calls {
+            budgets.max_model_calls = n;
+        }
+        if let Some(n) = self.episode_context_tokens {
+            budgets.max_context_tokens = n;
+        }
+        budgets
     }
 }
 
@@ -1327,6 +1368,30 @@ fn check_algorithm(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
     }
     if a.mixture.as_ref().is_some_and(|m| m.is_empty()) {
         bad("algorithm.mixture", "is empty: name the harnesses to mix (pool ids), or remove it".into());
+    }
+    if a.rescue_context != native::learner::data::RescueContextMode::Generating {
+        let name = a.rescue_context.as_str();
+        if a.rescue != RescueStrategy::Router {
+            bad("algorithm.rescue_context", format!("\"{name}\" re-renders siblings' rescue rows under H0; it needs rescue = \"router\""));
+        }
+        if spec.environment.kind != EnvKind::Dbbench {
+            bad(
+                "algorithm.rescue_context",
+                format!("\"{name}\" needs the environment's own tool list at learn time, which an HTTP environment gives only per session; use \"generating\""),
+            );
+        }
+    }
+    if let Some(w) = a.rescue_context_weights {
+        if a.rescue_context != native::learner::data::RescueContextMode::Both {
+            bad("algorithm.rescue_context_weights", "only used with rescue_context = \"both\"".into());
+        }
+        if w.iter().any(|x| !(x.is_finite() && *x >= 0.0)) || w[0] + w[1] <= 0.0 {
+            bad("algorithm.rescue_context_weights", format!("{w:?}: two non-negative scales (generating, h0) with a positive sum"));
+        }
+    }
+    let rc = a.rescue_context();
+    if !(rc.floor.is_finite() && rc.floor >= 0.0 && rc.cap.is_finite() && rc.cap > 0.0 && rc.floor <= rc.cap) {
+        bad("algorithm.rescue_context_cap", format!("floor {} and cap {}: need 0 <= floor <= cap, cap > 0", rc.floor, rc.cap));
     }
     if matches!(a.rescue, RescueStrategy::Router | RescueStrategy::Mixed) && !spec.has_pool() {
         bad(

@@ -15,11 +15,97 @@
 use std::collections::BTreeMap;
 
 use jobs::env::ToolSpec;
-use schemas::{prompt_hash, ErrorClass, Group, Trajectory, TurnSource};
+use jobs::harness::{render_under, Budgets, EpisodeFacts};
+use schemas::{prompt_hash, ErrorClass, Group, HarnessSpec, RolloutKind, Trajectory, TurnSource};
+use serde::{Deserialize, Serialize};
 
-use super::{grpo, Batch, Sample};
+use super::{grpo, Batch, ContextShift, Sample};
 use crate::tokenizer::Tokenizer;
 use crate::NativeError;
+
+/// `[algorithm] rescue_context`: the context a rescue trajectory's policy tokens are scored
+/// in (Appendix B keeps the generating one).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RescueContextMode {
+    /// The sibling's context, as sampled (the paper, Eq. 13).
+    #[default]
+    Generating,
+    /// The context H0 would have shown at that turn given the same history (Guide-GRPO's
+    /// hint-free context): ratio π_θ(y | c_H0) / π_old(y | c_H) with the context shift as
+    /// a truncated importance weight.
+    H0,
+    /// Both, each copy with its weight.
+    Both,
+}
+
+impl RescueContextMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Generating => "generating",
+            Self::H0 => "h0",
+            Self::Both => "both",
+        }
+    }
+}
+
+/// What the learner needs to score rescue rows under H0: H0's spec, the environment's own
+/// tools, its round limit and the episode budgets (the scheduler fills them from the run),
+/// and the weight settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RescueContext {
+    pub mode: RescueContextMode,
+    /// Scales of the generating and the H0 copy under `both` (Eq. 15 multipliers).
+    pub weights: [f64; 2],
+    /// Bounds of the context weight clip(π_old(y | c_H0) / q(y | c_H), floor, cap).
+    pub floor: f64,
+    pub cap: f64,
+    pub h0: Option<HarnessSpec>,
+    pub env_tools: Vec<ToolSpec>,
+    pub max_rounds: u32,
+    pub budgets: Budgets,
+}
+
+impl Default for RescueContext {
+    fn default() -> Self {
+        RescueContext {
+            mode: RescueContextMode::Generating,
+            weights: [0.5, 0.5],
+            floor: 0.0,
+            cap: grpo::TIS_CAP,
+            h0: None,
+            env_tools: vec![],
+            max_rounds: 0,
+            budgets: Budgets::default(),
+        }
+    }
+}
+
+impl RescueContext {
+    /// The policy samples of `traj` in H0's context, when it is a sibling's rescue row
+    /// that H0 can re-render: `Ok(None)` for rows that stay in their generating context
+    /// (not rescue, or under H0 itself), `Err(reason)` for a sibling row H0 cannot render.
+    pub fn h0_samples(&self, traj: &Trajectory, task: usize, advantage: f64, tok: &Tokenizer) -> Result<Option<Vec<Sample>>, String> {
+        let Some(h0) = &self.h0 else { return Ok(None) };
+        if self.mode == RescueContextMode::Generating || traj.kind != RolloutKind::Rescue || traj.harness_id == h0.id {
+            return Ok(None);
+        }
+        let facts = EpisodeFacts { env_tools: self.env_tools.clone(), max_rounds: self.max_rounds, task_type: traj.task_type.clone() };
+        let rendered = render_under(h0, self.budgets, &facts, &traj.turns, traj.termination).map_err(|e| e.to_string())?;
+        let generating = samples_from_trajectory(traj, task, advantage, tok).map_err(|e| e.to_string())?;
+        let mut out = vec![];
+        let policy_turns = traj.turns.iter().enumerate().filter(|(_, t)| t.source == TurnSource::Policy && !t.token_ids.is_empty());
+        let shift = ContextShift { floor: self.floor, cap: self.cap };
+        for ((i, _), mut s) in policy_turns.zip(generating) {
+            let r = rendered.turns.iter().find(|r| r.turn == i).ok_or_else(|| format!("turn {i} has no H0 rendering"))?;
+            s.context = crate::policy::prompt_ids(tok, &r.messages, &rendered.tools).map_err(|e| e.to_string())?;
+            s.shift = Some(shift);
+            out.push(s);
+        }
+        Ok(Some(out))
+    }
+}
 
 /// The temperature π_old is scored at for a row sampled at `t` (greedy decoding records
 /// its logprobs at temperature 1).
@@ -98,7 +184,7 @@ pub fn samples_from_trajectory(traj: &Trajectory, task: usize, advantage: f64, t
         } else {
             return Err(at(i, format!("{} sampled tokens but {} loss-mask entries", turn.token_ids.len(), turn.loss_mask.len())));
         };
-        out.push(Sample { task, context, completion: turn.token_ids.clone(), mask, logq, advantage, temperature });
+        out.push(Sample { task, context, completion: turn.token_ids.clone(), mask, logq, advantage, temperature, scale: 1.0, shift: None });
     }
     Ok(out)
 }
@@ -119,6 +205,8 @@ pub fn merge_shared_prefixes(samples: Vec<Sample>) -> Vec<Sample> {
             let extends = s.task == prev.task
                 && s.advantage == prev.advantage
                 && s.temperature == prev.temperature
+                && s.scale == prev.scale
+                && s.shift == prev.shift
                 && s.logq.is_empty() == prev.logq.is_empty()
                 && s.context.len() >= covered
                 && s.context[..prev.context.len()] == prev.context[..]
@@ -213,7 +301,12 @@ pub fn check_staleness<'a>(
 /// come from the retained groups. Advantages come from the group rows (Eq. 6 as computed
 /// when the group was formed), recomputed from rewards when a group row has none. Errors
 /// name the group and trajectory.
-pub fn batch_from_groups(groups: &[Group], trajectories: &[Trajectory], tok: &Tokenizer) -> Result<Batch, NativeError> {
+pub fn batch_from_groups(
+    groups: &[Group],
+    trajectories: &[Trajectory],
+    tok: &Tokenizer,
+    rescue: &RescueContext,
+) -> Result<Batch, NativeError> {
     let by_id: BTreeMap<&str, &Trajectory> = trajectories.iter().map(|t| (t.trajectory_id.as_str(), t)).collect();
     let mut batch = Batch::default();
     let mut policy_turns = 0usize;
@@ -247,10 +340,33 @@ pub fn batch_from_groups(groups: &[Group], trajectories: &[Trajectory], tok: &To
         for (t, a) in trajs.iter().zip(advantages) {
             let turns = samples_from_trajectory(t, task, a, tok)?;
             policy_turns += turns.len();
-            batch.samples.extend(merge_shared_prefixes(turns));
+            match rescue.h0_samples(t, task, a, tok) {
+                Ok(None) => batch.samples.extend(merge_shared_prefixes(turns)),
+                Ok(Some(under_h0)) => {
+                    batch.rendered_rows += 1;
+                    let scale = |w: f64, v: Vec<Sample>| v.into_iter().map(move |s| Sample { scale: w, ..s });
+                    if rescue.mode == RescueContextMode::Both {
+                        batch.samples.extend(scale(rescue.weights[0], merge_shared_prefixes(turns)));
+                        batch.samples.extend(scale(rescue.weights[1], merge_shared_prefixes(under_h0)));
+                    } else {
+                        batch.samples.extend(merge_shared_prefixes(under_h0));
+                    }
+                }
+                Err(reason) => {
+                    batch.kept_rows += 1;
+                    tracing::info!(trajectory = %t.trajectory_id, harness = %t.harness_id, %reason, "rescue row kept in its generating context: H0 cannot re-render it");
+                    batch.samples.extend(merge_shared_prefixes(turns));
+                }
+            }
         }
     }
-    tracing::info!(policy_turns, rows = batch.samples.len(), "learner rows (turns that extend each other share one forward pass)");
+    tracing::info!(
+        policy_turns,
+        rows = batch.samples.len(),
+        rendered_under_h0 = batch.rendered_rows,
+        kept_in_generating_context = batch.kept_rows,
+        "learner rows (turns that extend each other share one forward pass)"
+    );
     Ok(batch)
 }
 

@@ -36,18 +36,29 @@ pub fn tis_weight(logp_old: f64, logq: f64) -> f64 {
     (logp_old - logq).exp().clamp(0.0, TIS_CAP)
 }
 
-/// Eq. 15's normalisation: the weight 1 / (|B| · N_x) of each policy token of task x, 0 for
-/// masked tokens. `task_of[i]` is the task index of sequence i (tasks `0..n_tasks`, |B| =
-/// n_tasks, so a task with no policy tokens still counts in |B| and contributes zero).
-pub fn token_weights(task_of: &[usize], masks: &[Vec<bool>], n_tasks: usize) -> Vec<Vec<f64>> {
-    let mut n_x = vec![0usize; n_tasks];
-    for (t, m) in task_of.iter().zip(masks) {
-        n_x[*t] += m.iter().filter(|b| **b).count();
+/// The context weight of a token scored in context c but sampled in c_H (a rescue row under
+/// H0): clip(π_old(y | c) / q(y | c_H), floor, cap), Eq. 16's truncated importance weight
+/// with the context shift in it, from log-probabilities.
+pub fn context_weight(logp_old: f64, logq: f64, floor: f64, cap: f64) -> f64 {
+    (logp_old - logq).exp().clamp(floor, cap)
+}
+
+/// Eq. 15's normalisation: the weight s_i / (|B| · N_x) of each policy token of task x, 0
+/// for masked tokens, where s_i is sequence i's scale and N_x = Σ s_i · (policy tokens of
+/// i) over the task's sequences (all scales 1: the paper's 1 / (|B| · N_x); a trajectory
+/// scored in two contexts with scales summing to 1 counts once in N_x). `task_of[i]` is
+/// the task index of sequence i (tasks `0..n_tasks`, |B| = n_tasks, so a task with no
+/// policy tokens still counts in |B| and contributes zero).
+pub fn token_weights(task_of: &[usize], masks: &[Vec<bool>], scales: &[f64], n_tasks: usize) -> Vec<Vec<f64>> {
+    let mut n_x = vec![0f64; n_tasks];
+    for ((t, m), s) in task_of.iter().zip(masks).zip(scales) {
+        n_x[*t] += s * m.iter().filter(|b| **b).count() as f64;
     }
     task_of
         .iter()
         .zip(masks)
-        .map(|(t, m)| m.iter().map(|&b| if b { 1.0 / (n_tasks as f64 * n_x[*t] as f64) } else { 0.0 }).collect())
+        .zip(scales)
+        .map(|((t, m), s)| m.iter().map(|&b| if b && n_x[*t] > 0.0 { s / (n_tasks as f64 * n_x[*t]) } else { 0.0 }).collect())
         .collect()
 }
 
@@ -56,6 +67,24 @@ pub fn token_weights(task_of: &[usize], masks: &[Vec<bool>], n_tasks: usize) -> 
 /// `advantage` A of the token's trajectory, `weight` from [`token_weights`] (0 = masked).
 /// The TIS weight is computed from constants and so receives no gradient.
 pub fn grpo_loss(logp: &Tensor, logp_old: &Tensor, logq: &Tensor, advantage: &Tensor, weight: &Tensor) -> Tensor {
+    let lo = Tensor::zeros_like(logp);
+    let hi = Tensor::full_like(logp, TIS_CAP);
+    grpo_loss_bounded(logp, logp_old, logq, advantage, weight, &lo, &hi)
+}
+
+/// [`grpo_loss`] with the bounds of each token's detached weight clip(π_old / q, lo, hi):
+/// (0, 2) for a token scored in its generating context (Eq. 16), the spec's floor and cap
+/// for a rescue token scored under H0, whose q was recorded in the sibling's context, so
+/// that ρ·w = π_θ(y | c_H0) / π_old(y | c_H) with the context shift truncated.
+pub fn grpo_loss_bounded(
+    logp: &Tensor,
+    logp_old: &Tensor,
+    logq: &Tensor,
+    advantage: &Tensor,
+    weight: &Tensor,
+    lo: &Tensor,
+    hi: &Tensor,
+) -> Tensor {
     let active = weight.gt(0.0);
     let zero = Tensor::zeros_like(logp);
     // Masked tokens may carry placeholder log-probs; keep them out of exp() entirely.
@@ -64,7 +93,7 @@ pub fn grpo_loss(logp: &Tensor, logp_old: &Tensor, logq: &Tensor, advantage: &Te
     let unclipped = &ratio * advantage;
     let clipped = ratio.clamp(1.0 - ETA_MINUS, 1.0 + ETA_PLUS) * advantage;
     let objective = unclipped.minimum(&clipped);
-    let w = (logp_old - logq).where_self(&active, &zero).exp().clamp(0.0, TIS_CAP).detach();
+    let w = (logp_old - logq).where_self(&active, &zero).exp().clamp_tensor(Some(lo), Some(hi)).detach();
     -(objective * w * weight).sum(Kind::Float)
 }
 
@@ -109,7 +138,7 @@ mod tests {
     #[test]
     fn token_weights_mask_and_count_empty_tasks() {
         // task 0: [p, h, p] and [p]; task 1: [h, h] only
-        let w = token_weights(&[0, 0, 1], &[vec![true, false, true], vec![true], vec![false, false]], 2);
+        let w = token_weights(&[0, 0, 1], &[vec![true, false, true], vec![true], vec![false, false]], &[1.0; 3], 2);
         let s = 1.0 / 6.0; // |B| = 2, N_0 = 3
         assert_eq!(w, vec![vec![s, 0.0, s], vec![s], vec![0.0, 0.0]]);
     }
@@ -125,7 +154,7 @@ mod tests {
         let logq = [ln(0.4), ln(0.4), ln(0.1), ln(0.1), 0.0, 0.0];
         let adv = [1.0, -1.0, 100.0, 2.0, 3.0, 5.0];
         // task 0 has tokens 0..5 with token 2 masked (N = 4); task 1 has token 5 masked (N = 0)
-        let weights = token_weights(&[0, 1], &[vec![true, true, false, true, true], vec![false]], 2);
+        let weights = token_weights(&[0, 1], &[vec![true, true, false, true, true], vec![false]], &[1.0, 1.0], 2);
         let weight: Vec<f64> = weights.concat();
         let t = |v: &[f64]| Tensor::from_slice(v).to_kind(Kind::Float);
         let logp = t(&logp_new).set_requires_grad(true);
@@ -143,6 +172,43 @@ mod tests {
         for (i, (a, b)) in g.iter().zip(want_g).enumerate() {
             assert!(close(*a as f64, b), "token {i}: grad {a} vs {b}");
         }
+    }
+
+    /// Eq. 15 with mixed contexts: one rescue trajectory scored in its generating context
+    /// and under H0 (scales ½ + ½, so it counts once in N_x), whose H0 copy carries the
+    /// context weight clip(π_old(y | c_H0) / q(y | c_H), 0, 2), beside a plain trajectory.
+    #[test]
+    fn mixed_contexts_by_hand() {
+        let ln = |x: f64| x.ln();
+        // tokens: 0, 1 generating copy (A = 1); 2, 3 H0 copy (A = 1); 4 the other row (A = −1)
+        let logp_old = [ln(0.5), ln(0.5), ln(0.1), ln(0.9), ln(0.2)];
+        let logq = [ln(0.5), ln(0.5), ln(0.4), ln(0.3), ln(0.2)];
+        let adv = [1.0, 1.0, 1.0, 1.0, -1.0];
+        let weights = token_weights(&[0, 0, 0], &[vec![true; 2], vec![true; 2], vec![true]], &[0.5, 0.5, 1.0], 1);
+        // N_0 = ½·2 + ½·2 + 1 = 3
+        assert!(close(weights[0][0], 0.5 / 3.0) && close(weights[1][1], 0.5 / 3.0) && close(weights[2][0], 1.0 / 3.0), "{weights:?}");
+        let weight: Vec<f64> = weights.concat();
+        let t = |v: &[f64]| Tensor::from_slice(v).to_kind(Kind::Float);
+        let logp = t(&logp_old).set_requires_grad(true);
+        let lo = t(&[0.0; 5]);
+        let hi = t(&[2.0; 5]);
+        let loss = grpo_loss_bounded(&logp, &t(&logp_old), &t(&logq), &t(&adv), &t(&weight), &lo, &hi);
+        // ρ = 1 everywhere (first pass). Generating copy: w = 1 → 2 · ⅙ = ⅓. H0 copy:
+        // w = 0.1 / 0.4 = 0.25 and 0.9 / 0.3 = 3 → capped at 2: ⅙ · 2.25 = 0.375.
+        // Other row: −⅓. J = 0.375.
+        assert!(close(loss.double_value(&[]), -0.375), "{}", loss.double_value(&[]));
+        loss.backward();
+        let g = Vec::<f32>::try_from(&logp.grad()).unwrap();
+        let want = [-1.0 / 6.0, -1.0 / 6.0, -0.25 / 6.0, -2.0 / 6.0, 1.0 / 3.0];
+        for (i, (a, b)) in g.iter().zip(want).enumerate() {
+            assert!(close(*a as f64, b), "token {i}: grad {a} vs {b}");
+        }
+        // floor = cap = 1: the H0 copy trains as if it had been sampled there
+        let one = t(&[1.0; 5]);
+        let loss = grpo_loss_bounded(&logp.detach(), &t(&logp_old), &t(&logq), &t(&adv), &t(&weight), &one, &one);
+        assert!(close(loss.double_value(&[]), -(2.0 / 6.0 + 2.0 / 6.0 - 1.0 / 3.0)));
+        assert!(close(context_weight(ln(0.1), ln(0.4), 0.0, 2.0), 0.25));
+        assert_eq!(context_weight(ln(0.9), ln(0.3), 0.0, 2.0), 2.0);
     }
 
     #[test]

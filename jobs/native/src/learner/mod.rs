@@ -42,6 +42,22 @@ pub struct Sample {
     /// The sampling temperature: π_θ and π_old are scored on logits / T, the distribution
     /// q was recorded under, so that the TIS weight is 1 when the weights are the same.
     pub temperature: f32,
+    /// Eq. 15 multiplier of this row's tokens (1; under `rescue_context = "both"` the
+    /// spec's weight of the context this copy of a rescue trajectory is scored in).
+    pub scale: f64,
+    /// `Some` when `context` is not the one the tokens were sampled in (a rescue row
+    /// re-rendered under H0): the TIS weight becomes the context weight
+    /// clip(π_old(y | c) / q(y | c_H), lo, hi) ([`grpo::context_weight`]) and the row's
+    /// tokens are measured as a context shift, not as a rollout mismatch.
+    pub shift: Option<ContextShift>,
+}
+
+/// Bounds of the truncated importance weight of a row scored in another context than it
+/// was sampled in (Appendix B's TIS clip; `[algorithm] rescue_context_floor` / `_cap`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ContextShift {
+    pub floor: f64,
+    pub cap: f64,
 }
 
 /// One update's data: the tasks of the batch B (a task whose samples have no policy token
@@ -50,6 +66,11 @@ pub struct Sample {
 pub struct Batch {
     pub tasks: Vec<String>,
     pub samples: Vec<Sample>,
+    /// Rescue trajectories scored in H0's context (`rescue_context = "h0"` / `"both"`).
+    pub rendered_rows: u64,
+    /// Rescue trajectories H0 could not re-render (a sibling that acted for the policy),
+    /// kept in their generating context.
+    pub kept_rows: u64,
 }
 
 /// Learner settings.
@@ -96,6 +117,16 @@ pub struct StepMetrics {
     pub tis_clipped_share: f64,
     /// Policy tokens that had a rollout logprob (the mismatch is measured over these).
     pub mismatch_tokens: u64,
+    /// Rows scored in another context than they were sampled in (rescue rows under H0):
+    /// their policy tokens, the mean and max of the raw ratio π_old(y | c_H0) / q(y | c_H)
+    /// and the share of tokens whose context weight was clipped at a bound.
+    pub context_tokens: u64,
+    pub context_ratio_mean: f64,
+    pub context_ratio_max: f64,
+    pub context_clipped_share: f64,
+    /// Rescue trajectories scored under H0, and those kept in their generating context.
+    pub rendered_rows: u64,
+    pub kept_rows: u64,
     /// Tokens the learner ran forward and backward (context and completion of every
     /// sample it trained on, a prefix shared by the rows of a micro-batch once, per
     /// optimizer step; padding not counted): its cost in Table 9.
@@ -119,6 +150,12 @@ impl StepMetrics {
             mismatch_max: f("mismatch_max"),
             tis_clipped_share: f("tis_clipped_share"),
             mismatch_tokens: f("mismatch_tokens") as u64,
+            context_tokens: f("context_tokens") as u64,
+            context_ratio_mean: f("context_ratio_mean"),
+            context_ratio_max: f("context_ratio_max"),
+            context_clipped_share: f("context_clipped_share"),
+            rendered_rows: f("rendered_rows") as u64,
+            kept_rows: f("kept_rows") as u64,
             forward_tokens: f("forward_tokens") as u64,
             seconds: f("seconds"),
         }
@@ -137,6 +174,12 @@ impl StepMetrics {
             ("mismatch_max", self.mismatch_max),
             ("tis_clipped_share", self.tis_clipped_share),
             ("mismatch_tokens", self.mismatch_tokens as f64),
+            ("context_tokens", self.context_tokens as f64),
+            ("context_ratio_mean", self.context_ratio_mean),
+            ("context_ratio_max", self.context_ratio_max),
+            ("context_clipped_share", self.context_clipped_share),
+            ("rendered_rows", self.rendered_rows as f64),
+            ("kept_rows", self.kept_rows as f64),
             ("forward_tokens", self.forward_tokens as f64),
             ("seconds", self.seconds),
         ]
@@ -315,9 +358,17 @@ impl Learner {
         let n_tasks = batch.tasks.len();
         let task_of: Vec<usize> = samples.iter().map(|s| s.task).collect();
         let masks: Vec<Vec<bool>> = samples.iter().map(|s| s.mask.clone()).collect();
-        let weights = grpo::token_weights(&task_of, &masks, n_tasks);
+        let scales: Vec<f64> = samples.iter().map(|s| s.scale).collect();
+        let weights = grpo::token_weights(&task_of, &masks, &scales, n_tasks);
         let policy_tokens: u64 = masks.iter().map(|m| m.iter().filter(|b| **b).count() as u64).sum();
-        let mut metrics = StepMetrics { tasks: n_tasks as u64, samples: samples.len() as u64, policy_tokens, ..Default::default() };
+        let mut metrics = StepMetrics {
+            tasks: n_tasks as u64,
+            samples: samples.len() as u64,
+            policy_tokens,
+            rendered_rows: batch.rendered_rows,
+            kept_rows: batch.kept_rows,
+            ..Default::default()
+        };
         if policy_tokens == 0 {
             metrics.seconds = started.elapsed().as_secs_f64();
             return Ok(metrics);
@@ -356,7 +407,10 @@ impl Learner {
                 let logq = self.scatter(mb, samples, |s, i, j| if s.logq.is_empty() { old[i][j] } else { s.logq[j] });
                 let adv = self.scatter(mb, samples, |s, _, _| s.advantage as f32);
                 let weight = self.scatter(mb, samples, |_, i, j| weights[i][j] as f32);
-                let loss = grpo::grpo_loss(&logp, &logp_old, &logq, &adv, &weight);
+                let bounds = |s: &Sample| s.shift.map(|c| (c.floor, c.cap)).unwrap_or((0.0, grpo::TIS_CAP));
+                let lo = self.scatter(mb, samples, |s, _, _| bounds(s).0 as f32);
+                let hi = self.scatter(mb, samples, |s, _, _| bounds(s).1 as f32);
+                let loss = grpo::grpo_loss_bounded(&logp, &logp_old, &logq, &adv, &weight, &lo, &hi);
                 loss.backward();
                 loss_total += loss.double_value(&[]);
                 let _g = tch::no_grad_guard();
@@ -371,6 +425,8 @@ impl Learner {
         }
         let m = mismatch(samples, &old);
         (metrics.mismatch_mean, metrics.mismatch_max, metrics.tis_clipped_share, metrics.mismatch_tokens) = m;
+        let c = context_shift(samples, &old);
+        (metrics.context_ratio_mean, metrics.context_ratio_max, metrics.context_clipped_share, metrics.context_tokens) = c;
         AdamW::zero_grad(&params);
         metrics.seconds = started.elapsed().as_secs_f64();
         tracing::info!(
@@ -412,6 +468,8 @@ impl Learner {
             logq: vec![],
             advantage: 0.0,
             temperature: 1.0,
+            scale: 1.0,
+            shift: None,
         };
         let mb = self.tensors(&[0], 0, std::slice::from_ref(&s));
         self.token_logprobs(&mb).sum(Kind::Double).double_value(&[]) / completion.len().max(1) as f64
@@ -506,7 +564,7 @@ fn pack(rows: &[usize], prefix: usize, samples: &[Sample], budget: usize) -> Vec
 pub fn mismatch(samples: &[Sample], old: &[Vec<f32>]) -> (f64, f64, f64, u64) {
     let (mut sum, mut max, mut capped, mut n) = (0f64, 0f64, 0u64, 0u64);
     for (s, o) in samples.iter().zip(old) {
-        if s.logq.is_empty() || o.len() != s.logq.len() {
+        if s.shift.is_some() || s.logq.is_empty() || o.len() != s.logq.len() {
             continue;
         }
         for (j, &m) in s.mask.iter().enumerate() {
@@ -525,6 +583,35 @@ pub fn mismatch(samples: &[Sample], old: &[Vec<f32>]) -> (f64, f64, f64, u64) {
         return (0.0, 0.0, 0.0, 0);
     }
     (sum / n as f64, max, capped as f64 / n as f64, n)
+}
+
+/// The context shift of rows scored in another context than they were sampled in (rescue
+/// rows under H0): over their policy tokens, the mean and max of the raw ratio
+/// π_old(y | c) / q(y | c_H), the share whose context weight was clipped at a bound, and how
+/// many tokens were measured.
+pub fn context_shift(samples: &[Sample], old: &[Vec<f32>]) -> (f64, f64, f64, u64) {
+    let (mut sum, mut max, mut clipped, mut n) = (0f64, 0f64, 0u64, 0u64);
+    for (s, o) in samples.iter().zip(old) {
+        let Some(shift) = s.shift else { continue };
+        if s.logq.is_empty() || o.len() != s.logq.len() {
+            continue;
+        }
+        for (j, &m) in s.mask.iter().enumerate() {
+            if m {
+                let ratio = (o[j] as f64 - s.logq[j] as f64).exp();
+                sum += ratio;
+                max = max.max(ratio);
+                n += 1;
+                if ratio <= shift.floor || ratio >= shift.cap {
+                    clipped += 1;
+                }
+            }
+        }
+    }
+    if n == 0 {
+        return (0.0, 0.0, 0.0, 0);
+    }
+    (sum / n as f64, max, clipped as f64 / n as f64, n)
 }
 
 #[cfg(test)]
@@ -549,6 +636,8 @@ mod tests {
                 logq: vec![],
                 advantage,
                 temperature: 1.0,
+                scale: 1.0,
+                shift: None,
             }
         }
     }
@@ -583,12 +672,14 @@ mod tests {
                     logq: g.logprobs,
                     advantage: 0.0,
                     temperature: 1.0,
+                    scale: 1.0,
+                    shift: None,
                 });
             }
             for (s, a) in samples.iter_mut().zip(grpo::group_advantages(&rewards)) {
                 s.advantage = a;
             }
-            let m = learner.update(&Batch { tasks: vec!["t".into()], samples }).unwrap();
+            let m = learner.update(&Batch { tasks: vec!["t".into()], samples, ..Default::default() }).unwrap();
             assert!(m.micro_batches >= 2, "the token budget splits the group");
             // q was sampled by the very weights π_old is scored with: no mismatch
             assert!(m.mismatch_tokens > 0 && m.mismatch_max < 1e-4 && m.tis_clipped_share == 0.0, "{m:?}");
@@ -609,6 +700,8 @@ mod tests {
                     logq: vec![-3.0, -3.0, -3.5],
                     advantage: 1.0,
                     temperature: 1.0,
+                    scale: 1.0,
+                    shift: None,
                 },
                 Sample::plain(0, &[2], &[6], -1.0),
                 Sample {
@@ -619,8 +712,11 @@ mod tests {
                     logq: vec![-4.0, -4.0],
                     advantage: 0.5,
                     temperature: 1.0,
+                    scale: 1.0,
+                    shift: None,
                 },
             ],
+            ..Default::default()
         }
     }
 
@@ -634,6 +730,7 @@ mod tests {
         let batch = Batch {
             tasks: vec!["a".into(), "b".into()],
             samples: vec![Sample::plain(0, &[1, 2], &[3, 4], 1.0), Sample::plain(0, &[2], &[6], -1.0)],
+            ..Default::default()
         };
         let mut l = Learner::new(tiny(3), LearnerConfig::default());
         let m = l.update(&batch).unwrap();
@@ -657,6 +754,8 @@ mod tests {
             logq: vec![-3.0, -3.1],
             advantage: 1.0,
             temperature: 0.7,
+            scale: 1.0,
+            shift: None,
         };
         let turn2 = Sample {
             task: 0,
@@ -666,6 +765,8 @@ mod tests {
             logq: vec![-3.2, -3.3, -3.4],
             advantage: 1.0,
             temperature: 0.7,
+            scale: 1.0,
+            shift: None,
         };
         let other = Sample {
             task: 0,
@@ -675,6 +776,8 @@ mod tests {
             logq: vec![-2.0],
             advantage: -1.0,
             temperature: 0.7,
+            scale: 1.0,
+            shift: None,
         };
         let separate = vec![turn1.clone(), turn2.clone(), other.clone()];
         let merged = data::merge_shared_prefixes(separate.clone());
@@ -689,8 +792,10 @@ mod tests {
             assert!((x - y).abs() < 1e-5, "{folded:?} vs {policy:?}");
         }
         let tasks = vec!["t".to_string()];
-        let m1 = Learner::new(tiny(4), LearnerConfig::default()).update(&Batch { tasks: tasks.clone(), samples: separate }).unwrap();
-        let m2 = Learner::new(tiny(4), LearnerConfig::default()).update(&Batch { tasks, samples: merged }).unwrap();
+        let m1 = Learner::new(tiny(4), LearnerConfig::default())
+            .update(&Batch { tasks: tasks.clone(), samples: separate, ..Default::default() })
+            .unwrap();
+        let m2 = Learner::new(tiny(4), LearnerConfig::default()).update(&Batch { tasks, samples: merged, ..Default::default() }).unwrap();
         assert_eq!((m1.policy_tokens, m1.mismatch_tokens), (m2.policy_tokens, m2.mismatch_tokens));
         assert!((m1.loss - m2.loss).abs() < 1e-6 && (m1.grad_norm - m2.grad_norm).abs() < 1e-4 * m1.grad_norm, "{m1:?} vs {m2:?}");
         // a context that does not extend the previous row (a re-tokenised reply) stays apart
@@ -709,6 +814,8 @@ mod tests {
             logq,
             advantage: 0.0,
             temperature: 1.0,
+            scale: 1.0,
+            shift: None,
         };
         let samples =
             vec![sample(vec![true, true, false], vec![-1.0, -2.0, -9.0]), sample(vec![true], vec![]), sample(vec![true], vec![-3.0])];
@@ -751,6 +858,8 @@ mod tests {
             completion,
             advantage,
             temperature: 1.0,
+            scale: 1.0,
+            shift: None,
         };
         let batch = Batch {
             tasks: vec!["a".into(), "b".into()],
@@ -766,8 +875,11 @@ mod tests {
                     logq: vec![],
                     advantage: 1.0,
                     temperature: 1.0,
+                    scale: 1.0,
+                    shift: None,
                 },
             ],
+            ..Default::default()
         };
         let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, ..Default::default() };
         let mut shared = Learner::new(tiny(3), cfg.clone());

@@ -522,7 +522,7 @@ mod tests {
     }
 
     fn validate() -> ValidateOptions {
-        ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: false }
+        ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: false, base: false }
     }
 
     #[tokio::test]

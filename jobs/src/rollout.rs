@@ -213,7 +213,11 @@ fn check_input(input: &RolloutInput) -> Result<(), RolloutError> {
     if input.concurrency == 0 {
         return bad("concurrency", "must be at least 1");
     }
-    let problems = check_spec(&input.harness, &ValidateOptions::default());
+    // A structural check of what arrived in the job. Whether hooks may act in the policy's
+    // place is the environment's choice, and whether `h0` may carry edits the run's
+    // (`[pool] base`), both made where the spec was loaded (the run spec,
+    // `--harness-actions`), not here.
+    let problems = check_spec(&input.harness, &ValidateOptions { harness_actions: true, base: true, ..Default::default() });
     if !problems.is_empty() {
         return Err(RolloutError::InvalidHarness { harness: input.harness.id.clone(), problems });
     }

@@ -143,10 +143,171 @@ pub async fn write(store: &dyn ObjectStore, ids: &[&str]) -> anyhow::Result<Stri
     Ok(store.object_url(&key))
 }
 
+/// Two-sided 95 % Student-t quantiles for 1..=10 degrees of freedom (beyond: 1.96).
+const T95: [f64; 10] = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228];
+
+/// Mean and half-width of the 95 % interval of the mean (Student t over n − 1 degrees of
+/// freedom; 0 for one value). None for no values.
+pub fn mean_ci(values: &[f64]) -> Option<(f64, f64)> {
+    let n = values.len();
+    if n == 0 {
+        return None;
+    }
+    let m = values.iter().sum::<f64>() / n as f64;
+    if n == 1 {
+        return Some((m, 0.0));
+    }
+    let var = values.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (n - 1) as f64;
+    let t = T95.get(n - 2).copied().unwrap_or(1.96);
+    Some((m, t * (var / n as f64).sqrt()))
+}
+
+/// An arm of an experiment: its name and its runs (one per seed).
+pub struct Arm<'a> {
+    pub name: &'a str,
+    pub runs: Vec<(&'a str, &'a Series)>,
+}
+
+/// Parses `NAME=RUN,RUN,...` (`--arm`).
+pub fn parse_arm(text: &str) -> anyhow::Result<(String, Vec<String>)> {
+    let (name, runs) = text.split_once('=').with_context(|| format!("--arm `{text}`: write NAME=RUN,RUN,... (e.g. grpo=t-grpo-1,t-grpo-2)"))?;
+    let runs: Vec<String> = runs.split(',').map(str::trim).filter(|r| !r.is_empty()).map(str::to_string).collect();
+    anyhow::ensure!(!name.is_empty() && !runs.is_empty(), "--arm `{text}`: needs a name and at least one run");
+    Ok((name.to_string(), runs))
+}
+
+fn cell_ci(v: Option<(f64, f64)>, n: usize) -> String {
+    match v {
+        Some((m, h)) if n > 1 => format!("{} ± {}", number(m), number(h)),
+        Some((m, _)) => number(m),
+        None => "–".into(),
+    }
+}
+
+/// The summary table of arms (pure): every figure of [`FIGURES`] plus the transfer probe,
+/// as the mean over an arm's runs ± the half-width of its 95 % interval.
+pub fn arms_table(arms: &[Arm<'_>]) -> String {
+    let mut out = String::from("| figure |");
+    for a in arms {
+        let _ = write!(out, " `{}` (n = {}) |", a.name, a.runs.len());
+    }
+    let _ = writeln!(out, "\n|---|{}", "---:|".repeat(arms.len()));
+    let extra: [Figure; 4] = [
+        ("transfer log-probability, first calibration", |s| first(s.get("transfer_logprob"))),
+        ("transfer log-probability, last calibration", |s| last(s.get("transfer_logprob"))),
+        ("H0 answer-protocol share, first calibration", |s| first(s.get("h0_protocol_share"))),
+        ("H0 answer-protocol share, last calibration", |s| last(s.get("h0_protocol_share"))),
+    ];
+    for (label, f) in FIGURES.iter().chain(&extra) {
+        let _ = write!(out, "| {label} |");
+        for a in arms {
+            let values: Vec<f64> = a.runs.iter().filter_map(|(_, s)| f(s)).collect();
+            let _ = write!(out, " {} |", cell_ci(mean_ci(&values), values.len()));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// An arm's curve of `metric`: at each step the runs report it, the mean and interval.
+pub fn arm_curve(arm: &Arm<'_>, metric: &str) -> Vec<(u32, f64, f64)> {
+    let steps: std::collections::BTreeSet<u32> = arm.runs.iter().flat_map(|(_, s)| s.get(metric).iter().map(|p| p.0)).collect();
+    steps
+        .into_iter()
+        .filter_map(|step| {
+            let values: Vec<f64> =
+                arm.runs.iter().filter_map(|(_, s)| s.get(metric).iter().find(|p| p.0 == step).map(|p| p.1)).collect();
+            mean_ci(&values).map(|(m, h)| (step, m, h))
+        })
+        .collect()
+}
+
+/// Writes `comparisons/<arm>-vs-<arm>[...]/{compare.md, validation.png, transfer.png,
+/// protocol.png, signal.png, rollouts.png}`: each arm's mean over its runs with its 95 %
+/// interval as error bars. Returns the Markdown's URL.
+pub async fn write_arms(store: &dyn ObjectStore, arms: &[(String, Vec<String>)]) -> anyhow::Result<String> {
+    anyhow::ensure!(!arms.is_empty(), "compare needs at least one arm");
+    let mut loaded: Vec<Vec<(String, Series)>> = vec![];
+    let mut seen = std::collections::BTreeSet::new();
+    for (name, runs) in arms {
+        anyhow::ensure!(seen.insert(name.clone()), "arm `{name}` is named twice");
+        let mut v = vec![];
+        for id in runs {
+            let s = Series::load(store, id).await?;
+            anyhow::ensure!(!s.0.is_empty(), "run `{id}` (arm `{name}`) has no metrics in {}: is the id right, and has the run started?", store.url());
+            v.push((id.clone(), s));
+        }
+        loaded.push(v);
+    }
+    let arm_views: Vec<Arm<'_>> = arms
+        .iter()
+        .zip(&loaded)
+        .map(|((name, _), runs)| Arm { name: name.as_str(), runs: runs.iter().map(|(id, s)| (id.as_str(), s)).collect() })
+        .collect();
+    let names: Vec<&str> = arms.iter().map(|(n, _)| n.as_str()).collect();
+    let dir = schemas::keys::comparison_dir(&names);
+    let tmp = tempfile::tempdir().context("cannot create a temporary folder for plots")?;
+    let plots = [
+        ("validation.png", "H0 validation success by calibration", "success rate", "h0_validation_success"),
+        ("transfer.png", "Held-out sibling successes under H0: mean log-probability per token", "log-prob", "transfer_logprob"),
+        ("protocol.png", "H0 replies that follow the answer protocol", "share", "h0_protocol_share"),
+        ("signal.png", "Effective-group rate by update", "fraction", "effective_group_rate"),
+        ("rollouts.png", "Rollouts relative to GRPO", "ratio", "rollouts_relative_to_grpo"),
+    ];
+    for (file, title, y, metric) in plots {
+        let curves: Vec<(String, Vec<(u32, f64, f64)>)> =
+            arm_views.iter().map(|a| (a.name.to_string(), arm_curve(a, metric))).filter(|(_, c)| !c.is_empty()).collect();
+        if curves.is_empty() {
+            continue;
+        }
+        let path = tmp.path().join(file);
+        crate::report::interval_plot(&path, title, y, &curves).with_context(|| format!("drawing {file}"))?;
+        store.put(&format!("{dir}{file}"), Bytes::from(std::fs::read(&path)?)).await?;
+    }
+    let mut md = format!("# {}\n\nEach cell: the mean over the arm's runs (seeds) ± the half-width of its 95 % interval (Student t).\n\n", names.join(" vs "));
+    for a in &arm_views {
+        let _ = writeln!(md, "- `{}`: {}", a.name, a.runs.iter().map(|(id, _)| format!("`{id}`")).collect::<Vec<_>>().join(", "));
+    }
+    md.push_str("\n## Summary\n\n");
+    md.push_str(&arms_table(&arm_views));
+    md.push_str("\n![H0 validation](validation.png)\n\n![transfer](transfer.png)\n\n![protocol](protocol.png)\n\n![EG rate](signal.png)\n\n![rollouts](rollouts.png)\n");
+    let key = format!("{dir}compare.md");
+    store.put(&key, Bytes::from(md.clone())).await?;
+    println!("{md}");
+    Ok(store.object_url(&key))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+
+    #[test]
+    fn intervals_by_hand() {
+        assert_eq!(mean_ci(&[]), None);
+        assert_eq!(mean_ci(&[0.5]), Some((0.5, 0.0)));
+        // n = 3: mean 2, s = 1, half-width t(2) · 1 / √3 = 4.303 / 1.732
+        let (m, h) = mean_ci(&[1.0, 2.0, 3.0]).unwrap();
+        assert!((m - 2.0).abs() < 1e-12 && (h - 4.303 / 3f64.sqrt()).abs() < 1e-9, "{m} {h}");
+        assert_eq!(parse_arm("grpo=a, b").unwrap(), ("grpo".to_string(), vec!["a".to_string(), "b".to_string()]));
+        assert!(parse_arm("grpo").is_err() && parse_arm("=a").is_err());
+    }
+
+    #[test]
+    fn arms_average_their_seeds_with_an_interval() {
+        let a1 = series(&[("h0_validation_success", &[(0, 0.0), (4, 0.25)]), ("transfer_logprob", &[(0, -2.0), (4, -1.0)])]);
+        let a2 = series(&[("h0_validation_success", &[(0, 0.0), (4, 0.75)]), ("transfer_logprob", &[(0, -2.0), (4, -1.5)])]);
+        let b = series(&[("h0_validation_success", &[(0, 0.0), (4, 0.0)])]);
+        let arms = [Arm { name: "hs", runs: vec![("a1", &a1), ("a2", &a2)] }, Arm { name: "grpo", runs: vec![("b", &b)] }];
+        let t = arms_table(&arms);
+        // mean 0.5, s = 0.3536, t(1) = 12.706: ± 12.706 · 0.3536 / √2 = 3.177
+        assert!(t.contains("| H0 validation success, last calibration | 0.500 ± 3.177 | 0.000 |"), "{t}");
+        assert!(t.contains("| transfer log-probability, last calibration | -1.250 ± 3.177 | – |"), "{t}");
+        assert!(t.starts_with("| figure | `hs` (n = 2) | `grpo` (n = 1) |"), "{t}");
+        let c = arm_curve(&arms[0], "h0_validation_success");
+        assert_eq!(c[0], (0, 0.0, 0.0));
+        assert_eq!((c[1].0, c[1].1), (4, 0.5));
+    }
 
     fn series(pairs: &[(&str, &[(u32, f64)])]) -> Series {
         Series(pairs.iter().map(|(n, p)| (n.to_string(), p.to_vec())).collect::<BTreeMap<_, _>>())

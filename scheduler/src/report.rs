@@ -359,6 +359,42 @@ pub fn line_plot_over(
     Ok(())
 }
 
+/// Curves of means with error bars (an experiment's arms): per name, (x, mean, half-width
+/// of the interval).
+pub fn interval_plot(path: &std::path::Path, title: &str, y_label: &str, curves: &[(String, Vec<(u32, f64, f64)>)]) -> anyhow::Result<()> {
+    let root = BitMapBackend::new(path, (760, 440)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let xs = curves.iter().flat_map(|(_, c)| c.iter().map(|p| p.0));
+    let (min_x, max_x) = (xs.clone().min().unwrap_or(0), xs.max().unwrap_or(1).max(1));
+    let lo = curves.iter().flat_map(|(_, c)| c.iter().map(|p| p.1 - p.2)).fold(f64::MAX, f64::min);
+    let hi = curves.iter().flat_map(|(_, c)| c.iter().map(|p| p.1 + p.2)).fold(f64::MIN, f64::max);
+    let (lo, hi) = if lo >= 0.0 && hi <= 1.0 && hi > 0.2 { (0.0, 1.0) } else { (lo, hi.max(lo + 1e-9)) };
+    let pad = (hi - lo) * 0.05;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(52)
+        .build_cartesian_2d(min_x as f64 - 0.5..max_x as f64 + 0.5, lo - pad..hi + pad)?;
+    chart.configure_mesh().x_desc("update").y_desc(y_label).x_labels((max_x - min_x) as usize + 2).draw()?;
+    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    let n = curves.len().max(1) as f64;
+    for (i, (name, c)) in curves.iter().enumerate() {
+        let color = colors[i % colors.len()];
+        // Arms side by side at each x, so equal values stay visible.
+        let dx = (i as f64 - (n - 1.0) / 2.0) * 0.08;
+        let pts: Vec<(f64, f64)> = c.iter().map(|(x, m, _)| (*x as f64 + dx, *m)).collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+        chart.draw_series(c.iter().map(|(x, m, h)| ErrorBar::new_vertical(*x as f64 + dx, m - h, *m, m + h, color.filled(), 6)))?;
+    }
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
+
 /// The evolved pool's figures (Figure 1a, Figure 5) and table, when this run evolved or
 /// seeded a pool with validation coverage; writes `repairs.png` and `overlap.png`.
 async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Path) -> anyhow::Result<Option<String>> {

@@ -16,13 +16,16 @@ pub enum JobKind {
     /// A harness editor writes G patches for a trace packet, and each valid one is rerun
     /// (Harness-R1).
     Edit,
+    /// The transfer probe: the policy's log-probability, under H0's context, of held-out
+    /// successful sibling trajectories (at every calibration).
+    Transfer,
     /// Diagnostic: sleeps and writes a small output. Used by tests and `bench queue`.
     Sleep,
 }
 
 impl JobKind {
-    pub const ALL: [JobKind; 8] =
-        [Self::Evolve, Self::Rollout, Self::Rescue, Self::Reanchor, Self::Learn, Self::Eval, Self::Edit, Self::Sleep];
+    pub const ALL: [JobKind; 9] =
+        [Self::Evolve, Self::Rollout, Self::Rescue, Self::Reanchor, Self::Learn, Self::Eval, Self::Edit, Self::Transfer, Self::Sleep];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -33,6 +36,7 @@ impl JobKind {
             Self::Learn => "learn",
             Self::Eval => "eval",
             Self::Edit => "edit",
+            Self::Transfer => "transfer",
             Self::Sleep => "sleep",
         }
     }

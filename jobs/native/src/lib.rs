@@ -100,6 +100,7 @@ impl infra::Transient for NativeError {
     }
 }
 pub mod learn;
+pub mod transfer;
 
 #[cfg(test)]
 mod error_tests {

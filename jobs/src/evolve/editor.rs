@@ -677,7 +677,7 @@ mod tests {
     }
 
     fn opts() -> ValidateOptions {
-        ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true }
+        ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true, base: false }
     }
 
     /// A request for a child of `parent`, one generation down, along `direction`: no

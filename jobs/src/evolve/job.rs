@@ -92,6 +92,10 @@ pub struct EvolveInput {
     /// Seed of every rollout (Table 8: 42).
     #[serde(default = "seed42")]
     pub seed: u64,
+    /// The run's base harness H0 when it is not the unedited one (`[pool] base`): the root
+    /// of the pool and the harness every sibling's repairs are measured against.
+    #[serde(default)]
+    pub base: Option<HarnessSpec>,
 }
 
 fn seed42() -> u64 {
@@ -386,7 +390,7 @@ async fn start_pool(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<Pool
             (m, list.into_iter().map(|h| (h.id.clone(), h)).collect())
         }
         None => {
-            let h0 = HarnessSpec::h0();
+            let h0 = input.base.clone().unwrap_or_else(HarnessSpec::h0);
             put_member(ctx.store, &input.run_id, &h0).await?;
             let mut m = PoolManifest::new(&input.run_id);
             m.members.push(PoolEntry {

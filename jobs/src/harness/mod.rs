@@ -31,7 +31,7 @@ pub mod runtime;
 pub mod validate;
 
 pub use diff::{diff_specs, diff_values, Edit, EditKind};
-pub use replay::{render_under, EpisodeFacts, NotRenderable, Rendered, RenderedTurn};
+pub use replay::{reads_observation_flags, render_under, EpisodeFacts, NotRenderable, Rendered, RenderedTurn};
 pub use runtime::{approx_tokens, chat_messages, Budgets, Next, PolicyRequest, RuntimeError, Session, Usage, Verdict, BASE_SYSTEM_PROMPT};
 pub use validate::{
     check_spec, harness_side_hooks, parse_spec, spec_from_value, validate_value, Problem, SpecError, ValidateOptions, MAX_TEXT_BYTES,

@@ -9,8 +9,9 @@
 //! generating sibling (its prompt parts, examples, hints) are simply never shown to it.
 //!
 //! A trajectory can be re-rendered only when the target would have lived the same episode:
-//! every action the environment saw was the policy's own and the target would have let it
-//! through. A sibling whose hooks acted for the policy (a forced or rewritten action, a
+//! every action the environment saw was the policy's own and the target let it through, or
+//! the target's own hooks would have taken the same action there. A sibling whose hooks
+//! acted for the policy where the target would not have (a forced or rewritten action, a
 //! blocked call) made history H0 would not have made; such rows are [`NotRenderable`], with
 //! the turn and the reason, and the learner keeps them in their generating context.
 
@@ -159,8 +160,25 @@ pub fn render_under(
                 ended |= session.after_tool(&call, obs).is_some();
             }
             (TurnSource::Harness, Role::Assistant) => {
+                // An action the generating harness took for the policy: renderable only when
+                // the target takes the same one here (its own hook, or its own rewrite of
+                // the policy's call).
                 let hook = turn.hook_id.as_deref().unwrap_or("?");
-                return Err(fail(i, format!("harness-side: the generating harness acted for the policy here (hook `{hook}`)")));
+                let recorded = recorded_call(turn).map_err(|e| fail(i, e))?;
+                let taken = match pending.take() {
+                    Some(c) => Some(c),
+                    None if !ended => match session.next_step() {
+                        Next::Act(c) => Some(c),
+                        _ => None,
+                    },
+                    None => None,
+                };
+                match taken {
+                    Some(c) if Some(&c) == recorded.as_ref() => pending = Some(c),
+                    _ => {
+                        return Err(fail(i, format!("harness-side: the generating harness acted for the policy here (hook `{hook}`) and the target would not have")))
+                    }
+                }
             }
             // The generating harness's own text (its prompt parts, examples, hints,
             // reminders, block notes): the target writes its own.
@@ -168,6 +186,25 @@ pub fn render_under(
         }
     }
     Ok(Rendered { tools: session.tools().to_vec(), turns: out })
+}
+
+/// What a transcript does not keep of an observation and a hook may read: a spec whose
+/// hooks read one of these cannot be replayed faithfully ([`render_under`] restores only
+/// `done` and `committed`). Returns the first such name the hooks mention.
+pub fn reads_observation_flags(spec: &HarnessSpec) -> Option<&'static str> {
+    const FLAGS: [&str; 5] = ["action_failed", "truncated", "pagination_present", "consecutive_failures", "observation.done"];
+    let text = serde_json::to_string(&spec.hooks).unwrap_or_default();
+    FLAGS.into_iter().find(|f| text.contains(f))
+}
+
+/// The call a recorded turn carries (its tool and JSON arguments).
+fn recorded_call(turn: &Turn) -> Result<Option<ToolCall>, String> {
+    let Some(name) = &turn.tool_name else { return Ok(None) };
+    let args = match turn.tool_args.as_deref() {
+        Some(a) => serde_json::from_str(a).map_err(|e| format!("the recorded tool arguments are not JSON: {e}"))?,
+        None => serde_json::Value::Object(Default::default()),
+    };
+    Ok(Some(ToolCall { name: name.clone(), args }))
 }
 
 #[cfg(test)]
@@ -279,6 +316,17 @@ mod tests {
         assert!(ep.turns.iter().any(|t| t.source == TurnSource::Harness && t.role == Role::Assistant), "the hook acted");
         let err = render_under(&HarnessSpec::h0(), Budgets::default(), &facts().await, &ep.turns, ep.termination).unwrap_err();
         assert!(err.reason.contains("harness-side"), "{err}");
+        // A base harness with the same hook would have acted the same way: renderable, and
+        // the context at the policy's turns is the base harness's own.
+        let mut base = forcing.clone();
+        base.id = "h0".into();
+        let (base_ep, base_seen) = episode(&base).await;
+        let mut sib = forcing.clone();
+        sib.examples = sibling().examples;
+        let (sib_ep, _) = episode(&sib).await;
+        let rendered = render_under(&base, Budgets::default(), &facts().await, &sib_ep.turns, sib_ep.termination).unwrap();
+        assert_eq!(rendered.turns.iter().map(|r| r.messages.clone()).collect::<Vec<_>>(), base_seen);
+        assert_eq!(base_ep.success, sib_ep.success);
     }
 
     #[tokio::test]

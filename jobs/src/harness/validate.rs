@@ -59,6 +59,8 @@ pub struct ValidateOptions {
     /// refused: what a harness does in the policy's place is not the policy's behaviour,
     /// and its tokens are never trained on.
     pub harness_actions: bool,
+    /// The spec is a run's base harness (`[pool] base`): id `h0` may carry edits.
+    pub base: bool,
 }
 
 /// Ids of a spec's hooks that act in the policy's place (`force_action`, `rewrite_action`):
@@ -346,7 +348,7 @@ impl Validator<'_> {
             &["id", "parent", "generation", "direction", "prompt_rules", "skills", "context", "memory", "examples", "tool_view", "hooks"];
         let Some(map) = self.object("", v, FIELDS, &["id"]) else { return };
         if let Some(id) = map.get("id") {
-            if self.ident("id", id).as_deref() == Some(schemas::H0_ID) {
+            if self.ident("id", id).as_deref() == Some(schemas::H0_ID) && !self.opts.base {
                 let edits: Vec<&str> = EDIT_FIELDS
                     .iter()
                     .copied()
@@ -356,7 +358,7 @@ impl Validator<'_> {
                     self.problem(
                         "id",
                         format!(
-                            "`h0` is the base harness and carries no edits (this spec has {}); give the sibling another id",
+                            "`h0` is the base harness and carries no edits (this spec has {}); give the sibling another id, or name the file as the run's base harness ([pool] base)",
                             edits.join(", ")
                         ),
                     );
@@ -1011,7 +1013,7 @@ mod tests {
 
     #[test]
     fn tools_are_checked_when_the_environment_is_known() {
-        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true };
+        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true, base: false };
         let spec = json!({
             "id": "x",
             "tool_view": {"tools": [{"name": "run_python"}]},
@@ -1038,7 +1040,7 @@ mod tests {
     #[test]
     fn the_example_pools_validate_against_dbbench_tools() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true };
+        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true, base: false };
         let load = |folder: &str| -> Vec<HarnessSpec> {
             let mut specs: Vec<HarnessSpec> = std::fs::read_dir(root.join(folder))
                 .unwrap()
@@ -1085,7 +1087,7 @@ mod tests {
 
     #[test]
     fn hiding_every_offered_tool_is_a_problem() {
-        let opts = ValidateOptions { tools: Some(vec!["a".into(), "b".into()]), harness_actions: true };
+        let opts = ValidateOptions { tools: Some(vec!["a".into(), "b".into()]), harness_actions: true, base: false };
         let spec = json!({"id": "x", "tool_view": {"tools": [{"name": "a", "shown": false}, {"name": "b", "shown": false}]}});
         let got: Vec<String> = validate_value(&spec, &opts).iter().map(|p| p.to_string()).collect();
         assert_eq!(got, vec!["tool_view.tools: hides every tool the environment offers; the policy could not act".to_string()]);

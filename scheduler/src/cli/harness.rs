@@ -56,7 +56,7 @@ fn read_json(path: &Path) -> anyhow::Result<Value> {
 
 fn validate(args: ValidateArgs) -> anyhow::Result<u8> {
     let value = read_json(&args.file)?;
-    let problems = validate_value(&value, &ValidateOptions { tools: args.tools, harness_actions: args.harness_actions });
+    let problems = validate_value(&value, &ValidateOptions { tools: args.tools, harness_actions: args.harness_actions, base: false });
     let mut out = std::io::stdout().lock();
     if problems.is_empty() {
         let spec: HarnessSpec =

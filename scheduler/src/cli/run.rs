@@ -72,8 +72,12 @@ pub struct RunRefArgs {
 pub struct CompareArgs {
     /// The runs to compare, two or more (e.g. the Harness-S run, then plain GRPO with the
     /// same model, seed and tasks, then other seeds or variants).
-    #[arg(required = true, num_args = 2..)]
+    #[arg(required_unless_present = "arms", num_args = 2..)]
     pub runs: Vec<String>,
+    /// An experiment's arm instead: `NAME=RUN,RUN,...` (one run per seed; repeatable). Each
+    /// figure is then the mean over the arm's runs ± its 95 % interval.
+    #[arg(long = "arm", value_name = "NAME=RUNS")]
+    pub arms: Vec<String>,
     #[command(flatten)]
     pub store: StoreArg,
 }
@@ -251,6 +255,18 @@ pub async fn verify(args: RunRefArgs) -> anyhow::Result<u8> {
 
 pub async fn compare(args: CompareArgs) -> anyhow::Result<u8> {
     let store = args.store.open().await?;
+    if !args.arms.is_empty() {
+        anyhow::ensure!(args.runs.is_empty(), "give runs either as arguments or in --arm, not both");
+        let arms = args.arms.iter().map(|a| crate::compare::parse_arm(a)).collect::<anyhow::Result<Vec<_>>>()?;
+        for (_, runs) in &arms {
+            for run in runs {
+                run::inputs::load_stored(store.as_ref(), run).await?;
+            }
+        }
+        let url = crate::compare::write_arms(store.as_ref(), &arms).await?;
+        println!("comparison: {url}");
+        return Ok(crate::exit::OK);
+    }
     for run in &args.runs {
         run::inputs::load_stored(store.as_ref(), run).await?;
     }

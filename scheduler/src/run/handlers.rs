@@ -447,6 +447,23 @@ impl Handler for LearnHandler {
     }
 }
 
+/// Runs the transfer probe (held-out sibling successes scored under H0).
+pub struct TransferHandler;
+
+#[async_trait]
+impl Handler for TransferHandler {
+    async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
+        let input: native::transfer::TransferInput = decode(job)?;
+        let store = ctx.store.clone();
+        let handle = tokio::runtime::Handle::current();
+        let out = tokio::task::spawn_blocking(move || handle.block_on(native::transfer::run(store.as_ref(), &input)))
+            .await
+            .map_err(|e| JobFailure::Fatal(format!("the transfer probe panicked: {e}")))?
+            .map_err(JobFailure::of)?;
+        Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out).unwrap_or_default(), committed: false })
+    }
+}
+
 /// Every handler of this build: the diagnostic sleep job plus the Harness-S jobs.
 pub fn registry() -> Registry {
     let shared = Arc::new(Shared::default());
@@ -458,5 +475,6 @@ pub fn registry() -> Registry {
     r.register(JobKind::Evolve, EvolveHandler { shared: shared.clone() });
     r.register(JobKind::Edit, EditHandler { shared: shared.clone() });
     r.register(JobKind::Learn, LearnHandler);
+    r.register(JobKind::Transfer, TransferHandler);
     r
 }

@@ -38,6 +38,9 @@ pub struct StoredRun {
     pub learned_editor: Option<PinnedEditor>,
     /// Harness ids of the pool, in file-name order (H0 excluded).
     pub pool: Vec<String>,
+    /// `[pool] base`: the run's base harness H0 when it is not the unedited one.
+    #[serde(default)]
+    pub base: Option<HarnessSpec>,
 }
 
 /// A checkpoint of an editor run that writes a run's evolution children: the step is fixed
@@ -160,6 +163,17 @@ pub fn read_pool(dir: &std::path::Path, opts: &jobs::harness::ValidateOptions) -
     Ok(pool)
 }
 
+/// `[pool] base`: a harness spec file that is the run's H0 (its id must be `h0`).
+pub fn read_base(file: &std::path::Path, opts: &jobs::harness::ValidateOptions) -> anyhow::Result<HarnessSpec> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("cannot read the base harness {}", file.display()))?;
+    let opts = jobs::harness::ValidateOptions { base: true, ..opts.clone() };
+    let spec = jobs::harness::parse_spec(&file.display().to_string(), &text, &opts)?;
+    if spec.id != schemas::H0_ID {
+        bail!("{}: the base harness has id `{}`; give it id `{}` (it stands for H0 in every row, profile and report)", file.display(), spec.id, schemas::H0_ID);
+    }
+    Ok(spec)
+}
+
 /// The members of another run's evolved pool, H0 left out (it is implicit).
 pub async fn evolved_pool(store: &dyn ObjectStore, from_run: &str) -> anyhow::Result<Vec<HarnessSpec>> {
     let (_, specs) = jobs::evolve::pool::load_pool(store, from_run)
@@ -187,6 +201,10 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
         (Some(dir), _) => read_pool(&loaded.resolve(dir), &loaded.spec.environment.validate_options())?,
         (None, Some(from)) => evolved_pool(store, from).await?,
         (None, None) => vec![],
+    };
+    let base = match &spec.pool.base {
+        Some(file) => Some(read_base(&loaded.resolve(file), &spec.environment.validate_options())?),
+        None => None,
     };
     let mut texts: BTreeMap<&'static str, String> = BTreeMap::new();
     match &spec.tasks.generate {
@@ -248,6 +266,7 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
         editor_model,
         learned_editor,
         pool: pool.iter().map(|h| h.id.clone()).collect(),
+        base,
     };
     store.put(&keys::spec(run_id), Bytes::from(loaded.text.clone())).await?;
     for (split, name) in SPLITS.iter().zip(["train", "validation", "test"]) {
@@ -320,10 +339,15 @@ impl RunInputs {
         &self.stored.spec
     }
 
+    /// The run's base harness H0 (`[pool] base`, or the unedited one).
+    pub fn base(&self) -> HarnessSpec {
+        self.stored.base.clone().unwrap_or_else(HarnessSpec::h0)
+    }
+
     /// The harness with this id (`h0` is the base harness).
     pub fn harness(&self, id: &str) -> Option<HarnessSpec> {
         if id == schemas::H0_ID {
-            return Some(HarnessSpec::h0());
+            return Some(self.base());
         }
         self.pool.iter().find(|h| h.id == id).cloned()
     }

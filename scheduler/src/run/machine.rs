@@ -328,6 +328,7 @@ impl Scheduler {
             settings,
             seed_from: e.seed_from.clone(),
             seed: spec.run.seed,
+            base: self.spec().pool.base.is_some().then(|| self.inputs.base()),
         };
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "evolve", ..Default::default() });
         let payload = serde_json::to_value(super::handlers::EvolveJob { input })?;
@@ -516,7 +517,7 @@ impl Scheduler {
         // k attempts of one test task under one harness; every unit uses the same seeds.
         let eval_request = RolloutRequest::per_task(stage, step, RolloutKind::Eval, checkpoint);
         let eval_job = |task: &str, harness: HarnessSpec| self.rollout_job(eval_request(task, harness, k, seed));
-        let mut jobs: Vec<JobEnvelope> = tasks.iter().map(|t| eval_job(t, HarnessSpec::h0())).collect();
+        let mut jobs: Vec<JobEnvelope> = tasks.iter().map(|t| eval_job(t, self.inputs.base())).collect();
         let ranks = if stage == "evaluation" { spec.eval_ranks() as usize } else { 0 };
         let mut decisions = Vec::new();
         // (task, harness) units already evaluated: H0 on every task; a harness that is both a
@@ -629,7 +630,7 @@ impl Scheduler {
             task_ids.truncate(n as usize);
         }
         let seed = unit_seed(spec.run.seed, &["calibration", &calibration_id]);
-        let harnesses: Vec<HarnessSpec> = std::iter::once(HarnessSpec::h0()).chain(self.inputs.pool.iter().cloned()).collect();
+        let harnesses: Vec<HarnessSpec> = std::iter::once(self.inputs.base()).chain(self.inputs.pool.iter().cloned()).collect();
         let rollout_jobs: Vec<JobEnvelope> = harnesses
             .iter()
             .map(|h| {
@@ -684,6 +685,18 @@ impl Scheduler {
         for h in &self.inputs.pool {
             metrics.push((format!("validation_success/{}", h.id), rate(&h.id)));
         }
+        let key = schemas::keys::trajectories_of_step(self.run_id(), step, Some(RolloutKind::Calibration));
+        let rows: Vec<Trajectory> = infra::table::read_committed(self.store.as_ref(), self.run_id(), &key).await?;
+        if let Some(share) = protocol_share(rows.iter().filter(|r| r.harness_id == H0_ID)) {
+            metrics.push(("h0_protocol_share".to_string(), share));
+        }
+        if let Some(out) = self.transfer_probe(step, stage, st).await? {
+            if let Some(lp) = out.mean_logprob {
+                metrics.push(("transfer_logprob".to_string(), lp));
+                metrics.push(("transfer_rows".to_string(), out.trajectory_ids.len() as f64));
+                metrics.push(("transfer_tokens".to_string(), out.tokens as f64));
+            }
+        }
         let refs: Vec<(&str, f64)> = metrics.iter().map(|(n, v)| (n.as_str(), *v)).collect();
         self.write_metrics(step, "calibration", &refs, st).await?;
         let entries: usize = ev.profiles.values().map(Vec::len).sum();
@@ -691,6 +704,39 @@ impl Scheduler {
         st.calibration_id = Some(calibration_id);
         st.best_checkpoint = best_checkpoint(st.best_checkpoint, st.latest_checkpoint, rate(H0_ID));
         Ok(())
+    }
+
+    /// The transfer probe of the calibration at `step` (a `transfer` job): the policy's
+    /// mean log-probability, under H0's context, of the first calibration's successful
+    /// sibling rows. None where it does not apply: no pool, a policy without native
+    /// weights, an editor run, an HTTP environment, or `[calibration] transfer_rows = 0`.
+    async fn transfer_probe(&self, step: u32, stage: &str, st: &RunState) -> anyhow::Result<Option<native::transfer::TransferOutput>> {
+        let spec = self.spec();
+        let max_rows = spec.calibration.transfer_rows();
+        let native_weights = spec.policy.backend == super::spec::Backend::Native;
+        if max_rows == 0 || self.inputs.pool.is_empty() || !native_weights || spec.editor_training.is_some() || spec.environment.is_http() {
+            return Ok(None);
+        }
+        let Some(base_model) = self.inputs.stored.base_model.clone() else { return Ok(None) };
+        let h0 = self.inputs.base();
+        if jobs::harness::reads_observation_flags(&h0).is_some() {
+            return Ok(None);
+        }
+        let context = h0_rendering(spec, h0);
+        let input = native::transfer::TransferInput {
+            run_id: self.run_id().to_string(),
+            step,
+            weights_step: st.latest_checkpoint,
+            base_model,
+            device: spec.policy.device.clone(),
+            set_step: 0,
+            max_rows,
+            context,
+        };
+        let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "transfer", step, task_id: stage, ..Default::default() });
+        let job = self.envelope(id, JobKind::Transfer, serde_json::to_value(&input)?);
+        let markers = self.exec.run(self.run_id(), stage, vec![job]).await?;
+        Ok(Some(serde_json::from_value(markers[0].result.clone()).context("reading the transfer probe's result")?))
     }
 
     /// The calibration rescue routing uses now: the latest one for the adaptive variant,
@@ -731,7 +777,7 @@ impl Scheduler {
                     jobs.push(self.rollout_job(base_request(&task, h, 1, seed + i as u64)));
                 }
             } else {
-                jobs.push(self.rollout_job(base_request(&task, HarnessSpec::h0(), k, seed)));
+                jobs.push(self.rollout_job(base_request(&task, self.inputs.base(), k, seed)));
             }
         }
         self.rollouts(&stage, jobs, st).await?;
@@ -745,7 +791,7 @@ impl Scheduler {
                 .iter()
                 .map(|id| self.inputs.harness(id).with_context(|| format!("algorithm.mixture: no harness `{id}` in the pool")))
                 .collect(),
-            None => Ok(std::iter::once(HarnessSpec::h0()).chain(self.inputs.pool.iter().cloned()).collect()),
+            None => Ok(std::iter::once(self.inputs.base()).chain(self.inputs.pool.iter().cloned()).collect()),
         }
     }
 
@@ -780,7 +826,7 @@ impl Scheduler {
             let seed = unit_seed(spec.run.seed, &["rescue", &u.to_string(), task]);
             match (strategy, &routing) {
                 (RescueStrategy::H0, _) => {
-                    jobs.push(self.rollout_job(rescue_request(task, HarnessSpec::h0(), spec.algorithm.k, seed)));
+                    jobs.push(self.rollout_job(rescue_request(task, self.inputs.base(), spec.algorithm.k, seed)));
                 }
                 (RescueStrategy::Router, Some((router, evidence, pool))) => {
                     let info = self
@@ -935,7 +981,7 @@ impl Scheduler {
                 .clone()
                 .context("the run names no starting weights for the learner (policy.model, or policy.weights behind an endpoint)")?
         };
-        let input = learn_job(spec, self.run_id(), u, st, base_model);
+        let input = learn_job(spec, self.inputs.base(), self.run_id(), u, st, base_model);
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
         let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);
         let markers = self.exec.run(self.run_id(), &Stage::Update(u, UpdatePart::Learn).to_string(), vec![job]).await?;
@@ -1009,7 +1055,7 @@ fn group_by_task(rows: &[Trajectory]) -> BTreeMap<String, Vec<&Trajectory>> {
 
 /// The learn job of update `u`: the spec's `[learner]`, `[checkpoints]` and staleness keys,
 /// the run's data cursor and best checkpoint so far.
-fn learn_job(spec: &super::spec::RunSpec, run_id: &str, u: u32, st: &RunState, base_model: std::path::PathBuf) -> LearnJob {
+fn learn_job(spec: &super::spec::RunSpec, h0: HarnessSpec, run_id: &str, u: u32, st: &RunState, base_model: std::path::PathBuf) -> LearnJob {
     LearnJob {
         run_id: run_id.to_string(),
         step: u,
@@ -1020,22 +1066,42 @@ fn learn_job(spec: &super::spec::RunSpec, run_id: &str, u: u32, st: &RunState, b
         max_off_policy_steps: spec.algorithm.max_off_policy_steps,
         checkpoints: spec.checkpoints.clone(),
         best_step: st.best_checkpoint.map(|(s, _)| s),
-        rescue_context: rescue_context(spec),
+        rescue_context: rescue_context(spec, h0),
     }
+}
+
+/// Share of policy replies that follow the answer protocol (parsed into an action: a SQL
+/// block, a final-answer line, an `Action:` line); None without policy turns.
+fn protocol_share<'a>(rows: impl IntoIterator<Item = &'a Trajectory>) -> Option<f64> {
+    let (mut acted, mut replies) = (0u64, 0u64);
+    for r in rows {
+        for t in r.turns.iter().filter(|t| t.source == schemas::TurnSource::Policy) {
+            replies += 1;
+            acted += u64::from(t.tool_name.is_some());
+        }
+    }
+    (replies > 0).then(|| acted as f64 / replies as f64)
 }
 
 /// `[algorithm] rescue_context` with what H0's re-rendering needs: H0's spec (always the
 /// unedited base harness), DBBench's tools (the spec check keeps other environments on
 /// `generating`), its round limit and the episode limits.
-fn rescue_context(spec: &super::spec::RunSpec) -> native::learner::data::RescueContext {
-    let mut rc = spec.algorithm.rescue_context();
-    if rc.mode != native::learner::data::RescueContextMode::Generating {
-        rc.h0 = Some(HarnessSpec::h0());
-        rc.env_tools = jobs::env::dbbench::tools();
-        rc.max_rounds = spec.environment.max_rounds.unwrap_or(jobs::env::dbbench::DEFAULT_MAX_ROUNDS);
-        rc.budgets = spec.budgets.episode();
+fn rescue_context(spec: &super::spec::RunSpec, h0: HarnessSpec) -> native::learner::data::RescueContext {
+    match spec.algorithm.rescue_context {
+        native::learner::data::RescueContextMode::Generating => spec.algorithm.rescue_context(),
+        _ => h0_rendering(spec, h0),
     }
-    rc
+}
+
+/// The spec's rescue-context settings with H0's rendering filled in.
+fn h0_rendering(spec: &super::spec::RunSpec, h0: HarnessSpec) -> native::learner::data::RescueContext {
+    native::learner::data::RescueContext {
+        h0: Some(h0),
+        env_tools: jobs::env::dbbench::tools(),
+        max_rounds: spec.environment.max_rounds.unwrap_or(jobs::env::dbbench::DEFAULT_MAX_ROUNDS),
+        budgets: spec.budgets.episode(),
+        ..spec.algorithm.rescue_context()
+    }
 }
 
 /// The best-validating checkpoint after a calibration of `current` (None: the starting
@@ -1077,7 +1143,7 @@ mod tests {
         let mut st = RunState::new("quickstart", String::new());
         st.data_cursor = 10;
         st.best_checkpoint = Some((1, 0.5));
-        let job = learn_job(&spec, "quickstart", 2, &st, "base.gguf".into());
+        let job = learn_job(&spec, schemas::HarnessSpec::h0(), "quickstart", 2, &st, "base.gguf".into());
         let l = &job.learner;
         assert_eq!((l.optimizer.weight_decay, l.micro_batch_tokens, l.updates_per_batch), (0.05, 2048, 2));
         assert_eq!((l.optimizer.lr, l.seed), (1e-4, 7), "learning rate and seed come from [algorithm] and [run]");

@@ -28,8 +28,16 @@ use machine::{Drive, Finish, Scheduler};
 use state::RunState;
 
 /// Kinds the in-process workers of an embedded run consume.
-pub const RUN_KINDS: [JobKind; 7] =
-    [JobKind::Evolve, JobKind::Rollout, JobKind::Rescue, JobKind::Reanchor, JobKind::Eval, JobKind::Edit, JobKind::Learn];
+pub const RUN_KINDS: [JobKind; 8] = [
+    JobKind::Evolve,
+    JobKind::Rollout,
+    JobKind::Rescue,
+    JobKind::Reanchor,
+    JobKind::Eval,
+    JobKind::Edit,
+    JobKind::Learn,
+    JobKind::Transfer,
+];
 
 /// Exit code for a finished run.
 pub fn exit_code(f: Finish) -> u8 {

@@ -170,7 +170,7 @@ impl EnvironmentSection {
     /// checked statically there.
     pub fn validate_options(&self) -> jobs::harness::ValidateOptions {
         if self.is_http() {
-            return jobs::harness::ValidateOptions { tools: None, harness_actions: self.harness_actions };
+            return jobs::harness::ValidateOptions { tools: None, harness_actions: self.harness_actions, base: false };
         }
         jobs::env::dbbench::validate_options(self.harness_actions)
     }
@@ -422,6 +422,11 @@ pub struct PoolSection {
     pub dir: Option<PathBuf>,
     /// The evolved pool of another run in the same store (its members except H0).
     pub from_run: Option<String>,
+    /// The run's base harness H0 (a harness spec JSON file with id `h0`, relative to the
+    /// spec file). Default: the unedited base harness. Every arm of an experiment uses the
+    /// same one: baseline, base rollouts, H0 rescue, calibration, evaluation, evolution's
+    /// root and the rescue context's H0 rendering.
+    pub base: Option<PathBuf>,
 }
 
 /// `[evolution]`: Directional Harness Evolution (§3.2, Appendix E–F); defaults are the
@@ -751,11 +756,21 @@ pub struct CalibrationSection {
     pub interval: u32,
     /// Validation tasks per calibration (default: all).
     pub tasks: Option<u32>,
+    /// The transfer probe at every calibration: the policy's mean log-probability, under
+    /// H0's context, of at most this many successful sibling trajectories of the first
+    /// calibration (default 32; 0 turns it off). Native policies on DBBench with a pool.
+    pub transfer_rows: Option<usize>,
 }
 
 impl Default for CalibrationSection {
     fn default() -> Self {
-        CalibrationSection { interval: default_interval(), tasks: None }
+        CalibrationSection { interval: default_interval(), tasks: None, transfer_rows: None }
+    }
+}
+
+impl CalibrationSection {
+    pub fn transfer_rows(&self) -> usize {
+        self.transfer_rows.unwrap_or(32)
     }
 }
 
@@ -1414,6 +1429,21 @@ fn check_pool(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, String
     }
     if let Some(e) = &spec.evolution {
         check_evolution(spec, e, bad);
+    }
+    if let Some(file) = &spec.pool.base {
+        let full = if file.is_absolute() { file.clone() } else { base_dir.join(file) };
+        match super::inputs::read_base(&full, &spec.environment.validate_options()) {
+            Ok(base) => {
+                let rc = spec.algorithm.rescue_context != native::learner::data::RescueContextMode::Generating;
+                if let Some(flag) = rc.then(|| jobs::harness::reads_observation_flags(&base)).flatten() {
+                    bad(
+                        "pool.base",
+                        format!("its hooks read `{flag}`, which stored rows do not keep, so rescue_context = \"{}\" cannot re-render rows under it; use \"generating\"", spec.algorithm.rescue_context.as_str()),
+                    );
+                }
+            }
+            Err(e) => bad("pool.base", shorten(&format!("{e:#}"), 2_000)),
+        }
     }
     if let Some(dir) = &spec.pool.dir {
         let full = if dir.is_absolute() { dir.clone() } else { base_dir.join(dir) };

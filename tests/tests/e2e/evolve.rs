@@ -69,6 +69,7 @@ async fn llm_editor_output_is_validated_and_invalid_edits_never_enter_the_pool()
         settings: settings(2, 1),
         seed_from: None,
         seed: 42,
+        base: None,
     };
     let out = evolve::run(&ctx, &input).await.unwrap();
     let m = load_manifest(&store, &run).await.unwrap();

@@ -91,6 +91,14 @@ impl RescueContext {
         if self.mode == RescueContextMode::Generating || traj.kind != RolloutKind::Rescue || traj.harness_id == h0.id {
             return Ok(None);
         }
+        self.under_h0(traj, task, advantage, tok).map(Some)
+    }
+
+    /// The policy samples of any trajectory in the context H0 would have shown at each of
+    /// its turns (the transfer probe scores held-out sibling rows so); `Err(reason)` when
+    /// H0 cannot re-render it or this context names no H0.
+    pub fn under_h0(&self, traj: &Trajectory, task: usize, advantage: f64, tok: &Tokenizer) -> Result<Vec<Sample>, String> {
+        let h0 = self.h0.as_ref().ok_or("no H0 spec to render under")?;
         let facts = EpisodeFacts { env_tools: self.env_tools.clone(), max_rounds: self.max_rounds, task_type: traj.task_type.clone() };
         let rendered = render_under(h0, self.budgets, &facts, &traj.turns, traj.termination).map_err(|e| e.to_string())?;
         let generating = samples_from_trajectory(traj, task, advantage, tok).map_err(|e| e.to_string())?;
@@ -103,7 +111,7 @@ impl RescueContext {
             s.shift = Some(shift);
             out.push(s);
         }
-        Ok(Some(out))
+        Ok(out)
     }
 }
 

@@ -162,7 +162,7 @@ fn unique_db_name(prefix: &str) -> String {
 /// How harness specs are validated for DBBench: its tools, and whether hooks may act in the
 /// policy's place (`harness_actions`, off unless the run opts in).
 pub fn validate_options(harness_actions: bool) -> crate::harness::ValidateOptions {
-    crate::harness::ValidateOptions { tools: Some(tools().into_iter().map(|t| t.name).collect()), harness_actions }
+    crate::harness::ValidateOptions { tools: Some(tools().into_iter().map(|t| t.name).collect()), harness_actions, base: false }
 }
 
 pub fn tools() -> Vec<ToolSpec> {

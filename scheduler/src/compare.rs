@@ -170,7 +170,8 @@ pub struct Arm<'a> {
 
 /// Parses `NAME=RUN,RUN,...` (`--arm`).
 pub fn parse_arm(text: &str) -> anyhow::Result<(String, Vec<String>)> {
-    let (name, runs) = text.split_once('=').with_context(|| format!("--arm `{text}`: write NAME=RUN,RUN,... (e.g. grpo=t-grpo-1,t-grpo-2)"))?;
+    let (name, runs) =
+        text.split_once('=').with_context(|| format!("--arm `{text}`: write NAME=RUN,RUN,... (e.g. grpo=t-grpo-1,t-grpo-2)"))?;
     let runs: Vec<String> = runs.split(',').map(str::trim).filter(|r| !r.is_empty()).map(str::to_string).collect();
     anyhow::ensure!(!name.is_empty() && !runs.is_empty(), "--arm `{text}`: needs a name and at least one run");
     Ok((name.to_string(), runs))
@@ -215,8 +216,7 @@ pub fn arm_curve(arm: &Arm<'_>, metric: &str) -> Vec<(u32, f64, f64)> {
     steps
         .into_iter()
         .filter_map(|step| {
-            let values: Vec<f64> =
-                arm.runs.iter().filter_map(|(_, s)| s.get(metric).iter().find(|p| p.0 == step).map(|p| p.1)).collect();
+            let values: Vec<f64> = arm.runs.iter().filter_map(|(_, s)| s.get(metric).iter().find(|p| p.0 == step).map(|p| p.1)).collect();
             mean_ci(&values).map(|(m, h)| (step, m, h))
         })
         .collect()
@@ -234,7 +234,11 @@ pub async fn write_arms(store: &dyn ObjectStore, arms: &[(String, Vec<String>)])
         let mut v = vec![];
         for id in runs {
             let s = Series::load(store, id).await?;
-            anyhow::ensure!(!s.0.is_empty(), "run `{id}` (arm `{name}`) has no metrics in {}: is the id right, and has the run started?", store.url());
+            anyhow::ensure!(
+                !s.0.is_empty(),
+                "run `{id}` (arm `{name}`) has no metrics in {}: is the id right, and has the run started?",
+                store.url()
+            );
             v.push((id.clone(), s));
         }
         loaded.push(v);
@@ -264,7 +268,10 @@ pub async fn write_arms(store: &dyn ObjectStore, arms: &[(String, Vec<String>)])
         crate::report::interval_plot(&path, title, y, &curves).with_context(|| format!("drawing {file}"))?;
         store.put(&format!("{dir}{file}"), Bytes::from(std::fs::read(&path)?)).await?;
     }
-    let mut md = format!("# {}\n\nEach cell: the mean over the arm's runs (seeds) ± the half-width of its 95 % interval (Student t).\n\n", names.join(" vs "));
+    let mut md = format!(
+        "# {}\n\nEach cell: the mean over the arm's runs (seeds) ± the half-width of its 95 % interval (Student t).\n\n",
+        names.join(" vs ")
+    );
     for a in &arm_views {
         let _ = writeln!(md, "- `{}`: {}", a.name, a.runs.iter().map(|(id, _)| format!("`{id}`")).collect::<Vec<_>>().join(", "));
     }
@@ -300,9 +307,9 @@ mod tests {
         let b = series(&[("h0_validation_success", &[(0, 0.0), (4, 0.0)])]);
         let arms = [Arm { name: "hs", runs: vec![("a1", &a1), ("a2", &a2)] }, Arm { name: "grpo", runs: vec![("b", &b)] }];
         let t = arms_table(&arms);
-        // mean 0.5, s = 0.3536, t(1) = 12.706: ± 12.706 · 0.3536 / √2 = 3.177
-        assert!(t.contains("| H0 validation success, last calibration | 0.500 ± 3.177 | 0.000 |"), "{t}");
-        assert!(t.contains("| transfer log-probability, last calibration | -1.250 ± 3.177 | – |"), "{t}");
+        // mean 0.5, s = 0.3536, t(1) = 12.706: ± 12.706 · 0.3536 / √2 = 3.176
+        assert!(t.contains("| H0 validation success, last calibration | 0.500 ± 3.176 | 0.000 |"), "{t}");
+        assert!(t.contains("| transfer log-probability, last calibration | -1.250 ± 3.176 | – |"), "{t}");
         assert!(t.starts_with("| figure | `hs` (n = 2) | `grpo` (n = 1) |"), "{t}");
         let c = arm_curve(&arms[0], "h0_validation_success");
         assert_eq!(c[0], (0, 0.0, 0.0));

@@ -199,7 +199,8 @@ mod tests {
     #[test]
     fn every_reply_the_grammar_completes_is_a_valid_patch() {
         let g = PatchGrammar::new();
-        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: false, base: false };
+        let opts =
+            ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: false, base: false };
         // Parents that already hold every name the filled templates use.
         let parents = [
             HarnessSpec::h0(),

@@ -68,9 +68,16 @@ pub struct TransferOutput {
 /// The held-out set (pure): the successful sibling rows of a calibration, in (task,
 /// harness, id) order, that H0 can re-render; at most `max_rows`. Returns them with the
 /// count of successes left out because H0 cannot render them.
-pub fn held_out<'a>(rows: &'a [Trajectory], h0_id: &str, max_rows: usize, renders: impl Fn(&Trajectory) -> bool) -> (Vec<&'a Trajectory>, u64) {
-    let mut ok: Vec<&Trajectory> =
-        rows.iter().filter(|t| t.kind == RolloutKind::Calibration && t.success && t.harness_id != h0_id && t.error_class.is_none()).collect();
+pub fn held_out<'a>(
+    rows: &'a [Trajectory],
+    h0_id: &str,
+    max_rows: usize,
+    renders: impl Fn(&Trajectory) -> bool,
+) -> (Vec<&'a Trajectory>, u64) {
+    let mut ok: Vec<&Trajectory> = rows
+        .iter()
+        .filter(|t| t.kind == RolloutKind::Calibration && t.success && t.harness_id != h0_id && t.error_class.is_none())
+        .collect();
     ok.sort_by(|a, b| (&a.task_id, &a.harness_id, &a.trajectory_id).cmp(&(&b.task_id, &b.harness_id, &b.trajectory_id)));
     let mut out = vec![];
     let mut left_out = 0;

@@ -142,7 +142,8 @@ mod tests {
             support: BTreeMap::from([("no_commit".to_string(), BTreeSet::from(["a".to_string(), "b".to_string()]))]),
             summary: "no_commit".into(),
         };
-        let validate = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true, base: false };
+        let validate =
+            ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true, base: false };
         let evidence = rows();
         let mut req = EditRequest {
             parent: &parent,

@@ -12,6 +12,13 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::harness::{check_spec, ValidateOptions};
+
+/// The structural check of a stored pool member. Whether hooks may act in the policy's
+/// place and whether `h0` may carry edits were decided when the run's spec was loaded
+/// (`[environment] harness_actions`, `[pool] base`), not here.
+fn stored_member_options() -> ValidateOptions {
+    ValidateOptions { harness_actions: true, base: true, ..Default::default() }
+}
 use infra::store::{ObjectStore, StoreError};
 use schemas::{decode_document, encode_document, keys, Document, HarnessSpec, SchemaError};
 
@@ -127,7 +134,7 @@ pub enum PoolError {
 /// Writes a member's spec (`runs/<run>/pool/<id>.json`). Only valid specs may enter.
 pub async fn put_member(store: &dyn ObjectStore, run_id: &str, spec: &HarnessSpec) -> Result<(), PoolError> {
     let key = keys::pool_harness(run_id, &spec.id);
-    let problems = check_spec(spec, &ValidateOptions::default());
+    let problems = check_spec(spec, &stored_member_options());
     if !problems.is_empty() {
         let detail = problems.iter().map(|p| p.to_string()).collect::<Vec<_>>().join("; ");
         return Err(PoolError::InvalidMember { key, detail });
@@ -166,7 +173,7 @@ pub async fn load_member(store: &dyn ObjectStore, run_id: &str, id: &str) -> Res
     }
     let bytes = store.get(&key).await?;
     let text = String::from_utf8_lossy(&bytes);
-    crate::harness::parse_spec(&store.object_url(&key), &text, &ValidateOptions::default())
+    crate::harness::parse_spec(&store.object_url(&key), &text, &stored_member_options())
         .map_err(|e| PoolError::InvalidMember { key, detail: e.to_string() })
 }
 

@@ -176,7 +176,12 @@ pub fn render_under(
                 match taken {
                     Some(c) if Some(&c) == recorded.as_ref() => pending = Some(c),
                     _ => {
-                        return Err(fail(i, format!("harness-side: the generating harness acted for the policy here (hook `{hook}`) and the target would not have")))
+                        return Err(fail(
+                            i,
+                            format!(
+                            "harness-side: the generating harness acted for the policy here (hook `{hook}`) and the target would not have"
+                        ),
+                        ))
                     }
                 }
             }

@@ -1013,7 +1013,8 @@ mod tests {
 
     #[test]
     fn tools_are_checked_when_the_environment_is_known() {
-        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true, base: false };
+        let opts =
+            ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true, base: false };
         let spec = json!({
             "id": "x",
             "tool_view": {"tools": [{"name": "run_python"}]},
@@ -1040,7 +1041,8 @@ mod tests {
     #[test]
     fn the_example_pools_validate_against_dbbench_tools() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
-        let opts = ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true, base: false };
+        let opts =
+            ValidateOptions { tools: Some(vec!["execute_sql".into(), "commit_final_answer".into()]), harness_actions: true, base: false };
         let load = |folder: &str| -> Vec<HarnessSpec> {
             let mut specs: Vec<HarnessSpec> = std::fs::read_dir(root.join(folder))
                 .unwrap()

@@ -169,7 +169,12 @@ pub fn read_base(file: &std::path::Path, opts: &jobs::harness::ValidateOptions) 
     let opts = jobs::harness::ValidateOptions { base: true, ..opts.clone() };
     let spec = jobs::harness::parse_spec(&file.display().to_string(), &text, &opts)?;
     if spec.id != schemas::H0_ID {
-        bail!("{}: the base harness has id `{}`; give it id `{}` (it stands for H0 in every row, profile and report)", file.display(), spec.id, schemas::H0_ID);
+        bail!(
+            "{}: the base harness has id `{}`; give it id `{}` (it stands for H0 in every row, profile and report)",
+            file.display(),
+            spec.id,
+            schemas::H0_ID
+        );
     }
     Ok(spec)
 }

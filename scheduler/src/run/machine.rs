@@ -1055,7 +1055,14 @@ fn group_by_task(rows: &[Trajectory]) -> BTreeMap<String, Vec<&Trajectory>> {
 
 /// The learn job of update `u`: the spec's `[learner]`, `[checkpoints]` and staleness keys,
 /// the run's data cursor and best checkpoint so far.
-fn learn_job(spec: &super::spec::RunSpec, h0: HarnessSpec, run_id: &str, u: u32, st: &RunState, base_model: std::path::PathBuf) -> LearnJob {
+fn learn_job(
+    spec: &super::spec::RunSpec,
+    h0: HarnessSpec,
+    run_id: &str,
+    u: u32,
+    st: &RunState,
+    base_model: std::path::PathBuf,
+) -> LearnJob {
     LearnJob {
         run_id: run_id.to_string(),
         step: u,

@@ -49,7 +49,7 @@ for arm in "${arm_list[@]}"; do
   for seed in "${seed_list[@]}"; do
     id="$tag-$arm-$seed"
     runs+=("$id")
-    if "$bin" status "$id" --store "$store" 2>/dev/null | grep -q "status: completed"; then
+    if "$bin" status "$id" --store "$store" 2>/dev/null | grep -Eq "^status: +completed"; then
       echo "== $id: done already"; continue
     fi
     echo "== $id ($(( ($(date +%s) - started) / 60 )) min so far)"

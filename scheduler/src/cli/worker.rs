@@ -20,7 +20,7 @@ pub struct WorkerArgs {
     #[command(flatten)]
     pub store: super::StoreArg,
     /// Job kinds to consume, comma-separated (evolve, rollout, rescue, reanchor, learn,
-    /// eval, edit, sleep).
+    /// eval, edit, transfer, sleep).
     #[arg(long, value_delimiter = ',', required = true)]
     pub queues: Vec<String>,
     /// Jobs run at the same time (also the broker prefetch).

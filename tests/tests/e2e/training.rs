@@ -541,7 +541,7 @@ async fn distributed_run_completes_over_rabbitmq_and_s3() {
     let workers: Vec<std::process::Child> = (0..2)
         .map(|_| {
             Command::new(harness_s_bin())
-                .args(["worker", "--queue", &queue_url, "--store", &store_url, "--queues", "rollout,rescue,reanchor,eval,learn"])
+                .args(["worker", "--queue", &queue_url, "--store", &store_url, "--queues", "rollout,rescue,reanchor,eval,learn,transfer"])
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
                 .spawn()
@@ -827,7 +827,7 @@ async fn a_worker_killed_during_rescue_rollouts_loses_nothing() {
     let worker = |name: &str| {
         let log = std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap();
         Command::new(harness_s_bin())
-            .args(["worker", "--queue", &queue_url, "--store", &store_url, "--queues", "rollout,rescue,reanchor,eval,learn"])
+            .args(["worker", "--queue", &queue_url, "--store", &store_url, "--queues", "rollout,rescue,reanchor,eval,learn,transfer"])
             .env("RUST_LOG", "info")
             .stdout(std::process::Stdio::null())
             .stderr(log)
@@ -991,7 +991,7 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
 
     let worker = |name: &str| {
         Command::new(harness_s_bin())
-            .args(["worker", "--queue", &queue_url, "--store", &store_url, "--queues", "rollout,rescue,reanchor,eval,learn"])
+            .args(["worker", "--queue", &queue_url, "--store", &store_url, "--queues", "rollout,rescue,reanchor,eval,learn,transfer"])
             .env("RUST_LOG", "info")
             .stdout(std::process::Stdio::null())
             .stderr(std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap())

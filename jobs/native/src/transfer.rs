@@ -66,14 +66,15 @@ pub struct TransferOutput {
 }
 
 /// The held-out set (pure): the successful sibling rows of a calibration, in (task,
-/// harness, id) order, that H0 can re-render; at most `max_rows`. Returns them with the
-/// count of successes left out because H0 cannot render them.
-pub fn held_out<'a>(
+/// harness, id) order, that H0 can re-render (`render` gives their rendering, once each);
+/// at most `max_rows`. Returns them with their renderings and the count of successes left
+/// out because H0 cannot render them.
+pub fn held_out<'a, V>(
     rows: &'a [Trajectory],
     h0_id: &str,
     max_rows: usize,
-    renders: impl Fn(&Trajectory) -> bool,
-) -> (Vec<&'a Trajectory>, u64) {
+    render: impl Fn(&Trajectory) -> Option<V>,
+) -> (Vec<(&'a Trajectory, V)>, u64) {
     let mut ok: Vec<&Trajectory> = rows
         .iter()
         .filter(|t| t.kind == RolloutKind::Calibration && t.success && t.harness_id != h0_id && t.error_class.is_none())
@@ -85,10 +86,9 @@ pub fn held_out<'a>(
         if out.len() >= max_rows {
             break;
         }
-        if renders(t) {
-            out.push(t);
-        } else {
-            left_out += 1;
+        match render(t) {
+            Some(v) => out.push((t, v)),
+            None => left_out += 1,
         }
     }
     (out, left_out)
@@ -113,12 +113,9 @@ pub async fn run(store: &dyn ObjectStore, input: &TransferInput) -> Result<Trans
         }
         None => crate::loader::load(&input.base_model, device)?,
     };
-    let renders = |t: &Trajectory| input.context.under_h0(t, 0, 0.0, &tokenizer).is_ok();
-    let (set, not_renderable) = held_out(&rows, &h0_id, input.max_rows, renders);
-    let mut samples = vec![];
-    for t in &set {
-        samples.extend(input.context.under_h0(t, 0, 0.0, &tokenizer).map_err(NativeError::Input)?);
-    }
+    let render = |t: &Trajectory| input.context.under_h0(t, 0, 0.0, &tokenizer).ok();
+    let (set, not_renderable) = held_out(&rows, &h0_id, input.max_rows, render);
+    let samples: Vec<_> = set.iter().flat_map(|(_, s)| s.iter().cloned()).collect();
     let learner = Learner::new(model, LearnerConfig::default());
     let scored = learner.score(&samples);
     let (mut sum, mut tokens) = (0f64, 0u64);
@@ -133,7 +130,7 @@ pub async fn run(store: &dyn ObjectStore, input: &TransferInput) -> Result<Trans
     let out = TransferOutput {
         mean_logprob: (tokens > 0).then(|| sum / tokens as f64),
         tokens,
-        trajectory_ids: set.iter().map(|t| t.trajectory_id.clone()).collect(),
+        trajectory_ids: set.iter().map(|(t, _)| t.trajectory_id.clone()).collect(),
         not_renderable,
     };
     tracing::info!(run = %input.run_id, step = input.step, rows = set.len(), tokens, mean_logprob = ?out.mean_logprob, "transfer probe: held-out sibling successes scored under H0");
@@ -168,12 +165,12 @@ mod tests {
             row("f", "t3", "s1", false),
             row("x", "t4", "s-force", true),
         ];
-        let (set, left_out) = held_out(&rows, "h0", 10, |t| t.harness_id != "s-force");
-        let ids: Vec<&str> = set.iter().map(|t| t.trajectory_id.as_str()).collect();
+        let (set, left_out) = held_out(&rows, "h0", 10, |t| (t.harness_id != "s-force").then_some(()));
+        let ids: Vec<&str> = set.iter().map(|(t, _)| t.trajectory_id.as_str()).collect();
         assert_eq!(ids, ["b", "a", "c"], "successes of siblings only, by task then harness");
         assert_eq!(left_out, 1);
-        let (set, _) = held_out(&rows, "h0", 2, |_| true);
+        let (set, _) = held_out(&rows, "h0", 2, |_| Some(()));
         assert_eq!(set.len(), 2);
-        assert!(set.iter().all(|t| t.split == Split::Validation && t.termination == Termination::Committed));
+        assert!(set.iter().all(|(t, _)| t.split == Split::Validation && t.termination == Termination::Committed));
     }
 }

@@ -434,16 +434,7 @@ pub struct LearnHandler;
 impl Handler for LearnHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
         let input: LearnJob = decode(job)?;
-        // Training is CPU/GPU-bound and its state is not `Send`: it runs on a blocking
-        // thread that drives the learn job's own IO to completion.
-        let store = ctx.store.clone();
-        let handle = tokio::runtime::Handle::current();
-        let out = tokio::task::spawn_blocking(move || handle.block_on(native::learn::run(store.as_ref(), &input)))
-            .await
-            .map_err(|e| JobFailure::Fatal(format!("the learner panicked: {e}")))?
-            // A store that fails for a moment retries the job; bad input dead-letters it.
-            .map_err(JobFailure::of)?;
-        Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out).unwrap_or_default(), committed: false })
+        on_blocking_thread(ctx, "the learner", move |store| async move { native::learn::run(store.as_ref(), &input).await }).await
     }
 }
 
@@ -454,14 +445,26 @@ pub struct TransferHandler;
 impl Handler for TransferHandler {
     async fn run(&self, ctx: &JobContext, job: &JobEnvelope) -> Result<JobOutput, JobFailure> {
         let input: native::transfer::TransferInput = decode(job)?;
-        let store = ctx.store.clone();
-        let handle = tokio::runtime::Handle::current();
-        let out = tokio::task::spawn_blocking(move || handle.block_on(native::transfer::run(store.as_ref(), &input)))
-            .await
-            .map_err(|e| JobFailure::Fatal(format!("the transfer probe panicked: {e}")))?
-            .map_err(JobFailure::of)?;
-        Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out).unwrap_or_default(), committed: false })
+        on_blocking_thread(ctx, "the transfer probe", move |store| async move { native::transfer::run(store.as_ref(), &input).await }).await
     }
+}
+
+/// Runs a libtorch job (CPU/GPU-bound, its state not `Send`) on a blocking thread that
+/// drives the job's own IO to completion; its result is the job's. A store that fails for
+/// a moment retries the job, bad input dead-letters it, a panic is fatal.
+async fn on_blocking_thread<F, Fut, T>(ctx: &JobContext, what: &str, job: F) -> Result<JobOutput, JobFailure>
+where
+    F: FnOnce(Arc<dyn infra::store::ObjectStore>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<T, native::NativeError>>,
+    T: serde::Serialize + Send + 'static,
+{
+    let store = ctx.store.clone();
+    let handle = tokio::runtime::Handle::current();
+    let out = tokio::task::spawn_blocking(move || handle.block_on(job(store)))
+        .await
+        .map_err(|e| JobFailure::Fatal(format!("{what} panicked: {e}")))?
+        .map_err(JobFailure::of)?;
+    Ok(JobOutput { outputs: vec![], result: serde_json::to_value(&out).unwrap_or_default(), committed: false })
 }
 
 /// Every handler of this build: the diagnostic sleep job plus the Harness-S jobs.

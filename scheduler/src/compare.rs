@@ -13,6 +13,8 @@ use bytes::Bytes;
 use infra::store::ObjectStore;
 
 use crate::report::{line_plot, number, Series};
+use schemas::{RolloutKind, Split, Trajectory};
+use std::collections::BTreeMap;
 
 fn mean(points: &[(u32, f64)]) -> Option<f64> {
     (!points.is_empty()).then(|| points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64)
@@ -143,8 +145,22 @@ pub async fn write(store: &dyn ObjectStore, ids: &[&str]) -> anyhow::Result<Stri
     Ok(store.object_url(&key))
 }
 
-/// Two-sided 95 % Student-t quantiles for 1..=10 degrees of freedom (beyond: 1.96).
-const T95: [f64; 10] = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228];
+/// Two-sided 95 % Student-t quantiles for 1..=30 degrees of freedom (beyond: [`t95`]).
+const T95: [f64; 30] = [
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093,
+    2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+];
+
+/// The two-sided 95 % Student-t quantile for `df` degrees of freedom.
+fn t95(df: usize) -> f64 {
+    match df {
+        0 => f64::NAN,
+        1..=30 => T95[df - 1],
+        31..=60 => 2.0,
+        61..=120 => 1.98,
+        _ => 1.96,
+    }
+}
 
 /// Mean and half-width of the 95 % interval of the mean (Student t over n − 1 degrees of
 /// freedom; 0 for one value). None for no values.
@@ -158,8 +174,83 @@ pub fn mean_ci(values: &[f64]) -> Option<(f64, f64)> {
         return Some((m, 0.0));
     }
     let var = values.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (n - 1) as f64;
-    let t = T95.get(n - 2).copied().unwrap_or(1.96);
+    let t = t95(n - 1);
     Some((m, t * (var / n as f64).sqrt()))
+}
+
+/// A run's H0 test outcomes per task (pure over its evaluation rows): each test task's
+/// success share over its k attempts before training (the baseline, step 0) and after it
+/// (the last evaluation step). Rows of other harnesses, splits and kinds are ignored.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TaskOutcomes {
+    pub before: BTreeMap<String, f64>,
+    pub after: BTreeMap<String, f64>,
+}
+
+impl TaskOutcomes {
+    pub fn of(rows: &[Trajectory]) -> Self {
+        let test: Vec<&Trajectory> = rows
+            .iter()
+            .filter(|t| t.kind == RolloutKind::Eval && t.split == Split::Test && t.harness_id == schemas::H0_ID && t.error_class.is_none())
+            .collect();
+        let last = test.iter().map(|t| t.step).filter(|s| *s > 0).max();
+        let share = |step: u32| {
+            let mut by_task: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+            for t in test.iter().filter(|t| t.step == step) {
+                let e = by_task.entry(t.task_id.clone()).or_default();
+                e.0 += f64::from(u8::from(t.success));
+                e.1 += 1.0;
+            }
+            by_task.into_iter().map(|(k, (ok, n))| (k, ok / n)).collect()
+        };
+        TaskOutcomes { before: share(0), after: last.map(share).unwrap_or_default() }
+    }
+}
+
+/// The figures pooled over an arm's seeds and test tasks (pure): one value per (seed, task),
+/// so that the interval reflects both. `outcomes[i]` is the arm's i-th run; `reference`
+/// (the first arm's runs, in the same seed order, on the same tasks) gives the paired
+/// difference. Each row: label, then mean ± half-width with n.
+pub fn pooled_rows(arms: &[(&str, &[TaskOutcomes])]) -> String {
+    let cell = |v: &[f64]| match mean_ci(v) {
+        Some((m, h)) if v.len() > 1 => format!("{} ± {} (n = {})", number(m), number(h), v.len()),
+        Some((m, _)) => format!("{} (n = 1)", number(m)),
+        None => "–".into(),
+    };
+    let values = |o: &[TaskOutcomes], f: &dyn Fn(&TaskOutcomes, &str, f64) -> Option<f64>| -> Vec<f64> {
+        o.iter().flat_map(|run| run.after.iter().filter_map(|(task, after)| f(run, task, *after)).collect::<Vec<_>>()).collect()
+    };
+    let reference = arms.first().map(|a| a.1).unwrap_or_default();
+    let ref_name = arms.first().map_or("", |a| a.0);
+    let rows: [(String, Box<dyn Fn(&[TaskOutcomes]) -> Vec<f64>>); 4] = [
+        (
+            "H0 test success before training, per seed × task".into(),
+            Box::new(|o: &[TaskOutcomes]| o.iter().flat_map(|r| r.before.values().copied().collect::<Vec<_>>()).collect()),
+        ),
+        ("H0 test success after training, per seed × task".into(), Box::new(move |o| values(o, &|_, _, a| Some(a)))),
+        (
+            "H0 test success, after − before (paired by task)".into(),
+            Box::new(move |o| values(o, &|run, task, a| run.before.get(task).map(|b| a - b))),
+        ),
+        (
+            format!("H0 test success after training, − `{ref_name}` (paired by seed and task)"),
+            Box::new(move |o| {
+                o.iter()
+                    .zip(reference)
+                    .flat_map(|(run, r)| run.after.iter().filter_map(|(task, a)| r.after.get(task).map(|b| a - b)).collect::<Vec<_>>())
+                    .collect()
+            }),
+        ),
+    ];
+    let mut out = String::new();
+    for (label, f) in &rows {
+        let _ = write!(out, "| {label} |");
+        for (_, o) in arms {
+            let _ = write!(out, " {} |", cell(&f(o)));
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// An arm of an experiment: its name and its runs (one per seed).
@@ -277,6 +368,24 @@ pub async fn write_arms(store: &dyn ObjectStore, arms: &[(String, Vec<String>)])
     }
     md.push_str("\n## Summary\n\n");
     md.push_str(&arms_table(&arm_views));
+    let mut outcomes: Vec<Vec<TaskOutcomes>> = vec![];
+    for (_, runs) in arms {
+        let mut v = vec![];
+        for id in runs {
+            let rows: Vec<Trajectory> = infra::table::read_committed(store, id, &schemas::keys::trajectories_prefix(id)).await?;
+            v.push(TaskOutcomes::of(&rows));
+        }
+        outcomes.push(v);
+    }
+    let pooled: Vec<(&str, &[TaskOutcomes])> = names.iter().copied().zip(outcomes.iter().map(Vec::as_slice)).collect();
+    let _ = write!(
+        md,
+        "\n## H0 test success pooled over seeds and tasks\n\nOne value per (seed, test task): the task's success share over its k attempts under H0. The paired rows subtract, task by task, the same task before training, or under the first arm (`{}`) with the same seed.\n\n| figure |{}\n|---|{}\n",
+        names[0],
+        names.iter().map(|n| format!(" `{n}` |")).collect::<String>(),
+        "---:|".repeat(names.len())
+    );
+    md.push_str(&pooled_rows(&pooled));
     md.push_str("\n![H0 validation](validation.png)\n\n![transfer](transfer.png)\n\n![protocol](protocol.png)\n\n![EG rate](signal.png)\n\n![rollouts](rollouts.png)\n");
     let key = format!("{dir}compare.md");
     store.put(&key, Bytes::from(md.clone())).await?;
@@ -318,6 +427,72 @@ mod tests {
 
     fn series(pairs: &[(&str, &[(u32, f64)])]) -> Series {
         Series(pairs.iter().map(|(n, p)| (n.to_string(), p.to_vec())).collect::<BTreeMap<_, _>>())
+    }
+
+    fn outcomes(before: &[(&str, f64)], after: &[(&str, f64)]) -> TaskOutcomes {
+        let m = |v: &[(&str, f64)]| v.iter().map(|(k, x)| (k.to_string(), *x)).collect();
+        TaskOutcomes { before: m(before), after: m(after) }
+    }
+
+    #[test]
+    fn eval_rows_become_per_task_shares_before_and_after() {
+        let row = |task: &str, step: u32, success: bool, harness: &str, split: Split| Trajectory {
+            trajectory_id: format!("{task}-{step}-{harness}"),
+            run_id: "r".into(),
+            job_id: "j".into(),
+            step,
+            kind: RolloutKind::Eval,
+            split,
+            task_id: task.into(),
+            task_type: "counting".into(),
+            group_id: String::new(),
+            attempt: 0,
+            harness_id: harness.into(),
+            harness_version: String::new(),
+            policy_checkpoint: String::new(),
+            seed: 0,
+            reward: f64::from(u8::from(success)),
+            success,
+            termination: schemas::Termination::Committed,
+            error_class: None,
+            error_message: None,
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            harness_tokens: 0,
+            model_calls: 1,
+            env_actions: 1,
+            started_at_ms: 0,
+            duration_ms: 0,
+            policy_ms: 0,
+            env_ms: 0,
+            temperature: 0.7,
+            tool_view: String::new(),
+            turns: vec![],
+        };
+        let rows = vec![
+            row("a", 0, true, "h0", Split::Test),
+            row("a", 0, false, "h0", Split::Test),
+            row("a", 8, true, "h0", Split::Test),
+            row("a", 8, true, "h0", Split::Test),
+            row("a", 8, true, "s1", Split::Test),       // another harness
+            row("b", 0, true, "h0", Split::Validation), // evolve rows share kind and step
+            row("b", 0, false, "h0", Split::Test),
+            row("b", 8, false, "h0", Split::Test),
+        ];
+        let o = TaskOutcomes::of(&rows);
+        assert_eq!(o, outcomes(&[("a", 0.5), ("b", 0.0)], &[("a", 1.0), ("b", 0.0)]));
+    }
+
+    #[test]
+    fn pooled_rows_pair_by_task_and_by_seed() {
+        let grpo = [outcomes(&[("a", 0.0), ("b", 0.5)], &[("a", 0.0), ("b", 0.5)]), outcomes(&[("c", 0.0)], &[("c", 0.0)])];
+        let hs = [outcomes(&[("a", 0.0), ("b", 0.5)], &[("a", 1.0), ("b", 0.5)]), outcomes(&[("c", 0.0)], &[("c", 1.0)])];
+        let t = pooled_rows(&[("grpo", &grpo), ("hs", &hs)]);
+        // hs after: [1, 0.5, 1], mean 0.833, s = 0.2887, t(2) = 4.303: ± 0.717
+        assert!(t.contains("| H0 test success after training, per seed × task | 0.167 ± 0.717 (n = 3) | 0.833 ± 0.717 (n = 3) |"), "{t}");
+        // paired: after − before = [1, 0, 1]; − grpo = [1, 0, 1]
+        assert!(t.contains("| H0 test success, after − before (paired by task) | 0.000 ± 0.000 (n = 3) | 0.667 ± 1.434 (n = 3) |"), "{t}");
+        assert!(t.contains("− `grpo` (paired by seed and task) | 0.000 ± 0.000 (n = 3) | 0.667 ± 1.434 (n = 3) |"), "{t}");
     }
 
     #[test]

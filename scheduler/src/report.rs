@@ -421,6 +421,20 @@ async fn pool_section(store: &dyn ObjectStore, run_id: &str, dir: &std::path::Pa
     )))
 }
 
+/// The calibrations of a run (pure): H0 validation success at each checkpoint step, with
+/// the transfer probe (mean log-probability per token of the held-out sibling successes
+/// under H0) and the share of H0 replies that follow the answer protocol where measured.
+pub fn calibration_table(s: &Series) -> String {
+    let at = |name: &str, step: u32| s.get(name).iter().find(|p| p.0 == step).map_or_else(|| "–".to_string(), |p| format!("{:.3}", p.1));
+    let mut md = String::from(
+        "| checkpoint step | H0 validation success | transfer log-prob (held-out, under H0) | H0 answer-protocol share |\n|---:|---:|---:|---:|\n",
+    );
+    for (step, v) in s.get("h0_validation_success") {
+        let _ = writeln!(md, "| {step} | {v:.3} | {} | {} |", at("transfer_logprob", *step), at("h0_protocol_share", *step));
+    }
+    md
+}
+
 /// Writes `runs/<run>/reports/{report.md, signals.png, validation.png, rescue.png}`;
 /// returns the report's URL.
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
@@ -432,7 +446,7 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     let rows: Vec<schemas::Trajectory> = infra::table::read_committed(store, run_id, &schemas::keys::trajectories_prefix(run_id)).await?;
     let t = TrajectorySeries::of(&rows);
     let harness_lines: Vec<(&str, &[(u32, f64)])> = t.success_by_harness.iter().map(|(h, v)| (h.as_str(), v.as_slice())).collect();
-    let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 7] = [
+    let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 8] = [
         (
             "signals.png",
             "Training signal by update",
@@ -444,6 +458,12 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
             "H0 validation success by calibration",
             "success rate",
             vec![("H0 validation success", s.get("h0_validation_success"))],
+        ),
+        (
+            "transfer.png",
+            "Held-out sibling successes under H0 (transfer probe)",
+            "log-prob per token / share",
+            vec![("mean log-probability per token", s.get("transfer_logprob")), ("H0 answer-protocol share", s.get("h0_protocol_share"))],
         ),
         (
             "rescue.png",
@@ -469,7 +489,10 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     for (file, title, y, series) in &plots {
         let path = dir.path().join(file);
         // Calibrations sit at the checkpoint step they froze (0: the starting policy).
-        let x = if *file == "validation.png" { "checkpoint step" } else { "update" };
+        if *file == "transfer.png" && series.iter().all(|(_, v)| v.is_empty()) {
+            continue;
+        }
+        let x = if matches!(*file, "validation.png" | "transfer.png") { "checkpoint step" } else { "update" };
         line_plot_over(&path, title, x, y, series).with_context(|| format!("drawing {file}"))?;
         let bytes = std::fs::read(&path)?;
         store.put(&schemas::keys::report_file(run_id, file), Bytes::from(bytes)).await?;
@@ -506,11 +529,13 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
             untrained.join(", ")
         );
     }
-    md.push_str("\n![training signal](signals.png)\n![learner](learner.png)\n![mismatch](mismatch.png)\n\n## H0 validation success by calibration\n\n| checkpoint step | H0 validation success |\n|---:|---:|\n");
-    for (step, v) in s.get("h0_validation_success") {
-        let _ = writeln!(md, "| {step} | {v:.3} |");
+    md.push_str("\n![training signal](signals.png)\n![learner](learner.png)\n![mismatch](mismatch.png)\n\n## H0 validation success by calibration\n\n");
+    md.push_str(&calibration_table(&s));
+    md.push_str("\n![validation](validation.png)\n");
+    if !s.get("transfer_logprob").is_empty() {
+        md.push_str("\n![transfer](transfer.png)\n");
     }
-    md.push_str("\n![validation](validation.png)\n\n## Rescue by update\n\n![rescue](rescue.png)\n");
+    md.push_str("\n## Rescue by update\n\n![rescue](rescue.png)\n");
     if !t.success_by_harness.is_empty() {
         md.push_str("\n## Training rollouts\n\n| harness | rollouts | successes | success rate |\n|---|---:|---:|---:|\n");
         for (h, (n, ok)) in &t.totals_by_harness {
@@ -546,6 +571,18 @@ mod tests {
 
     fn series(pairs: &[(&str, &[(u32, f64)])]) -> Series {
         Series(pairs.iter().map(|(n, v)| (n.to_string(), v.to_vec())).collect())
+    }
+
+    #[test]
+    fn calibration_rows_carry_the_transfer_probe_where_it_ran() {
+        let s = series(&[
+            ("h0_validation_success", &[(0, 0.25), (4, 0.5)]),
+            ("transfer_logprob", &[(0, -0.4559), (4, -0.4)]),
+            ("h0_protocol_share", &[(4, 0.125)]),
+        ]);
+        let t = calibration_table(&s);
+        assert!(t.contains("| 0 | 0.250 | -0.456 | – |"), "{t}");
+        assert!(t.contains("| 4 | 0.500 | -0.400 | 0.125 |"), "{t}");
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //!    b. the diagnoser turns its failures into root causes; causes become directions
 //!    (2–3 related causes, each supported by ≥ 2 failed tasks);
 //!    c. the editor makes one child per direction (round-robin over parents, up to the
-//!    budget); static validation; duplicates of a member are dropped;
+//!    budget; a budget larger than the directions proposes each again for another
+//!    mechanism); static validation; duplicates of a member are dropped;
 //!    d. local evaluation on ≤ 30 tasks (the direction's failed tasks plus ≤ 10 of the
 //!    parent's successes as controls); one revision when the first version repairs
 //!    nothing or regresses a control; executable check (no episode broken by the
@@ -455,13 +456,17 @@ async fn plan_round(
     let s = &input.settings;
     let per_parent = (budget as usize).div_ceil(parents.len().max(1));
     let mut per_parent_plans: Vec<Vec<Plan>> = Vec::new();
+    let mut directions = 0;
     for parent in parents {
         let rows = batch(ctx, input, "train", round, parent, tasks, Split::Train).await?;
         let ok = solved(&rows);
         let failed: BTreeSet<String> = rows.iter().filter(|r| !r.success).map(|r| r.task_id.clone()).collect();
         let diagnoses = ctx.diagnoser.diagnose(&rows).await?;
-        let dirs = form_directions(&diagnoses, &s.directions, per_parent);
-        tracing::info!(round, parent = %parent.id, solved = ok.len(), failed = failed.len(), directions = dirs.len(), "parent diagnosed");
+        let formed = form_directions(&diagnoses, &s.directions, per_parent);
+        let formed_here = formed.len();
+        directions += formed_here;
+        let dirs = again_for_other_mechanisms(formed, per_parent);
+        tracing::info!(round, parent = %parent.id, solved = ok.len(), failed = failed.len(), directions = formed_here, proposals = dirs.len(), "parent diagnosed");
         let rows = std::sync::Arc::new(rows);
         per_parent_plans.push(
             dirs.into_iter()
@@ -477,8 +482,17 @@ async fn plan_round(
                 .collect(),
         );
     }
-    let directions: usize = per_parent_plans.iter().map(Vec::len).sum();
     Ok((round_robin(&per_parent_plans, budget as usize), directions))
+}
+
+/// `n` directions from the distinct ones formed: when the failures support fewer
+/// directions than the parent's share of the budget, each is proposed again, in order, so
+/// that the editor tries another mechanism for it (the plan's index rotates the template
+/// editor's repairs; Appendix F: "seek different mechanisms, triggers, or recovery
+/// strategies"). A child that repeats a member is still dropped as a duplicate.
+pub fn again_for_other_mechanisms(distinct: Vec<Direction>, n: usize) -> Vec<Direction> {
+    let count = if distinct.is_empty() { 0 } else { n.max(distinct.len()) };
+    distinct.iter().cycle().take(count).cloned().collect()
 }
 
 /// At most `budget` plans, taking every parent's k-th before any parent's (k+1)-th, so
@@ -719,7 +733,16 @@ pub async fn run(ctx: &EvolveContext<'_>, input: &EvolveInput) -> Result<EvolveO
 
 #[cfg(test)]
 mod tests {
-    use super::round_tasks;
+    use super::{again_for_other_mechanisms, round_tasks, Direction};
+
+    #[test]
+    fn a_budget_beyond_the_directions_proposes_each_again() {
+        let dir = |c: &str| Direction { causes: vec![c.to_string()], support: Default::default(), summary: c.to_string() };
+        let causes = |v: &[Direction]| v.iter().map(|d| d.summary.clone()).collect::<Vec<_>>();
+        assert_eq!(causes(&again_for_other_mechanisms(vec![dir("a"), dir("b")], 5)), ["a", "b", "a", "b", "a"]);
+        assert_eq!(causes(&again_for_other_mechanisms(vec![dir("a"), dir("b")], 1)), ["a", "b"], "never fewer than formed");
+        assert!(again_for_other_mechanisms(vec![], 5).is_empty(), "no direction, no proposal");
+    }
 
     #[test]
     fn rounds_get_fresh_tasks_and_none_once_the_split_runs_out() {

@@ -12,4 +12,5 @@ mod router;
 mod secrets;
 mod storage;
 mod training;
+mod transfer;
 mod variants;

@@ -6,15 +6,15 @@
 //! GRPO; trained policy tokens. Markdown plus PNG plots under
 //! `comparisons/<A>-vs-<B>[-vs-<C>...]/` in the store.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use anyhow::Context;
 use bytes::Bytes;
 use infra::store::ObjectStore;
+use schemas::{RolloutKind, Split, Trajectory};
 
 use crate::report::{line_plot, number, Series};
-use schemas::{RolloutKind, Split, Trajectory};
-use std::collections::BTreeMap;
 
 fn mean(points: &[(u32, f64)]) -> Option<f64> {
     (!points.is_empty()).then(|| points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64)
@@ -217,36 +217,34 @@ pub fn pooled_rows(arms: &[(&str, &[TaskOutcomes])]) -> String {
         Some((m, _)) => format!("{} (n = 1)", number(m)),
         None => "–".into(),
     };
-    let values = |o: &[TaskOutcomes], f: &dyn Fn(&TaskOutcomes, &str, f64) -> Option<f64>| -> Vec<f64> {
-        o.iter().flat_map(|run| run.after.iter().filter_map(|(task, after)| f(run, task, *after)).collect::<Vec<_>>()).collect()
-    };
-    let reference = arms.first().map(|a| a.1).unwrap_or_default();
-    let ref_name = arms.first().map_or("", |a| a.0);
-    let rows: [(String, Box<dyn Fn(&[TaskOutcomes]) -> Vec<f64>>); 4] = [
-        (
-            "H0 test success before training, per seed × task".into(),
-            Box::new(|o: &[TaskOutcomes]| o.iter().flat_map(|r| r.before.values().copied().collect::<Vec<_>>()).collect()),
-        ),
-        ("H0 test success after training, per seed × task".into(), Box::new(move |o| values(o, &|_, _, a| Some(a)))),
-        (
-            "H0 test success, after − before (paired by task)".into(),
-            Box::new(move |o| values(o, &|run, task, a| run.before.get(task).map(|b| a - b))),
-        ),
-        (
-            format!("H0 test success after training, − `{ref_name}` (paired by seed and task)"),
-            Box::new(move |o| {
-                o.iter()
-                    .zip(reference)
-                    .flat_map(|(run, r)| run.after.iter().filter_map(|(task, a)| r.after.get(task).map(|b| a - b)).collect::<Vec<_>>())
-                    .collect()
-            }),
-        ),
+    let (ref_name, reference) = arms.first().map_or(("", &[][..]), |a| (a.0, a.1));
+    // Per arm: before, after, after − before, after − reference; one value per (seed, task).
+    let columns: Vec<[Vec<f64>; 4]> = arms
+        .iter()
+        .map(|(_, runs)| {
+            let mut c: [Vec<f64>; 4] = Default::default();
+            for (i, run) in runs.iter().enumerate() {
+                c[0].extend(run.before.values());
+                for (task, after) in &run.after {
+                    c[1].push(*after);
+                    c[2].extend(run.before.get(task).map(|b| after - b));
+                    c[3].extend(reference.get(i).and_then(|r| r.after.get(task)).map(|b| after - b));
+                }
+            }
+            c
+        })
+        .collect();
+    let labels = [
+        "H0 test success before training, per seed × task".to_string(),
+        "H0 test success after training, per seed × task".to_string(),
+        "H0 test success, after − before (paired by task)".to_string(),
+        format!("H0 test success after training, − `{ref_name}` (paired by seed and task)"),
     ];
     let mut out = String::new();
-    for (label, f) in &rows {
+    for (row, label) in labels.iter().enumerate() {
         let _ = write!(out, "| {label} |");
-        for (_, o) in arms {
-            let _ = write!(out, " {} |", cell(&f(o)));
+        for c in &columns {
+            let _ = write!(out, " {} |", cell(&c[row]));
         }
         out.push('\n');
     }

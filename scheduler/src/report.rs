@@ -486,12 +486,14 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
             vec![("mean reward (base)", t.base_reward.as_slice()), ("policy tokens per rollout / 100", t.length_hundreds.as_slice())],
         ),
     ];
+    // The transfer probe runs only in runs with a pool and native weights.
+    let probed = !s.get("transfer_logprob").is_empty() || !s.get("h0_protocol_share").is_empty();
     for (file, title, y, series) in &plots {
-        let path = dir.path().join(file);
-        // Calibrations sit at the checkpoint step they froze (0: the starting policy).
-        if *file == "transfer.png" && series.iter().all(|(_, v)| v.is_empty()) {
+        if *file == "transfer.png" && !probed {
             continue;
         }
+        let path = dir.path().join(file);
+        // Calibrations sit at the checkpoint step they froze (0: the starting policy).
         let x = if matches!(*file, "validation.png" | "transfer.png") { "checkpoint step" } else { "update" };
         line_plot_over(&path, title, x, y, series).with_context(|| format!("drawing {file}"))?;
         let bytes = std::fs::read(&path)?;
@@ -532,7 +534,7 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     md.push_str("\n![training signal](signals.png)\n![learner](learner.png)\n![mismatch](mismatch.png)\n\n## H0 validation success by calibration\n\n");
     md.push_str(&calibration_table(&s));
     md.push_str("\n![validation](validation.png)\n");
-    if !s.get("transfer_logprob").is_empty() {
+    if probed {
         md.push_str("\n![transfer](transfer.png)\n");
     }
     md.push_str("\n## Rescue by update\n\n![rescue](rescue.png)\n");

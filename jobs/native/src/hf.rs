@@ -63,9 +63,11 @@ pub fn safetensors_parts(
         Dtype::F16 => (Kind::Half, safetensors::Dtype::F16),
     };
     let format_err = |detail: String| NativeError::Format { path: PathBuf::from("<memory>"), detail };
-    // native byte order is little-endian on every platform libtorch runs on
+    // Native byte order is little-endian on every platform libtorch runs on. The dtype
+    // conversion runs where the tensor is (a GPU's bf16 checkpoint crosses to the host at half
+    // the size); on the CPU both steps are no-ops for float32 and the parts view the weights.
     let data: Vec<(&str, Tensor)> =
-        tensors.iter().map(|(n, t)| (n.as_str(), t.to_device(Device::Cpu).to_kind(kind).contiguous())).collect();
+        tensors.iter().map(|(n, t)| (n.as_str(), t.to_kind(kind).to_device(Device::Cpu).contiguous())).collect();
     let shapes: Vec<(&str, Shape)> = data
         .iter()
         .map(|(n, t)| {

@@ -109,7 +109,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
             let loaded = checkpoint::load(store, &input.run_id, m.step, device, input.learner.clone()).await?;
             let tok = match loaded.tokenizer {
                 Some(t) => t,
-                None => crate::loader::load(&input.base_model, Device::Cpu)?.1,
+                None => crate::loader::load_tokenizer(&input.base_model)?,
             };
             (loaded.learner, tok, Some(checkpoint::manifest_key(&input.run_id, m.step)))
         }
@@ -120,9 +120,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
         }
     };
 
-    let groups: Vec<Group> = read_prefix(store, &schemas::keys::groups_of_step(&input.run_id, input.step)).await?;
-    let trajectories: Vec<Trajectory> =
-        read_committed(store, &input.run_id, &schemas::keys::trajectories_of_step(&input.run_id, input.step, None)).await?;
+    let (groups, trajectories) = read_step(store, &input.run_id, input.step).await?;
     let retained: std::collections::BTreeSet<&str> =
         groups.iter().filter(|g| g.retained).flat_map(|g| g.trajectory_ids.iter().map(String::as_str)).collect();
     let start = latest.as_ref().and_then(|m| m.weights_step);
@@ -162,6 +160,14 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
     let manifest_key = checkpoint::save(store, &learner, Some(&tokenizer), &info).await?;
     crate::retention::prune(store, &input.run_id, &input.checkpoints, input.best_step).await?;
     Ok(LearnOutput { manifest_key, parent, metrics, already_done: false, trained: true, weights_step: Some(input.step) })
+}
+
+/// The groups of step `step` and the committed trajectories they name: what a learn job
+/// of that step trains on (its retained groups), and what `bench learner --replay` replays.
+pub async fn read_step(store: &dyn ObjectStore, run_id: &str, step: u32) -> Result<(Vec<Group>, Vec<Trajectory>), NativeError> {
+    let groups: Vec<Group> = read_prefix(store, &schemas::keys::groups_of_step(run_id, step)).await?;
+    let trajectories: Vec<Trajectory> = read_committed(store, run_id, &schemas::keys::trajectories_of_step(run_id, step, None)).await?;
+    Ok((groups, trajectories))
 }
 
 #[cfg(test)]

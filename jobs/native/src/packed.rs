@@ -41,6 +41,20 @@ impl WeightFormat {
         }
     }
 
+    /// Whether the engine can decode in this format on `device`: `int4` runs only on the
+    /// CPU's own kernels ([`crate::cpu`]); a GPU uses libtorch's `f32` or `bf16`. Checked
+    /// where the device and the format meet (spec load, `serve`, the benches), so a bad pair
+    /// fails before a model is loaded. `field` names the setting in the error.
+    pub fn check_device(self, device: tch::Device, field: &str) -> Result<(), NativeError> {
+        if self == WeightFormat::Int4 && device != tch::Device::Cpu {
+            return Err(NativeError::Config {
+                field: field.into(),
+                detail: "`int4` runs on the CPU kernels only; on a CUDA device use `bf16` (or `f32`)".into(),
+            });
+        }
+        Ok(())
+    }
+
     pub fn parse(s: &str) -> Result<Self, NativeError> {
         match s {
             "f32" => Ok(WeightFormat::F32),
@@ -84,6 +98,16 @@ mod tests {
 
     fn weights() -> Tensor {
         Tensor::randn([64, 96], (Kind::Float, Device::Cpu)) * 0.05
+    }
+
+    #[test]
+    fn int4_is_refused_on_a_gpu_by_the_setting_that_chose_it() {
+        for f in [WeightFormat::F32, WeightFormat::Bf16, WeightFormat::Int4] {
+            f.check_device(Device::Cpu, "x").unwrap();
+        }
+        WeightFormat::Bf16.check_device(Device::Cuda(0), "x").unwrap();
+        let e = WeightFormat::Int4.check_device(Device::Cuda(1), "policy.rollout_weights").unwrap_err().to_string();
+        assert!(e.contains("policy.rollout_weights") && e.contains("bf16"), "{e}");
     }
 
     #[test]

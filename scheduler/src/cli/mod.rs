@@ -3,6 +3,7 @@
 use clap::{Args, Parser, Subcommand};
 
 mod bench;
+mod doctor;
 mod env;
 mod export;
 mod generate;
@@ -97,6 +98,9 @@ pub enum Command {
     /// Export a run's trained policy: `export gguf RUN --out FILE` for llama.cpp and Ollama.
     #[command(subcommand)]
     Export(export::ExportCommand),
+    /// Check this machine for a run: libtorch, CPU instruction sets, model, memory, disk,
+    /// store, queue, llama.cpp for the benches; prints what to fix.
+    Doctor(doctor::DoctorArgs),
     /// Print a shell completion script: `harness-s completions bash > ~/.local/share/bash-completion/completions/harness-s`.
     Completions(CompletionsArgs),
 }
@@ -176,6 +180,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Env(cmd) => env::run(cmd).await,
         Command::Spec(cmd) => spec::run(cmd).await,
         Command::Export(cmd) => export::run(cmd).await,
+        Command::Doctor(args) => doctor::run(args).await,
         Command::Completions(args) => {
             use clap::CommandFactory;
             clap_complete::generate(args.shell, &mut Cli::command(), "harness-s", &mut std::io::stdout());

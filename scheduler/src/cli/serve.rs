@@ -21,8 +21,8 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port, printed at start).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// `cpu` or `cuda`.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    /// `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Threads of the engine's products (the int4 kernels; libtorch's for f32/bf16, where
     /// one is fastest on 2 cores; see `bench sampler`).
@@ -37,19 +37,14 @@ pub struct ServeArgs {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
-    let device = match args.device.as_str() {
-        "cuda" if !native::device::cuda_available() => {
-            anyhow::bail!("--device cuda: CUDA is not available in this build or on this machine; use --device cpu")
-        }
-        "cuda" => native::device::Device::Cuda(0),
-        _ => native::device::Device::Cpu,
-    };
+    let device = native::device::resolve(&args.device, "--device")?;
     let path = native::loader::resolve_model(&args.model, std::path::Path::new(".")).with_context(|| format!("--model {}", args.model))?;
     let name = args
         .served_model_name
         .clone()
         .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| args.model.clone()));
     let weights = native::packed::WeightFormat::parse(&args.weights).map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
+    weights.check_device(device, "--weights")?;
     let engine = native::engine::EngineConfig {
         max_batch: args.max_concurrent_sequences,
         weights,

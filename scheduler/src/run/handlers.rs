@@ -190,7 +190,7 @@ async fn native_checkpoint(
         native::checkpoint::load_model(store, run_id, step, device).await.map_err(|e| JobFailure::Retryable(e.to_string()))?;
     let tokenizer = match tokenizer {
         Some(t) => t,
-        None => native::loader::load(base_model, native::device::Device::Cpu).map_err(|e| JobFailure::Fatal(e.to_string()))?.1,
+        None => native::loader::load_tokenizer(base_model).map_err(|e| JobFailure::Fatal(e.to_string()))?,
     };
     let key = native::checkpoint::manifest_key(run_id, step);
     let policy = native::policy::NativePolicy::new(model, tokenizer, key, engine).map_err(|e| JobFailure::Fatal(e.to_string()))?;

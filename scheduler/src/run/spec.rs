@@ -341,7 +341,7 @@ pub struct PolicySection {
     /// for models or servers without tool calling).
     #[serde(default)]
     pub tool_protocol: jobs::policy::openai::ToolProtocol,
-    /// native: `cpu` or `cuda`.
+    /// native: `cpu`, `cuda` or `cuda:N`: where the engine decodes and the learner trains.
     #[serde(default = "default_device")]
     pub device: String,
     #[serde(default = "default_temperature")]
@@ -711,6 +711,10 @@ pub struct LearnerSection {
     /// Rows that start with the same tokens run that prefix once per micro-batch (the
     /// same gradient within float rounding, fewer tokens); `false` runs every row whole.
     pub share_prefixes: bool,
+    /// `f32`, or `bf16`: the passes' matrix products and attention in bfloat16 with float32
+    /// parameters, gradients and AdamW moments (mixed precision; for GPU learners, where
+    /// bf16 pays). π_old is then scored in bf16 too.
+    pub precision: native::learner::Precision,
 }
 
 impl Default for LearnerSection {
@@ -725,6 +729,7 @@ impl Default for LearnerSection {
             micro_batch_tokens: l.micro_batch_tokens,
             updates_per_batch: l.updates_per_batch,
             share_prefixes: l.share_prefixes,
+            precision: l.precision,
         }
     }
 }
@@ -745,6 +750,7 @@ impl LearnerSection {
             updates_per_batch: self.updates_per_batch,
             seed,
             share_prefixes: self.share_prefixes,
+            precision: self.precision,
         }
     }
 }
@@ -1322,14 +1328,16 @@ fn check_policy(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, Stri
     match p.backend {
         Backend::Native => {
             check_model_path(&p.model, base_dir, "policy.model", bad);
-            match p.device.as_str() {
-                "cpu" => {}
-                "cuda" if !native::device::cuda_available() => bad(
-                    "policy.device",
-                    "`cuda` is not available: this build has no CUDA support or this machine no GPU (build with `--features cuda` against a CUDA libtorch, on a GPU machine), or use `cpu`".into(),
-                ),
-                "cuda" => {}
-                other => bad("policy.device", format!("`{other}` is not `cpu` or `cuda`")),
+            match native::device::resolve(&p.device, "policy.device") {
+                Ok(device) => {
+                    if let Err(native::NativeError::Config { field, detail }) =
+                        p.rollout_weights.unwrap_or_default().check_device(device, "policy.rollout_weights")
+                    {
+                        bad(&field, detail);
+                    }
+                }
+                Err(native::NativeError::Config { field, detail }) => bad(&field, detail),
+                Err(e) => bad("policy.device", e.to_string()),
             }
         }
         Backend::Openai => match p.base_url.as_deref() {
@@ -1651,6 +1659,88 @@ fn check_evaluation_and_budgets(spec: &RunSpec, bad: &mut impl FnMut(&str, Strin
 }
 
 #[cfg(test)]
+mod reference_doc {
+    //! docs/SPEC.md documents every key of the run spec: each serde field of each section
+    //! struct appears as a `` `key` `` row under its `### [section]` heading, and no row
+    //! names a key the struct lacks. A field added here without its row fails this test.
+
+    /// Each spec struct and the TOML sections it is read from.
+    const SECTIONS: &[(&str, &[&str])] = &[
+        ("RunSection", &["run"]),
+        ("EnvironmentSection", &["environment"]),
+        ("TasksSection", &["tasks"]),
+        ("GenerateSection", &["tasks.generate"]),
+        ("PolicySection", &["policy"]),
+        ("PoolSection", &["pool"]),
+        ("AlgorithmSection", &["algorithm"]),
+        ("RouterSection", &["router"]),
+        ("EndpointSection", &["router.voters", "router.profiler", "evolution.llm", "editor_training.endpoint"]),
+        ("CalibrationSection", &["calibration"]),
+        ("EvaluationSection", &["evaluation"]),
+        ("BudgetSection", &["budgets"]),
+        ("LearnerSection", &["learner"]),
+        ("Retention", &["checkpoints"]),
+        ("EvolutionSection", &["evolution"]),
+        ("LearnedEditorSection", &["evolution.learned_editor"]),
+        ("EditorTrainingSection", &["editor_training"]),
+    ];
+
+    /// The serde field names of `pub struct name` in `source` (fields marked `skip` left out).
+    fn fields(source: &str, name: &str) -> Vec<String> {
+        let start = source.find(&format!("pub struct {name} {{")).unwrap_or_else(|| panic!("no struct {name}"));
+        let body = &source[start..];
+        let body = &body[..body.find("\n}").unwrap()];
+        let mut out = vec![];
+        let mut skip = false;
+        for line in body.lines().skip(1) {
+            let line = line.trim();
+            if line.starts_with("#[serde(") && (line.contains("skip)") || line.contains("skip,") || line.contains("skip_deserializing")) {
+                skip = true;
+            }
+            if let Some(rest) = line.strip_prefix("pub ") {
+                let field = rest.split(':').next().unwrap().trim().to_string();
+                if !std::mem::take(&mut skip) {
+                    out.push(field);
+                }
+            }
+        }
+        out
+    }
+
+    /// The `` `key` `` rows under `### [section]` in `doc`.
+    fn documented(doc: &str, section: &str) -> Vec<String> {
+        let heading = format!("### [{section}]");
+        let start = doc.find(&heading).unwrap_or_else(|| panic!("docs/SPEC.md has no `{heading}`"));
+        let rest = &doc[start + heading.len()..];
+        let end = rest.find("\n#").unwrap_or(rest.len());
+        rest[..end]
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .map(|l| l.split('`').next().unwrap().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn the_spec_reference_lists_every_key_and_no_other() {
+        let doc = include_str!("../../../docs/SPEC.md");
+        let spec = include_str!("spec.rs");
+        let retention = include_str!("../../../jobs/native/src/retention.rs");
+        let mut problems = vec![];
+        for (name, sections) in SECTIONS {
+            let source = if *name == "Retention" { retention } else { spec };
+            let want = fields(source, name);
+            assert!(!want.is_empty(), "{name} has no fields");
+            for section in *sections {
+                let have = documented(doc, section);
+                problems.extend(want.iter().filter(|f| !have.contains(f)).map(|f| format!("[{section}] `{f}` is not in docs/SPEC.md")));
+                problems.extend(have.iter().filter(|k| !want.contains(k)).map(|k| format!("[{section}] `{k}` in docs/SPEC.md is not a field of {name}")));
+            }
+        }
+        assert!(problems.is_empty(), "docs/SPEC.md and the spec disagree:\n{}", problems.join("\n"));
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -1718,6 +1808,7 @@ rescue = "h0"
             (GOOD.replace("kind = \"dbbench\"", "kind = \"dbbench\"\ndb_url = \"mysql://root@127.0.0.1:3306\""), "environment.db_url"),
             (GOOD.replace("http://127.0.0.1:1/v1", "ftp://127.0.0.1:1/v1"), "policy.base_url"),
             (native("device = \"cuda\""), "policy.device"),
+            (native("device = \"tpu:0\""), "policy.device"),
             (GOOD.replace("backend = \"openai\"\nmodel = \"smollm2\"", &format!("backend = \"native\"\nmodel = \"{}\"", not_a_model.display())).replace("base_url = \"http://127.0.0.1:1/v1\"\n", ""), "policy.model"),
             (
                 GOOD.replace("rescue = \"h0\"", "rescue = \"mixed\"\nmixture = [\"h0\", \"s9-unknown\"]") + &format!("[pool]\ndir = \"{}\"\n", pool.display()),
@@ -1726,7 +1817,7 @@ rescue = "h0"
             (format!("{GOOD}[pool]\ndir = \"{}\"\n", h0_pool.display()), "is the base harness and carries no edits"),
         ];
         for (text, key) in cases {
-            if key == "policy.device" && native::device::cuda_available() {
+            if key == "policy.device" && text.contains("\"cuda\"") && native::device::cuda_available() {
                 continue;
             }
             match parse(&text, "bad.toml", dir.path(), "bad") {

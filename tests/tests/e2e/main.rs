@@ -1,5 +1,6 @@
 mod cli;
 mod dbbench;
+mod device;
 mod editor;
 mod evolve;
 mod harness;
@@ -7,6 +8,7 @@ mod http_env;
 mod learner_context;
 mod native;
 mod queue;
+mod readme;
 mod rollout;
 mod router;
 mod secrets;

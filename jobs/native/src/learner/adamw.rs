@@ -42,27 +42,32 @@ impl AdamW {
     /// norm before clipping.
     pub fn clip_grad_norm(&self, params: &[(String, Tensor)]) -> f64 {
         let _g = tch::no_grad_guard();
-        let mut total = 0f64;
-        for (_, p) in params {
-            let g = p.grad();
-            if g.defined() {
-                total += g.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]);
-            }
+        // The squared norms add up on the parameters' device; one read at the end (on a GPU,
+        // one synchronisation per step instead of one per parameter).
+        let squares: Vec<Tensor> = params
+            .iter()
+            .map(|(_, p)| p.grad())
+            .filter(|g| g.defined())
+            .map(|g| g.pow_tensor_scalar(2).sum(Kind::Double))
+            .collect();
+        if squares.is_empty() {
+            return 0.0;
         }
-        let norm = total.sqrt();
+        let norm = Tensor::stack(&squares, 0).sum(Kind::Double).double_value(&[]).sqrt();
         if norm > self.config.max_grad_norm && norm > 0.0 {
             let scale = self.config.max_grad_norm / (norm + 1e-6);
             for (_, p) in params {
                 let mut g = p.grad();
                 if g.defined() {
-                    let _ = g.f_mul_(&Tensor::from(scale));
+                    let _ = g.f_mul_scalar_(scale);
                 }
             }
         }
         norm
     }
 
-    /// One AdamW update of every parameter that has a gradient.
+    /// One AdamW update of every parameter that has a gradient, in place on the
+    /// parameters' device (no host copy, no synchronisation).
     pub fn step(&mut self, params: &[(String, Tensor)]) {
         let _g = tch::no_grad_guard();
         self.step += 1;
@@ -75,15 +80,15 @@ impl AdamW {
                 continue;
             }
             let m = self.exp_avg.entry(name.clone()).or_insert_with(|| Tensor::zeros_like(p));
-            let new_m = &*m * c.beta1 + &g * (1.0 - c.beta1);
-            *m = new_m;
+            let _ = m.f_mul_scalar_(c.beta1);
+            let _ = m.f_add_(&(&g * (1.0 - c.beta1)));
             let v = self.exp_avg_sq.entry(name.clone()).or_insert_with(|| Tensor::zeros_like(p));
-            let new_v = &*v * c.beta2 + (&g * &g) * (1.0 - c.beta2);
-            *v = new_v;
+            let _ = v.f_mul_scalar_(c.beta2);
+            let _ = v.f_add_(&((&g * &g) * (1.0 - c.beta2)));
             let update = (&*m / bc1) / ((&*v / bc2).sqrt() + c.eps);
-            let new_p = p * (1.0 - c.lr * c.weight_decay) - update * c.lr;
             let mut p = p.shallow_clone();
-            p.copy_(&new_p);
+            let _ = p.f_mul_scalar_(1.0 - c.lr * c.weight_decay);
+            let _ = p.f_sub_(&(update * c.lr));
         }
     }
 

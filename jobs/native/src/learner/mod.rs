@@ -90,11 +90,56 @@ pub struct LearnerConfig {
     /// micro-batch instead of once per row ([`Llama::logits_at_shared`]); the gradient is
     /// the same within float rounding.
     pub share_prefixes: bool,
+    /// The kind of the passes' matrix products and attention: `f32`, or `bf16` with float32
+    /// parameters, gradients and AdamW moments (mixed precision, as autocast does it; where
+    /// a GPU's bf16 units pay). π_old is then scored in bf16 too, so the measured
+    /// training–inference mismatch against float32 rollouts grows to bf16's rounding.
+    pub precision: Precision,
 }
 
 impl Default for LearnerConfig {
     fn default() -> Self {
-        LearnerConfig { optimizer: AdamWConfig::default(), micro_batch_tokens: 1024, updates_per_batch: 1, seed: 0, share_prefixes: true }
+        LearnerConfig {
+            optimizer: AdamWConfig::default(),
+            micro_batch_tokens: 1024,
+            updates_per_batch: 1,
+            seed: 0,
+            share_prefixes: true,
+            precision: Precision::F32,
+        }
+    }
+}
+
+/// [`LearnerConfig::precision`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl Precision {
+    pub fn kind(self) -> Kind {
+        match self {
+            Precision::F32 => Kind::Float,
+            Precision::Bf16 => Kind::BFloat16,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    pub fn parse(s: &str, field: &str) -> Result<Self, NativeError> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(NativeError::Config { field: field.into(), detail: format!("`{other}` is not `f32` or `bf16`") }),
+        }
     }
 }
 
@@ -218,8 +263,9 @@ struct MicroBatch {
 }
 
 impl Learner {
-    pub fn new(model: Llama, config: LearnerConfig) -> Self {
+    pub fn new(mut model: Llama, config: LearnerConfig) -> Self {
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
+        model.compute = config.precision.kind();
         Learner { optim: AdamW::new(config.optimizer.clone()), model, config, rng }
     }
 
@@ -826,6 +872,28 @@ mod tests {
         assert_eq!(n, 3);
         assert!((mean - 1.6 / 3.0).abs() < 1e-6 && (max - 1.0).abs() < 1e-6, "{mean} {max}");
         assert!((capped - 1.0 / 3.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn bf16_precision_keeps_float32_parameters_and_follows_the_float32_update() {
+        let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, ..Default::default() };
+        let mut full = Learner::new(tiny(6), cfg.clone());
+        let mut mixed = Learner::new(tiny(6), LearnerConfig { precision: Precision::Bf16, ..cfg });
+        assert_eq!(mixed.model.compute, Kind::BFloat16);
+        let a = full.update(&batch()).unwrap();
+        let b = mixed.update(&batch()).unwrap();
+        assert!(b.policy_tokens > 0 && b.loss.is_finite() && b.grad_norm > 0.0, "{b:?}");
+        // bf16 keeps 8 bits of mantissa: the loss and gradient norm agree to about 1e-2.
+        assert!((a.loss - b.loss).abs() < 2e-2 * a.loss.abs().max(1e-3), "{} vs {}", a.loss, b.loss);
+        assert!((a.grad_norm - b.grad_norm).abs() < 5e-2 * a.grad_norm, "{} vs {}", a.grad_norm, b.grad_norm);
+        let before = tiny(6).named_tensors();
+        let mut moved = 0;
+        for ((n, x), (_, y)) in mixed.model.named_tensors().iter().zip(&before) {
+            assert_eq!(x.kind(), Kind::Float, "{n} is a float32 master weight");
+            moved += usize::from(!x.equal(y));
+        }
+        assert!(moved > 0, "the mixed-precision update changed no weight");
+        assert!(Precision::parse("fp8", "learner.precision").unwrap_err().to_string().contains("learner.precision"));
     }
 
     #[test]

@@ -12,7 +12,6 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use tch::Device;
 
 use crate::checkpoint::{self, SaveInfo};
 use crate::learner::{data, Learner, LearnerConfig, StepMetrics};
@@ -178,6 +177,7 @@ mod tests {
     use infra::store::LocalStore;
     use infra::table::write_records;
     use schemas::{RetainedKind, Role, RolloutKind, Split, Termination, Turn, TurnSource};
+    use tch::Device;
 
     const WORDS: [&str; 8] = ["user", "assistant", "system", "count", "rows", "answer", "yes", "no"];
 

@@ -522,7 +522,11 @@ impl Llama {
         let eps = self.config.rms_norm_eps;
         let h = rms_norm(x, &l.input_norm, eps);
         let c = self.compute;
-        let att = attention(linear(&h, &l.q, l.q_bias.as_ref(), c), linear(&h, &l.k, l.k_bias.as_ref(), c), linear(&h, &l.v, l.v_bias.as_ref(), c));
+        let att = attention(
+            linear(&h, &l.q, l.q_bias.as_ref(), c),
+            linear(&h, &l.k, l.k_bias.as_ref(), c),
+            linear(&h, &l.v, l.v_bias.as_ref(), c),
+        );
         let x = x + mm(&att, &l.o, c);
         let h = rms_norm(&x, &l.post_norm, eps);
         let mlp = mm(&(mm(&h, &l.gate, c).silu() * mm(&h, &l.up, c)), &l.down, c);

@@ -224,7 +224,11 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
         println!("{header}");
         let (len, group) = rows[0];
         let d = resume_difference(learner, &batch_of(len, group), &batch_of(len, group + 1), device)?;
-        println!("resume on {}: largest weight difference after the resumed update {d:e} ({})", native::device::name(device), if d == 0.0 { "bit-identical" } else { "NOT bit-identical" });
+        println!(
+            "resume on {}: largest weight difference after the resumed update {d:e} ({})",
+            native::device::name(device),
+            if d == 0.0 { "bit-identical" } else { "NOT bit-identical" }
+        );
         return Ok(if d == 0.0 { 0 } else { 1 });
     }
     for _ in 0..args.warmup {

@@ -7,8 +7,8 @@
 //! prefix reuse. Ratios are against llama.cpp in process. `--plot DIR` also draws the
 //! engine rows against their stream counts.
 
-use std::path::{Path, PathBuf};
 use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -142,7 +142,9 @@ pub async fn start_llama_server(
                 .stdout(Stdio::null())
                 .stderr(log.reopen()?)
                 .spawn()
-                .with_context(|| format!("cannot start `{python} -m llama_cpp.server` (name the interpreter with --python), or pass --server-url"))?;
+                .with_context(|| {
+                    format!("cannot start `{python} -m llama_cpp.server` (name the interpreter with --python), or pass --server-url")
+                })?;
             let base = format!("http://127.0.0.1:{port}");
             // A server that exits while starting (a missing package, a bad model) says why.
             tokio::select! {

@@ -96,7 +96,11 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<u8> {
     let has = |f: &str| flags.iter().any(|x| x == f);
     let listed: Vec<&str> = ["avx2", "fma", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"].into_iter().filter(|f| has(f)).collect();
     let isa = native::kernels::isa();
-    r.line(Verdict::Ok, "cpu", format!("{model_name}, {} threads; lists {}; engine kernels: {}", num_threads(), listed.join(" "), isa.name()));
+    r.line(
+        Verdict::Ok,
+        "cpu",
+        format!("{model_name}, {} threads; lists {}; engine kernels: {}", num_threads(), listed.join(" "), isa.name()),
+    );
     if has("amx_tile") && isa != native::kernels::Isa::Amx {
         r.line(
             Verdict::Warn,
@@ -128,7 +132,10 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<u8> {
         Some(b) if (b as f64) < 9.0 * GIB => r.line(
             Verdict::Warn,
             "memory",
-            format!("{:.1} GiB available; the embedded quickstart peaks near 8.6 GB (lower [learner] micro_batch_tokens to fit)", b as f64 / GIB),
+            format!(
+                "{:.1} GiB available; the embedded quickstart peaks near 8.6 GB (lower [learner] micro_batch_tokens to fit)",
+                b as f64 / GIB
+            ),
         ),
         Some(b) => r.line(Verdict::Ok, "memory", format!("{:.1} GiB available", b as f64 / GIB)),
         None => r.line(Verdict::Warn, "memory", "cannot read /proc/meminfo"),
@@ -140,7 +147,10 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<u8> {
             Some(b) if (b as f64) < 5.0 * GIB => r.line(
                 Verdict::Fix,
                 "disk",
-                format!("{:.1} GiB free under {dir}; a run's checkpoints need a few GB: free space or point --store elsewhere", b as f64 / GIB),
+                format!(
+                    "{:.1} GiB free under {dir}; a run's checkpoints need a few GB: free space or point --store elsewhere",
+                    b as f64 / GIB
+                ),
             ),
             Some(b) => r.line(Verdict::Ok, "disk", format!("{:.1} GiB free under {dir}", b as f64 / GIB)),
             None => r.line(Verdict::Warn, "disk", format!("cannot read the free space under {dir}")),

@@ -1713,11 +1713,7 @@ mod reference_doc {
         let start = doc.find(&heading).unwrap_or_else(|| panic!("docs/SPEC.md has no `{heading}`"));
         let rest = &doc[start + heading.len()..];
         let end = rest.find("\n#").unwrap_or(rest.len());
-        rest[..end]
-            .lines()
-            .filter_map(|l| l.strip_prefix("| `"))
-            .map(|l| l.split('`').next().unwrap().to_string())
-            .collect()
+        rest[..end].lines().filter_map(|l| l.strip_prefix("| `")).map(|l| l.split('`').next().unwrap().to_string()).collect()
     }
 
     #[test]
@@ -1733,7 +1729,11 @@ mod reference_doc {
             for section in *sections {
                 let have = documented(doc, section);
                 problems.extend(want.iter().filter(|f| !have.contains(f)).map(|f| format!("[{section}] `{f}` is not in docs/SPEC.md")));
-                problems.extend(have.iter().filter(|k| !want.contains(k)).map(|k| format!("[{section}] `{k}` in docs/SPEC.md is not a field of {name}")));
+                problems.extend(
+                    have.iter()
+                        .filter(|k| !want.contains(k))
+                        .map(|k| format!("[{section}] `{k}` in docs/SPEC.md is not a field of {name}")),
+                );
             }
         }
         assert!(problems.is_empty(), "docs/SPEC.md and the spec disagree:\n{}", problems.join("\n"));

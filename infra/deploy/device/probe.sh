@@ -4,7 +4,8 @@
 #
 #   bash infra/deploy/device/probe.sh
 #
-# Each step has its own timeout; the whole probe stays well under 10 minutes on an H100/H200:
+# Each step has its own timeout; their sum is under the 10 minutes of one device call (the steps
+# themselves take far less on an H100/H200):
 #   1. learner bench, bf16 mixed precision, SmolLM2-135M's shape, beside a plain PyTorch
 #      bf16 step (autocast, float32 master weights) of the same model and batch: policy
 #      tokens/s, GPU memory and the ratio, at a few sequence lengths and group sizes;
@@ -64,13 +65,13 @@ if ! "$BIN" generate --help > /dev/null 2>> "$LOG"; then
 fi
 
 COMMON=(bench learner --device cuda --shape smollm2-135m --seq-lens 256,512,1024 --groups 8,16 --micro-batch-tokens 16384 --warmup 2 --peer torch --python "$PY")
-run_step learner-bf16 150 "$BIN" "${COMMON[@]}" --precision bf16
-run_step learner-f32 150 "$BIN" "${COMMON[@]}" --precision f32
+run_step learner-bf16 120 "$BIN" "${COMMON[@]}" --precision bf16
+run_step learner-f32 120 "$BIN" "${COMMON[@]}" --precision f32
 
 read -r RUN STEP < .device/replay/RUN
 REPLAY=(bench learner --shape smollm2-135m --replay .device/replay/store --run "$RUN" --step "$STEP" --tokenizer .device/replay/tokenizer --micro-batch-tokens 4096)
-run_step replay-cpu 150 "$BIN" "${REPLAY[@]}" --device cpu --threads 16
-run_step replay-cuda 60 "$BIN" "${REPLAY[@]}" --device cuda
+run_step replay-cpu 90 "$BIN" "${REPLAY[@]}" --device cpu --threads 16
+run_step replay-cuda 45 "$BIN" "${REPLAY[@]}" --device cuda
 # The loss of a first GRPO pass is near 0 by construction (ratio 1, advantages centred per
 # group), so the gradient norm is compared too, relatively.
 "$PY" - "$OUT/replay-cpu.out" "$OUT/replay-cuda.out" <<'EOF' 2>&1 | tee -a "$SUMMARY"
@@ -87,12 +88,12 @@ print(f"\n## replayed GRPO step: loss CPU {cpu['loss']:.9f} GPU {gpu['loss']:.9f
       f"gradient norm CPU {cpu['grad_norm']:.9f} GPU {gpu['grad_norm']:.9f} (relative difference {dg:.2e}, {'within' if dg <= 1e-3 else 'OVER'} 1e-3)")
 EOF
 
-run_step resume-cuda 90 "$BIN" bench learner --device cuda --shape smollm2-135m --seq-lens 512 --groups 8 --resume-check
+run_step resume-cuda 45 "$BIN" bench learner --device cuda --shape smollm2-135m --seq-lens 512 --groups 8 --resume-check
 
 # A model of SmolLM2-135M's shape with seeded random weights, in Hugging Face layout, and the
 # real tokenizer files.
 MODEL=/tmp/smollm2-shape
-"$PY" - "$MODEL" <<'EOF' >> "$LOG" 2>&1
+timeout 60 "$PY" - "$MODEL" <<'EOF' >> "$LOG" 2>&1
 import json, os, sys, shutil
 import torch
 from safetensors.torch import save_file
@@ -118,7 +119,7 @@ for f in os.listdir(".device/replay/tokenizer"):
     shutil.copy(os.path.join(".device/replay/tokenizer", f), out)
 print("model written to", out)
 EOF
-run_step serve-cuda 150 "$BIN" bench serve --model "$MODEL" --device cuda --weights bf16 --no-reference --clients 1,8 --requests 4 --max-tokens 64 --threads 8 --python "$PY"
+run_step serve-cuda 100 "$BIN" bench serve --model "$MODEL" --device cuda --weights bf16 --no-reference --clients 1,8 --requests 4 --max-tokens 64 --threads 8 --python "$PY"
 
 note ""
 note "probe finished in $SECONDS s"

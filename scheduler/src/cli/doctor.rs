@@ -158,7 +158,8 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<u8> {
     }
     match args.store.open().await {
         Ok(store) => {
-            let key = format!("doctor/probe-{}.txt", std::process::id());
+            // At the store's root: a folder store keeps no empty folder behind after the delete.
+            let key = format!("harness-s-doctor-{}.txt", std::process::id());
             let round_trip = async {
                 store.put(&key, bytes::Bytes::from_static(b"harness-s doctor")).await?;
                 let back = store.get(&key).await?;

@@ -42,12 +42,12 @@ pub fn resolve(s: &str, field: &str) -> Result<Device, NativeError> {
     })?;
     if let Device::Cuda(n) = device {
         let bad = |detail: String| NativeError::Config { field: field.into(), detail };
-        if !cuda_available() {
+        let count = cuda_devices();
+        if count == 0 {
             return Err(bad(format!(
                 "`{s}`: CUDA is not available (this build has no CUDA support or this machine no GPU; build with `--features cuda` against a CUDA libtorch, on a GPU machine), or use `cpu`"
             )));
         }
-        let count = tch::Cuda::device_count() as usize;
         if n >= count {
             return Err(bad(format!("`{s}`: this machine has {count} CUDA device(s), numbered from 0")));
         }

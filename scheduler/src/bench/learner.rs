@@ -55,7 +55,7 @@ pub struct LearnerArgs {
     #[arg(long, value_parser = ["torch"])]
     pub peer: Option<String>,
     /// Python interpreter of the peer (it needs `torch`).
-    #[arg(long, default_value = "python3")]
+    #[arg(long, env = "HARNESS_S_PYTHON", default_value = "python3")]
     pub python: String,
     /// Replay a stored run's step instead of the synthetic rows: one GRPO update on the
     /// retained groups of `--run`'s `--step` in this store (a folder or store URL), as the

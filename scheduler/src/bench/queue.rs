@@ -53,7 +53,7 @@ pub struct QueueArgs {
     #[arg(long, default_value = "benches/peers/celery_bench.py")]
     pub celery_script: PathBuf,
     /// Python interpreter with Celery installed (`pip install celery`).
-    #[arg(long, default_value = "python3")]
+    #[arg(long, env = "HARNESS_S_PYTHON", default_value = "python3")]
     pub python: String,
     /// Skip the Celery comparison.
     #[arg(long)]

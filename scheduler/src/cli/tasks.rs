@@ -8,7 +8,7 @@
 //!   writes DBBench-format tasks over generated tables, answers computed on SQLite.
 //!
 //! ```text
-//! harness-s tasks check ../shared/data/dbbench/dev.jsonl --engine mysql --db-url mysql://root@127.0.0.1:3306
+//! harness-s tasks check tests/data/dbbench/dev.jsonl --engine mysql --db-url mysql://root@127.0.0.1:3306
 //! harness-s tasks generate --seed 1 --n 200 --out tasks.jsonl --difficulty easy
 //! ```
 

@@ -21,11 +21,9 @@ fn mysql_url() -> String {
     std::env::var("HARNESS_S_TEST_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".to_string())
 }
 
-/// `<repo>/../shared/data/dbbench/dev.jsonl`.
+/// The DBBench dev split in the repository's test data.
 fn dev_file() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/dbbench/dev.jsonl");
-    assert!(path.exists(), "{} is missing: the shared data folder must sit beside the repository", path.display());
-    path
+    harness_s_tests::dev_tasks()
 }
 
 fn dev_tasks() -> Arc<TaskSet> {

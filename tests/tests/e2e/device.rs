@@ -73,10 +73,11 @@ fn the_learner_bench_runs_on_the_named_device_in_each_precision() {
 
 #[test]
 fn the_pytorch_peer_runs_beside_the_learner_or_says_why_not() {
-    let mut args = vec!["bench", "learner", "--peer", "torch", "--python", "python3"];
+    let python = harness_s_tests::python();
+    let mut args = vec!["bench", "learner", "--peer", "torch", "--python", &python];
     args.extend(TINY);
     let (code, out, err) = harness_s(&args);
-    let has_torch = std::process::Command::new("python3")
+    let has_torch = std::process::Command::new(&python)
         .args(["-c", "import torch"])
         .stderr(std::process::Stdio::null())
         .status()
@@ -88,7 +89,7 @@ fn the_pytorch_peer_runs_beside_the_learner_or_says_why_not() {
         assert!(out.contains("× torch") && ratio > 0.0, "{out}");
     } else {
         assert_eq!(code, 1, "{out}");
-        assert!(err.contains("the PyTorch peer (python3) exited with status 1") && err.contains("no module 'torch'"), "{err}");
+        assert!(err.contains(&format!("the PyTorch peer ({python}) exited with status 1")) && err.contains("no module 'torch'"), "{err}");
     }
     let (code, _, err) = harness_s(&["bench", "sampler", "--python", "/no/such/python", "--no-server"]);
     assert_eq!(code, 1, "{err}");

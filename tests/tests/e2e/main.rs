@@ -4,6 +4,7 @@ mod device;
 mod editor;
 mod evolve;
 mod harness;
+mod house;
 mod http_env;
 mod learner_context;
 mod native;

@@ -19,11 +19,7 @@ const TASKS: &str = "dev-24,dev-18,dev-10";
 
 use harness_s_tests::repo_root;
 
-fn dev_tasks() -> PathBuf {
-    let path = repo_root().join("../shared/data/dbbench/dev.jsonl");
-    assert!(path.exists(), "{} is missing: the DBBench dev split lives next to the repository in shared/data/dbbench", path.display());
-    path
-}
+use harness_s_tests::dev_tasks;
 
 /// Runs `harness-s rollout` with small budgets that fit SmolLM2's context.
 async fn rollout(policy_url: &str, harness: &str, tasks: &str, out: &Path, run: &str, extra: &[&str]) -> Output {

@@ -81,8 +81,7 @@ async fn llm_profiler_and_llm_voters_on_the_real_server_never_break_routing() {
     let store = infra::store::LocalStore::new(dir.path()).unwrap();
     let run = unique("e2e-router");
 
-    let path = repo_root().join("../shared/data/dbbench/dev.jsonl");
-    let tasks = Arc::new(TaskSet::load(&path).unwrap().tasks);
+    let tasks = Arc::new(TaskSet::load(&harness_s_tests::dev_tasks()).unwrap().tasks);
     let info = |id: &str| TaskInfo::from_db_task(tasks.get(id).unwrap_or_else(|| panic!("{id} is in dev.jsonl")));
     let validation: Vec<TaskInfo> = ["dev-24", "dev-18"].iter().map(|id| info(id)).collect();
 

@@ -150,7 +150,7 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
                   ea = EventAccumulator(sys.argv[1], size_guidance={'scalars': 0})\n\
                   ea.Reload()\n\
                   print(json.dumps({t: [[e.step, e.value] for e in ea.Scalars(t)] for t in ea.Tags()['scalars']}))";
-    let read = Command::new("python3").args(["-c", script]).arg(&tb).output().unwrap();
+    let read = Command::new(harness_s_tests::python()).args(["-c", script]).arg(&tb).output().unwrap();
     assert!(read.status.success(), "TensorBoard's reader failed (pip install tensorboard): {}", String::from_utf8_lossy(&read.stderr));
     let scalars: std::collections::BTreeMap<String, Vec<(u32, f64)>> = serde_json::from_slice(&read.stdout).unwrap();
     for m in &metrics {
@@ -189,7 +189,7 @@ async fn embedded_run_goes_through_every_stage_and_rescues_all_fail_groups() {
     let (code, said, err) = harness_s(&["export", "gguf", "e2e-embedded", "--out", exported.to_str().unwrap(), "--store", &store_url]);
     assert_eq!(code, 0, "{said}\n{err}");
     assert!(said.contains("step 1 of run `e2e-embedded`"), "{said}");
-    let load = Command::new("python3")
+    let load = Command::new(harness_s_tests::python())
         .args([
             "-c",
             "import sys; from llama_cpp import Llama; m = Llama(model_path=sys.argv[1], n_ctx=128, verbose=False); print(m.n_vocab())",

@@ -15,7 +15,7 @@
 //! use jobs::env::{Environment, ToolCall};
 //! use jobs::env::dbbench::{DbBenchConfig, DbBenchEnv, TaskSet};
 //!
-//! let loaded = TaskSet::load("../shared/data/dbbench/dev.jsonl".as_ref())?;
+//! let loaded = TaskSet::load("tests/data/dbbench/dev.jsonl".as_ref())?;
 //! let mut env = DbBenchEnv::new(Arc::new(loaded.tasks), DbBenchConfig::sqlite());
 //! let start = env.reset("dev-5", 0).await?;
 //! println!("{}", start.observation.text);

@@ -102,7 +102,7 @@ pub struct LineProblem {
 
 /// A task file that could not be read at all.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot read task file {}: {source} (pass a DBBench-format JSONL file, e.g. ../shared/data/dbbench/dev.jsonl, or create one with `harness-s tasks generate`)", path.display())]
+#[error("cannot read task file {}: {source} (pass a DBBench-format JSONL file, e.g. tests/data/dbbench/dev.jsonl, or create one with `harness-s tasks generate`)", path.display())]
 pub struct TaskFileError {
     pub path: PathBuf,
     #[source]

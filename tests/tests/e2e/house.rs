@@ -1,0 +1,35 @@
+//! Rules of the repository that a test keeps: everything a test reads is inside the clone.
+
+use harness_s_tests::repo_root;
+
+/// Files whose text is code, scripts or configuration that tests and examples run.
+fn sources(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if path.is_dir() {
+            if !name.starts_with('.') && name != "target" && name != "__pycache__" {
+                sources(&path, out);
+            }
+        } else if ["rs", "py", "sh", "toml", "json"].iter().any(|e| name.ends_with(&format!(".{e}"))) {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn nothing_reads_outside_the_clone() {
+    let mut files = vec![];
+    sources(&repo_root(), &mut files);
+    assert!(files.len() > 100, "the walk found the sources: {}", files.len());
+    // A folder beside the repository, as the shared data once was (spelled in two parts so
+    // that this file does not match itself).
+    let beside = ["../", "shared/"].concat();
+    let hits: Vec<String> = files
+        .iter()
+        .filter(|f| std::fs::read_to_string(f).is_ok_and(|t| t.contains(&beside)))
+        .map(|f| f.strip_prefix(repo_root()).unwrap().display().to_string())
+        .collect();
+    assert!(hits.is_empty(), "these files read from a folder beside the repository; keep test data under tests/data/: {hits:?}");
+    assert!(harness_s_tests::dev_tasks().is_file());
+}

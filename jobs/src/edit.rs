@@ -26,6 +26,7 @@ use crate::env::EnvironmentFactory;
 use crate::evolve::editor::{patch_from_reply, EDIT_INSTRUCTIONS};
 use crate::harness::{Budgets, ValidateOptions};
 use crate::policy::{Message, Policy, PolicyError, PolicyOutput, SamplingParams};
+use crate::protocol::{self, JobRef, UnreadableMarker, Work};
 use crate::rescue::{advantages, reward_stats, Outcome};
 use crate::rollout::{self, RolloutContext, RolloutError, RolloutInput};
 use infra::store::{ObjectStore, StoreError};
@@ -118,6 +119,8 @@ pub enum EditJobError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Table(#[from] TableError),
+    #[error(transparent)]
+    Marker(#[from] UnreadableMarker),
 }
 
 impl infra::Transient for EditJobError {
@@ -127,17 +130,26 @@ impl infra::Transient for EditJobError {
             EditJobError::Rollout(e) => e.is_transient(),
             EditJobError::Store(e) => e.is_transient(),
             EditJobError::Table(e) => e.is_transient(),
-            EditJobError::InvalidInput { .. } => false,
+            EditJobError::InvalidInput { .. } | EditJobError::Marker(_) => false,
         }
     }
 }
 
 pub async fn run(ctx: &EditContext<'_>, input: &EditInput) -> Result<EditOutput, EditJobError> {
     check_input(input)?;
-    let marker_key = keys::done_marker(&input.run_id, ctx.job_id);
-    if let Some(summary) = existing(ctx, input, &marker_key).await? {
-        return Ok(summary);
-    }
+    let job = JobRef { store: ctx.store, run_id: &input.run_id, job_id: ctx.job_id, kind: JobKind::Edit, attempt: ctx.delivery_attempt };
+    // A redelivered job: the patches its committed run stored.
+    let done = async |marker: DoneMarker| -> Result<_, EditJobError> {
+        let summary = serde_json::from_value(marker.result).unwrap_or_default();
+        let patches = read_records(ctx.store, &keys::patch_part(&input.run_id, input.step, ctx.job_id)).await?;
+        Ok((summary, patches))
+    };
+    let ((summary, patches), already_done) = protocol::once(job, done, async || edit(ctx, input).await).await?;
+    Ok(EditOutput { summary, patches, marker_key: job.marker_key(), already_done })
+}
+
+/// The job's work: G patches sampled, scored, and written with the editor's rows and group.
+async fn edit(ctx: &EditContext<'_>, input: &EditInput) -> Result<Work<(EditSummary, Vec<PatchRecord>)>, EditJobError> {
     let messages = prompt(&input.parent, &input.packet);
     let replies = sample(ctx, input, &messages).await?;
     // Patches are scored at the same time: the target's engine batches their reruns.
@@ -174,12 +186,9 @@ pub async fn run(ctx: &EditContext<'_>, input: &EditInput) -> Result<EditOutput,
         write_records(ctx.store, &keys::patch_part(&input.run_id, input.step, ctx.job_id), &patches).await?,
     ];
     let result = serde_json::to_value(&summary).expect("summaries serialise");
-    let marker = DoneMarker::new(ctx.job_id, &input.run_id, JobKind::Edit, ctx.delivery_attempt, outputs, result);
-    // Written last: its presence means every output above is complete.
-    infra::store::commit(ctx.store, &marker_key, &marker).await?;
     tracing::info!(job = ctx.job_id, packet = %input.packet.packet_id, valid = summary.valid, patches = summary.patches,
         mean_reward = summary.mean_reward, "edit job done");
-    Ok(EditOutput { summary, patches, marker_key, already_done: false })
+    Ok(Work { value: (summary, patches), outputs, result })
 }
 
 fn check_input(input: &EditInput) -> Result<(), EditJobError> {
@@ -206,17 +215,6 @@ fn check_input(input: &EditInput) -> Result<(), EditJobError> {
         );
     }
     Ok(())
-}
-
-/// A redelivered job: the patches its committed run stored.
-async fn existing(ctx: &EditContext<'_>, input: &EditInput, marker_key: &str) -> Result<Option<EditOutput>, EditJobError> {
-    let Some(marker) = rollout::committed_marker(ctx.store, marker_key).await? else {
-        return Ok(None);
-    };
-    let summary = serde_json::from_value(marker.result).unwrap_or_default();
-    let patches = read_records(ctx.store, &keys::patch_part(&input.run_id, input.step, ctx.job_id)).await?;
-    tracing::info!(job = ctx.job_id, "edit job already done; nothing to do");
-    Ok(Some(EditOutput { summary, patches, marker_key: marker_key.to_string(), already_done: true }))
 }
 
 /// The editor's prompt: the instructions and patch format, then the parent and the packet.

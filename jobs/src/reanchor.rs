@@ -30,6 +30,7 @@ use crate::policy::{Policy, SamplingParams};
 use crate::profile::llm::{LlmProfiler, LlmProfilerConfig};
 use crate::profile::stats::{statistical_profile, ProfileMeta, StatsConfig};
 use crate::profile::{describe_harness, pair_up, validation_stats, HarnessStats, TaskInfo};
+use crate::protocol::{self, JobRef, UnreadableMarker, Work};
 use crate::rollout::{self, RolloutContext, RolloutError, RolloutInput};
 use crate::router::Evidence;
 use infra::store::{ObjectStore, StoreError};
@@ -137,6 +138,8 @@ pub enum ReanchorError {
     Table(#[from] TableError),
     #[error("{key}: {detail}")]
     Manifest { key: String, detail: String },
+    #[error(transparent)]
+    Marker(#[from] UnreadableMarker),
 }
 
 impl infra::Transient for ReanchorError {
@@ -158,17 +161,19 @@ pub struct ReanchorOutput {
     pub already_done: bool,
 }
 
-/// Runs the job: paired rollouts → statistics → profiles → manifest → done-marker (last).
+/// Runs the job: paired rollouts → statistics → profiles → manifest → done-marker (last),
+/// within the job protocol ([`crate::protocol::once`]).
 pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<ReanchorOutput, ReanchorError> {
     check_input(input)?;
-    let marker_key = keys::done_marker(&input.run_id, ctx.job_id);
-    let manifest_key = manifest_key(&input.run_id, &input.calibration_id);
-    if ctx.store.head(&marker_key).await?.is_some() {
-        tracing::info!(job = ctx.job_id, calibration = %input.calibration_id, "re-anchoring already done");
-        let manifest = read_manifest(ctx.store, &manifest_key).await?;
-        return Ok(ReanchorOutput { manifest, already_done: true });
-    }
+    let job =
+        JobRef { store: ctx.store, run_id: &input.run_id, job_id: ctx.job_id, kind: JobKind::Reanchor, attempt: ctx.delivery_attempt };
+    let done = async |_: DoneMarker| read_manifest(ctx.store, &manifest_key(&input.run_id, &input.calibration_id)).await;
+    let (manifest, already_done) = protocol::once(job, done, async || calibrate(ctx, input).await).await?;
+    Ok(ReanchorOutput { manifest, already_done })
+}
 
+/// The job's work: steps 1 to 4 up to the manifest; the protocol commits the marker.
+async fn calibrate(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Work<CalibrationManifest>, ReanchorError> {
     // 1. Paired execution: same tasks, seeds, attempts and limits under every harness.
     let (rows, parts) = paired_rollouts(ctx, input).await?;
 
@@ -189,7 +194,7 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
     let profile_part =
         infra::table::write_records(ctx.store, &keys::profile_part(&input.run_id, &input.calibration_id, ctx.job_id), &entries).await?;
 
-    // 4. Manifest, then the done-marker last.
+    // 4. The manifest; the done-marker follows it.
     let manifest = CalibrationManifest {
         schema_version: CalibrationManifest::VERSION,
         run_id: input.run_id.clone(),
@@ -208,8 +213,8 @@ pub async fn run(ctx: &ReanchorContext<'_>, input: &ReanchorInput) -> Result<Rea
         finished_at_ms: now_unix_ms(),
     };
     let profiler_usage = metered.as_ref().map(|m| m.usage()).unwrap_or_default();
-    commit_calibration(ctx, input, &manifest, profile_part, profiler_usage).await?;
-    Ok(ReanchorOutput { manifest, already_done: false })
+    let (outputs, result) = write_manifest(ctx, input, &manifest, profile_part, profiler_usage).await?;
+    Ok(Work { value: manifest, outputs, result })
 }
 
 /// Step 1: one rollout job per harness of the pool, the same tasks, seeds, attempts and
@@ -303,15 +308,15 @@ fn entries_per_harness(input: &ReanchorInput, entries: &[ProfileEntry]) -> BTree
     per_harness
 }
 
-/// Step 4: the manifest, then the done-marker (last) with the validation success per
-/// harness and the profiler's spend.
-async fn commit_calibration(
+/// Step 4: the manifest; the outputs the done-marker lists and its result (the validation
+/// success per harness and the profiler's spend).
+async fn write_manifest(
     ctx: &ReanchorContext<'_>,
     input: &ReanchorInput,
     manifest: &CalibrationManifest,
     profile_part: OutputEntry,
     profiler_usage: schemas::LlmUsage,
-) -> Result<(), ReanchorError> {
+) -> Result<(Vec<OutputEntry>, serde_json::Value), ReanchorError> {
     let manifest_key = manifest_key(&input.run_id, &input.calibration_id);
     let bytes = encode_document(manifest);
     let manifest_entry = OutputEntry::of(manifest_key.clone(), &bytes);
@@ -322,12 +327,9 @@ async fn commit_calibration(
         "validation_success": summary,
         "llm_usage": { "profiler": profiler_usage },
     });
-    let marker =
-        DoneMarker::new(ctx.job_id, &input.run_id, JobKind::Reanchor, ctx.delivery_attempt, vec![profile_part, manifest_entry], result);
-    infra::store::commit(ctx.store, &keys::done_marker(&input.run_id, ctx.job_id), &marker).await?;
     let entries: u32 = manifest.profile_entries.values().sum();
     tracing::info!(calibration = %input.calibration_id, entries, ?summary, "re-anchoring done");
-    Ok(())
+    Ok((vec![profile_part, manifest_entry], result))
 }
 
 fn check_input(input: &ReanchorInput) -> Result<(), ReanchorError> {

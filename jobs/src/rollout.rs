@@ -26,11 +26,12 @@ use serde::{Deserialize, Serialize};
 use crate::env::{Environment, EnvironmentFactory};
 use crate::harness::{check_spec, Budgets, Next, PolicyRequest, Problem, Session, ValidateOptions, Verdict};
 use crate::policy::{Policy, PolicyError, SamplingParams};
+use crate::protocol::{self, JobRef, UnreadableMarker, Work};
 use infra::store::{ObjectStore, StoreError};
 use infra::table::{PartWriter, TableError};
 use schemas::{
-    decode_document, job_id, keys, now_unix_ms, DoneMarker, ErrorClass, HarnessSpec, JobIdParts, JobKind, OutputEntry, RolloutKind, Split,
-    Termination, Trajectory, Turn,
+    job_id, keys, now_unix_ms, DoneMarker, ErrorClass, HarnessSpec, JobIdParts, JobKind, OutputEntry, RolloutKind, Split, Termination,
+    Trajectory, Turn,
 };
 
 /// Input of a rollout job (the payload of its job envelope).
@@ -83,8 +84,8 @@ pub enum RolloutError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Table(#[from] TableError),
-    #[error("{key}: existing done-marker cannot be read: {detail}")]
-    Marker { key: String, detail: String },
+    #[error(transparent)]
+    Marker(#[from] UnreadableMarker),
     /// Episodes lost their environment backend; the job runs again (nothing was written).
     #[error("{failed} of {episodes} episodes lost their environment backend (delivery {delivery} of a job retried up to {retries} times before they are recorded as failed); first: {first}")]
     EnvUnavailable { failed: usize, episodes: usize, delivery: u32, retries: u32, first: String },
@@ -132,16 +133,19 @@ pub struct RolloutOutput {
     pub already_done: bool,
 }
 
-/// Runs the job: episodes → Parquet part → done-marker (last).
+/// Runs the job: episodes → Parquet part → done-marker (last), within the job protocol
+/// ([`crate::protocol::once`]).
 pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<RolloutOutput, RolloutError> {
     check_input(input)?;
-    let marker_key = keys::done_marker(&input.run_id, ctx.job_id);
-    if let Some(marker) = committed_marker(ctx.store, &marker_key).await? {
-        let summary = serde_json::from_value(marker.result).unwrap_or_default();
-        tracing::info!(job = ctx.job_id, "rollout job already done; nothing to do");
-        return Ok(RolloutOutput { summary, outputs: vec![], marker_key, already_done: true });
-    }
+    let job = JobRef { store: ctx.store, run_id: &input.run_id, job_id: ctx.job_id, kind: JobKind::Rollout, attempt: ctx.delivery_attempt };
+    let done = async |marker: DoneMarker| Ok((serde_json::from_value(marker.result).unwrap_or_default(), vec![]));
+    let ((summary, outputs), already_done) = protocol::once(job, done, async || episodes(ctx, input).await).await?;
+    Ok(RolloutOutput { summary, outputs, marker_key: job.marker_key(), already_done })
+}
 
+/// The job's work: every (task, attempt) episode, the Parquet part of their rows, the
+/// summary for the marker.
+async fn episodes(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Work<(RolloutSummary, Vec<OutputEntry>)>, RolloutError> {
     let started = Instant::now();
     // Owned task ids keep the stream's futures `Send` for any caller lifetime.
     let plan: Vec<(usize, String, u32)> =
@@ -186,9 +190,6 @@ pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Rollo
 
     let summary = summarize(&rows);
     let result = serde_json::to_value(&summary).expect("summaries serialise");
-    let marker = DoneMarker::new(ctx.job_id, &input.run_id, JobKind::Rollout, ctx.delivery_attempt, vec![part.clone()], result);
-    // Written last: its presence means every output above is complete.
-    infra::store::commit(ctx.store, &marker_key, &marker).await?;
     tracing::info!(
         job = ctx.job_id,
         episodes = total,
@@ -196,7 +197,7 @@ pub async fn run(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Rollo
         seconds = started.elapsed().as_secs_f64(),
         "rollout job done"
     );
-    Ok(RolloutOutput { summary, outputs: vec![part], marker_key, already_done: false })
+    Ok(Work { value: (summary, vec![part.clone()]), outputs: vec![part], result })
 }
 
 fn check_input(input: &RolloutInput) -> Result<(), RolloutError> {
@@ -222,16 +223,6 @@ fn check_input(input: &RolloutInput) -> Result<(), RolloutError> {
         return Err(RolloutError::InvalidHarness { harness: input.harness.id.clone(), problems });
     }
     Ok(())
-}
-
-pub(crate) async fn committed_marker(store: &dyn ObjectStore, key: &str) -> Result<Option<DoneMarker>, RolloutError> {
-    if store.head(key).await?.is_none() {
-        return Ok(None);
-    }
-    let bytes = store.get(key).await?;
-    let marker = decode_document(&store.object_url(key), &bytes)
-        .map_err(|e| RolloutError::Marker { key: key.to_string(), detail: e.to_string() })?;
-    Ok(Some(marker))
 }
 
 /// One (task, attempt): a fresh environment, one episode, one row; and whether the
@@ -669,7 +660,7 @@ mod tests {
         assert!(rows[0].turns.iter().any(|t| t.logprobs == vec![-0.5, -0.25]));
         assert_eq!(rows[2].termination, Termination::Error);
 
-        let marker: DoneMarker = decode_document("m", &store.get(&out.marker_key).await.unwrap()).unwrap();
+        let marker: DoneMarker = schemas::decode_document("m", &store.get(&out.marker_key).await.unwrap()).unwrap();
         assert_eq!(marker.outputs, out.outputs);
         assert_eq!(marker.result["successes"], 2);
 

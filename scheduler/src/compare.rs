@@ -12,6 +12,7 @@ use std::fmt::Write as _;
 use anyhow::Context;
 use bytes::Bytes;
 use infra::store::ObjectStore;
+use native::train::learner::metric::{LOSS, MISMATCH_MEAN, POLICY_TOKENS_TRAINED};
 use schemas::{RolloutKind, Split, Trajectory};
 
 use crate::report::{line_plot, number, Series};
@@ -48,7 +49,7 @@ const FIGURES: [Figure; 12] = [
         mean(&fired)
     }),
     ("policy tokens trained (all updates)", |s| {
-        (!s.get("policy_tokens_trained").is_empty()).then(|| s.get("policy_tokens_trained").iter().map(|p| p.1).sum())
+        (!s.get(POLICY_TOKENS_TRAINED).is_empty()).then(|| s.get(POLICY_TOKENS_TRAINED).iter().map(|p| p.1).sum())
     }),
     ("H0 validation success, first calibration", |s| first(s.get("h0_validation_success"))),
     ("H0 validation success, last calibration", |s| last(s.get("h0_validation_success"))),
@@ -57,7 +58,7 @@ const FIGURES: [Figure; 12] = [
     ("H0 Avg@k before training (test)", |s| s.last("baseline/avg_at_k")),
     ("H0 Avg@k after training (test)", |s| s.last("evaluation/avg_at_k")),
     ("rollouts relative to GRPO (end)", |s| last(s.get("rollouts_relative_to_grpo"))),
-    ("mean training-inference mismatch", |s| mean(s.get("mismatch_mean"))),
+    ("mean training-inference mismatch", |s| mean(s.get(MISMATCH_MEAN))),
 ];
 
 /// The summary table (pure): one line per figure of the transfer experiment, a column per
@@ -80,7 +81,7 @@ pub fn summary_table(runs: &[(&str, &Series)]) -> String {
 
 /// Per-update table of the training signal, the runs side by side under each column.
 pub fn update_table(runs: &[(&str, &Series)]) -> String {
-    let cols = ["effective_group_rate", "effective_token_share", "rescue_success", "policy_tokens_trained", "loss"];
+    let cols = ["effective_group_rate", "effective_token_share", "rescue_success", POLICY_TOKENS_TRAINED, LOSS];
     let steps: std::collections::BTreeSet<u32> =
         cols.iter().flat_map(|c| runs.iter().flat_map(move |(_, s)| s.get(c).iter().map(|p| p.0))).collect();
     let mut out = String::from("| update |");

@@ -7,6 +7,7 @@
 pub mod bench;
 pub mod cli;
 pub mod compare;
+pub mod cost;
 pub mod report;
 pub mod run;
 pub mod tensorboard;

@@ -10,8 +10,11 @@ use std::fmt::Write as _;
 use anyhow::Context;
 use bytes::Bytes;
 use infra::store::ObjectStore;
+use infra::table::read_committed;
+use jobs::edit::best_patch;
+use native::train::learner::metric::*;
 use plotters::prelude::*;
-use schemas::MetricRow;
+use schemas::{keys, MetricRow, PatchRecord};
 
 /// Metrics of a run as `name → [(step, value)]`, stage-qualified where it matters.
 pub struct Series(pub BTreeMap<String, Vec<(u32, f64)>>);
@@ -23,7 +26,7 @@ impl Series {
         for r in rows {
             let name = match r.stage.as_str() {
                 "baseline" | "evaluation" | "evaluation:h_best" => format!("{}/{}", r.stage, r.name),
-                s if s.starts_with(crate::run::cost::STAGE_PREFIX) => format!("{}/{}", r.stage, r.name),
+                s if s.starts_with(crate::cost::STAGE_PREFIX) => format!("{}/{}", r.stage, r.name),
                 _ => r.name,
             };
             m.entry(name).or_default().push((r.step, r.value));
@@ -52,7 +55,7 @@ impl Series {
 }
 
 /// Columns that count things (rollouts, tokens): printed as whole numbers.
-const COUNT_COLUMNS: [&str; 3] = ["rollouts_base", "rollouts_rescue", "policy_tokens_trained"];
+const COUNT_COLUMNS: [&str; 3] = ["rollouts_base", "rollouts_rescue", POLICY_TOKENS_TRAINED];
 
 /// The per-update metrics table (Markdown).
 pub fn update_table(s: &Series) -> String {
@@ -65,12 +68,12 @@ pub fn update_table(s: &Series) -> String {
         "rollouts_base",
         "rollouts_rescue",
         "rollouts_relative_to_grpo",
-        "policy_tokens_trained",
-        "loss",
-        "grad_norm",
-        "mismatch_mean",
-        "mismatch_max",
-        "tis_clipped_share",
+        POLICY_TOKENS_TRAINED,
+        LOSS,
+        GRAD_NORM,
+        MISMATCH_MEAN,
+        MISMATCH_MAX,
+        TIS_CLIPPED_SHARE,
     ];
     let steps: std::collections::BTreeSet<u32> = cols.iter().flat_map(|c| s.get(c).iter().map(|p| p.0)).collect();
     let mut out = String::from("| update | ");
@@ -231,10 +234,10 @@ impl TrajectorySeries {
 }
 
 /// The run's resolved settings in a few lines: what the numbers below were measured with.
-pub fn spec_summary(stored: &crate::run::inputs::StoredRun) -> String {
+pub fn spec_summary(stored: &handlers::inputs::StoredRun) -> String {
     let s = &stored.spec;
     let a = &s.algorithm;
-    let model = if s.policy.backend == crate::run::spec::Backend::Native {
+    let model = if s.policy.backend == handlers::spec::Backend::Native {
         s.policy.model.clone()
     } else {
         format!("{} at {}", s.policy.model, s.policy.base_url.clone().unwrap_or_default())
@@ -259,7 +262,7 @@ pub fn spec_summary(stored: &crate::run::inputs::StoredRun) -> String {
 /// tokens) and per LLM component (voters, profiler, diagnoser, editor; the learner's
 /// forward tokens), summed over the run. `None` when the run recorded no costs.
 pub fn cost_table(s: &Series) -> Option<String> {
-    use crate::run::cost::{COMPONENTS, KINDS, STAGE_PREFIX};
+    use crate::cost::{COMPONENTS, KINDS, STAGE_PREFIX};
     let sum = |kind: &str, name: &str| -> Option<f64> {
         let v = s.get(&format!("{STAGE_PREFIX}{kind}/{name}"));
         (!v.is_empty()).then(|| v.iter().map(|p| p.1).sum())
@@ -438,8 +441,8 @@ pub fn calibration_table(s: &Series) -> String {
 /// Writes `runs/<run>/reports/{report.md, signals.png, validation.png, rescue.png}`;
 /// returns the report's URL.
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
-    if crate::run::inputs::load_stored(store, run_id).await.is_ok_and(|r| r.spec.editor_training.is_some()) {
-        return crate::run::editor::write_report(store, run_id).await;
+    if handlers::inputs::load_stored(store, run_id).await.is_ok_and(|r| r.spec.editor_training.is_some()) {
+        return write_editor_report(store, run_id).await;
     }
     let s = Series::load(store, run_id).await?;
     let dir = tempfile::tempdir().context("cannot create a temporary folder for plots")?;
@@ -471,12 +474,12 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
             "fraction",
             vec![("rescue rate", s.get("rescue_rate")), ("rescue success", s.get("rescue_success"))],
         ),
-        ("learner.png", "GRPO update by update", "value", vec![("loss", s.get("loss")), ("gradient norm", s.get("grad_norm"))]),
+        ("learner.png", "GRPO update by update", "value", vec![("loss", s.get(LOSS)), ("gradient norm", s.get(GRAD_NORM))]),
         (
             "mismatch.png",
             "Training-inference mismatch |log q - log pi_old|",
             "nats",
-            vec![("mean", s.get("mismatch_mean")), ("max", s.get("mismatch_max"))],
+            vec![("mean", s.get(MISMATCH_MEAN)), ("max", s.get(MISMATCH_MAX))],
         ),
         ("harnesses.png", "Training rollout success by harness (base and rescue)", "success rate", harness_lines),
         (
@@ -500,7 +503,7 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
         store.put(&schemas::keys::report_file(run_id, file), Bytes::from(bytes)).await?;
     }
     let mut md = format!("# Run `{run_id}`\n\n");
-    let stored = crate::run::inputs::load_stored(store, run_id).await.ok();
+    let stored = handlers::inputs::load_stored(store, run_id).await.ok();
     if let Some(stored) = &stored {
         md.push_str(&spec_summary(stored));
     }
@@ -523,7 +526,7 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     }
     md.push_str("\n## Training updates\n\n");
     md.push_str(&update_table(&s));
-    let untrained: Vec<String> = s.get("trained").iter().filter(|p| p.1 == 0.0).map(|p| p.0.to_string()).collect();
+    let untrained: Vec<String> = s.get(TRAINED).iter().filter(|p| p.1 == 0.0).map(|p| p.0.to_string()).collect();
     if !untrained.is_empty() {
         let _ = writeln!(
             md,
@@ -565,6 +568,87 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     let key = schemas::keys::report_file(run_id, "report.md");
     store.put(&key, Bytes::from(md)).await?;
     Ok(store.object_url(&key))
+}
+
+/// The editor run's report: `report.md` and `editor.png` under the run's reports.
+pub async fn write_editor_report(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
+    let s = Series::load(store, run_id).await?;
+    let patches: Vec<PatchRecord> = read_committed(store, run_id, &keys::patches_prefix(run_id)).await?;
+    let mut by_step: BTreeMap<u32, Vec<PatchRecord>> = BTreeMap::new();
+    for p in patches {
+        by_step.entry(p.step).or_default().push(p);
+    }
+    let dir = tempfile::tempdir().context("cannot create a temporary folder for plots")?;
+    let path = dir.path().join("editor.png");
+    line_plot_over(
+        &path,
+        "Harness editor by step",
+        "step",
+        "value",
+        &[
+            ("valid-patch rate", s.get("valid_patch_rate")),
+            ("mean patch reward (Eq. 1)", s.get("mean_patch_reward")),
+            ("best patch reward", s.get("best_patch_reward")),
+        ],
+    )
+    .context("drawing editor.png")?;
+    store.put(&keys::report_file(run_id, "editor.png"), Bytes::from(std::fs::read(&path)?)).await?;
+    let mut md = format!("# Editor run `{run_id}`\n\n");
+    if let Ok(stored) = handlers::inputs::load_stored(store, run_id).await {
+        md.push_str(&spec_summary(&stored));
+    }
+    md.push_str(&editor_table(&s));
+    md.push_str("\n![editor](editor.png)\n\n## Best patch per step\n\n");
+    for (step, ps) in &by_step {
+        match best_patch(ps) {
+            Some(b) => {
+                let reply: String = b.reply.chars().take(600).collect();
+                let _ = writeln!(
+                    md,
+                    "### Step {step}: `{}`, reward {:.3} (per task Rᴾ {:?})\n\n```\n{reply}\n```\n",
+                    b.child_harness_id.as_deref().unwrap_or(""),
+                    b.reward,
+                    b.patched_rewards
+                );
+            }
+            None => {
+                let _ = writeln!(md, "### Step {step}: no valid patch among {}\n", ps.len());
+            }
+        }
+    }
+    let key = keys::report_file(run_id, "report.md");
+    store.put(&key, Bytes::from(md)).await?;
+    Ok(store.object_url(&key))
+}
+
+/// The per-step table of an editor run (Markdown).
+pub fn editor_table(s: &Series) -> String {
+    let cols = [
+        "patches",
+        "valid_patch_rate",
+        "mean_patch_reward",
+        "best_patch_reward",
+        "effective_group_rate",
+        POLICY_TOKENS_TRAINED,
+        LOSS,
+        GRAD_NORM,
+        MISMATCH_MAX,
+    ];
+    let steps: std::collections::BTreeSet<u32> = cols.iter().flat_map(|c| s.get(c).iter().map(|p| p.0)).collect();
+    let mut out = format!("| step | {} |\n|---|{}\n", cols.join(" | "), "---:|".repeat(cols.len()));
+    for step in steps {
+        let _ = write!(out, "| {step} |");
+        for c in cols {
+            match s.get(c).iter().find(|p| p.0 == step) {
+                Some((_, v)) => {
+                    let _ = write!(out, " {} |", number(*v));
+                }
+                None => out.push_str(" – |"),
+            }
+        }
+        out.push('\n');
+    }
+    out
 }
 
 #[cfg(test)]
@@ -684,7 +768,7 @@ mod tests {
         assert!(t.contains("| profiler | – | – | – |"), "{t}");
         assert!(t.contains("| 5000 |"), "{t}");
         assert!(!t.contains("| evolve |"), "stages that did not run have no row: {t}");
-        assert!(cost_table(&series(&[("loss", &[(1, 0.1)])])).is_none());
+        assert!(cost_table(&series(&[(LOSS, &[(1, 0.1)])])).is_none());
     }
 
     #[test]

@@ -170,6 +170,41 @@ pub fn job_of_part(key: &str) -> Option<&str> {
     file.strip_prefix("part-")?.strip_suffix(".parquet").filter(|id| !id.is_empty())
 }
 
+/// The job whose done-marker `key` is (`runs/<run>/jobs/<job>.done.json` → `<job>`), or
+/// `None` for a key that is not a done-marker.
+pub fn job_of_marker(key: &str) -> Option<&str> {
+    let (prefix, file) = key.rsplit_once('/')?;
+    prefix.ends_with("/jobs").then_some(())?;
+    file.strip_suffix(".done.json").filter(|id| !id.is_empty())
+}
+
+/// A checkpoint a location names: `runs/<run>/checkpoints/step=<n>` somewhere in a key, a
+/// checkpoint folder's path or a store URL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckpointRef<'a> {
+    pub run_id: &'a str,
+    pub step: u32,
+}
+
+/// The checkpoint `location` names (see [`CheckpointRef`]): `Ok(None)` when it names none
+/// (a model path or name), an error when its `step=` holds no number or its folder is not
+/// under `runs/<run>/`.
+pub fn checkpoint_of(location: &str) -> Result<Option<CheckpointRef<'_>>, String> {
+    const MARK: &str = "/checkpoints/step=";
+    let Some(at) = location.rfind(MARK) else {
+        return Ok(None);
+    };
+    let digits: String = location[at + MARK.len()..].chars().take_while(char::is_ascii_digit).collect();
+    let step = digits.parse::<u32>().map_err(|_| format!("`{location}` names no checkpoint step"))?;
+    let before = &location[..at];
+    let run_id = before.rsplit('/').next().unwrap_or("");
+    let under_runs = before.strip_suffix(run_id).is_some_and(|p| p.ends_with("runs/") || p == "runs/");
+    if !under_runs || run_id.is_empty() {
+        return Err(format!("`{location}` names a checkpoint outside a run (`runs/<run>/checkpoints/step=<n>`)"));
+    }
+    Ok(Some(CheckpointRef { run_id, step }))
+}
+
 /// `runs/<run>/cancel`: a cancel request.
 pub fn cancel(run_id: &str) -> String {
     format!("runs/{run_id}/cancel")
@@ -185,5 +220,18 @@ mod tests {
         assert_eq!(job_of_part(&profile_part("r", "c0", "f00")), Some("f00"));
         assert_eq!(job_of_part("runs/r/jobs/abc.done.json"), None);
         assert_eq!(job_of_part("runs/r/x/part-.parquet"), None);
+        assert_eq!(job_of_marker(&done_marker("r", "abc")), Some("abc"));
+        assert_eq!(job_of_marker("runs/r/jobs/.done.json"), None);
+        assert_eq!(job_of_marker(&trajectory_part("r", 2, RolloutKind::Base, "abc")), None);
+    }
+
+    #[test]
+    fn checkpoint_locations_name_their_run_and_step() {
+        let at = |run_id, step| Ok(Some(CheckpointRef { run_id, step }));
+        assert_eq!(checkpoint_of(&format!("{}manifest.json", checkpoint_dir("r1", 3))), at("r1", 3));
+        assert_eq!(checkpoint_of("s3://b/p/runs/r1/checkpoints/step=12"), at("r1", 12));
+        assert_eq!(checkpoint_of("/models/smollm2.gguf"), Ok(None));
+        assert!(checkpoint_of("/tmp/x/checkpoints/step=2").is_err(), "not under runs/");
+        assert!(checkpoint_of("runs/r1/checkpoints/step=x").is_err());
     }
 }

@@ -39,8 +39,9 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use jobs::policy::PolicyError;
-use native::engine::EngineConfig;
-use native::{NativePolicy, Tokenizer};
+use native::infer::engine::EngineConfig;
+use native::infer::policy::NativePolicy;
+use native::model::Tokenizer;
 use openai::BadRequest;
 
 /// Why the server could not start or load weights.
@@ -195,7 +196,7 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     };
     let loaded = state.current();
     let tok = loaded.policy.tokenizer().clone();
-    let prompt = match native::policy::prompt_ids(&tok, &messages, &tools) {
+    let prompt = match native::model::chat::prompt_ids(&tok, &messages, &tools) {
         Ok(p) => p,
         Err(e) => return error(BadRequest::field("messages", e.to_string())),
     };
@@ -331,7 +332,7 @@ async fn load_weights(state: &AppState, model_path: &str) -> Result<Loaded, Serv
     let tokenizer = state.current().policy.tokenizer().clone();
     let (device, engine, name) = (state.device, state.engine.clone(), model_path.to_string());
     let policy = tokio::task::spawn_blocking(move || -> Result<NativePolicy, ServeError> {
-        let model = if dir.is_dir() { native::hf::load_model(&dir, device)? } else { native::loader::load(&dir, device)?.0 };
+        let model = if dir.is_dir() { native::model::hf::load_model(&dir, device)? } else { native::model::loader::load(&dir, device)?.0 };
         Ok(NativePolicy::with_tokenizer(model, tokenizer, name, engine)?)
     })
     .await
@@ -345,9 +346,9 @@ async fn fetch_folder(url: &str, into: &Path) -> Result<(), ServeError> {
     let fail = |e: infra::store::StoreError| ServeError::Weights(e.to_string());
     let store = infra::store::open_store(url).await.map_err(fail)?;
     let objects = store.list("").await.map_err(fail)?;
-    let wanted: Vec<_> = objects.iter().filter(|o| !o.key.contains('/') && o.key != native::checkpoint::OPTIMIZER_FILE).collect();
-    if !wanted.iter().any(|o| o.key == native::checkpoint::MODEL_FILE) {
-        return Err(ServeError::Weights(format!("no {} under {}", native::checkpoint::MODEL_FILE, infra::redact_url(url))));
+    let wanted: Vec<_> = objects.iter().filter(|o| !o.key.contains('/') && o.key != native::train::checkpoint::OPTIMIZER_FILE).collect();
+    if !wanted.iter().any(|o| o.key == native::train::checkpoint::MODEL_FILE) {
+        return Err(ServeError::Weights(format!("no {} under {}", native::train::checkpoint::MODEL_FILE, infra::redact_url(url))));
     }
     for o in wanted {
         let bytes = store.get(&o.key).await.map_err(fail)?;

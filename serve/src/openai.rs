@@ -7,7 +7,7 @@ use serde_json::{json, Map, Value};
 
 use jobs::env::{ToolCall, ToolSpec};
 use jobs::policy::{Message, SamplingParams};
-use native::sampler::{Finish, Generation};
+use native::infer::sampler::{Finish, Generation};
 use schemas::Role;
 
 /// A request the server refuses, with the field it names (HTTP 400, or 404 for a model).
@@ -152,7 +152,7 @@ pub struct Sampling {
     #[serde(default)]
     pub return_token_ids: Option<bool>,
     /// harness-s's own field: decode in this grammar (`"harness_patch"`: one harness patch,
-    /// [`native::grammar`]); the answer echoes it as `constrain`.
+    /// [`native::infer::grammar`]); the answer echoes it as `constrain`.
     #[serde(default)]
     pub constrain: Option<String>,
 }

@@ -4,19 +4,19 @@
 
 use std::sync::Arc;
 
-use native::checkpoint::{CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE};
 use native::device::Device;
-use native::{Llama, LlamaConfig};
+use native::model::{Llama, LlamaConfig};
+use native::train::checkpoint::{CONFIG_FILE, MODEL_FILE, OPTIMIZER_FILE};
 use serde_json::{json, Value};
 
 const WORDS: [&str; 8] = ["user", "assistant", "count", "rows", "yes", "no", "maybe", "ten"];
 
-fn write_model(dir: &std::path::Path, seed: u64, tokenizer: Option<&native::Tokenizer>) {
-    let vocab = native::tokenizer::word_level(&WORDS).vocab_size() as i64;
+fn write_model(dir: &std::path::Path, seed: u64, tokenizer: Option<&native::model::Tokenizer>) {
+    let vocab = native::model::tokenizer::word_level(&WORDS).vocab_size() as i64;
     let model = Llama::new(LlamaConfig::tiny(vocab, 32, 2), Device::Cpu, seed).unwrap();
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join(CONFIG_FILE), model.config.to_hf_json().to_string()).unwrap();
-    std::fs::write(dir.join(MODEL_FILE), native::hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
+    std::fs::write(dir.join(MODEL_FILE), native::model::hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
     if let Some(t) = tokenizer {
         std::fs::write(dir.join("tokenizer.json"), t.to_json().unwrap()).unwrap();
     }
@@ -41,7 +41,7 @@ async fn greedy_logprobs(addr: &str) -> (Vec<f64>, Option<String>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_in_a_store_replaces_the_served_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let tok = native::tokenizer::word_level(&WORDS);
+    let tok = native::model::tokenizer::word_level(&WORDS);
     let base = dir.path().join("base");
     write_model(&base, 1, Some(&tok));
     // the learner's layout: runs/<run>/checkpoints/step=<n>/ with an optimizer file beside

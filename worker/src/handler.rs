@@ -53,6 +53,14 @@ impl JobFailure {
             JobFailure::Fatal(e.to_string())
         }
     }
+
+    /// The same failure with `what` (a spec field, a component) before its message.
+    pub fn context(self, what: &str) -> JobFailure {
+        match self {
+            JobFailure::Retryable(m) => JobFailure::Retryable(format!("{what}: {m}")),
+            JobFailure::Fatal(m) => JobFailure::Fatal(format!("{what}: {m}")),
+        }
+    }
 }
 
 /// Runs jobs of one kind. Outputs are written through `ctx.store` under keys derived

@@ -176,6 +176,17 @@ pub async fn commit(store: &dyn ObjectStore, marker_key: &str, marker: &schemas:
     Ok(outcome)
 }
 
+/// A store URL with a plain relative path made a `file://` URL of its absolute folder
+/// (taken relative to the current folder); other URLs come back unchanged.
+pub fn absolute_url(url: &str) -> String {
+    if url.contains("://") {
+        url.to_string()
+    } else {
+        let p = std::path::absolute(url).unwrap_or_else(|_| std::path::PathBuf::from(url));
+        format!("file://{}", p.display())
+    }
+}
+
 /// Opens the store a URL names: `file:///abs/dir` (or a plain path) → [`LocalStore`],
 /// `s3://bucket/prefix[?endpoint=URL&region=R&path_style=true]` → [`S3Store`].
 pub async fn open_store(url: &str) -> Result<Arc<dyn ObjectStore>> {

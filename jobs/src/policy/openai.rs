@@ -168,6 +168,13 @@ fn default_max_backoff() -> u64 {
 }
 
 impl OpenAiConfig {
+    /// The weight-sync endpoint of this server, with the key `api_key_env` names (the
+    /// routes of [`super::weight_sync`] live at the server's root).
+    pub fn weight_endpoint(&self, timeout: std::time::Duration) -> Result<super::weight_sync::Endpoint, super::weight_sync::SyncError> {
+        let key = self.api_key_env.as_ref().and_then(|v| std::env::var(v).ok()).filter(|k| !k.is_empty());
+        super::weight_sync::Endpoint::new(&self.base_url, key, timeout)
+    }
+
     /// A config with the defaults: native tools, logprobs on, 120 s per attempt, 4
     /// attempts within 300 s, backoff 0.5 s doubling to 20 s.
     pub fn new(base_url: impl Into<String>, model: impl Into<String>) -> Self {

@@ -72,12 +72,6 @@ impl Endpoint {
         Ok(Endpoint { root, http, api_key })
     }
 
-    /// The endpoint of a policy's client settings, with the key its `api_key_env` names.
-    pub fn of_policy(config: &super::openai::OpenAiConfig, timeout: Duration) -> Result<Endpoint, SyncError> {
-        let key = config.api_key_env.as_ref().and_then(|v| std::env::var(v).ok()).filter(|k| !k.is_empty());
-        Endpoint::new(&config.base_url, key, timeout)
-    }
-
     pub fn root(&self) -> &str {
         &self.root
     }

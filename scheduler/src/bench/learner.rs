@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use native::learner::{grpo, AdamWConfig, Batch, Learner, LearnerConfig, Precision, Sample};
 use native::model::{Llama, LlamaConfig};
+use native::train::learner::{grpo, AdamWConfig, Batch, Learner, LearnerConfig, Precision, Sample};
 
 #[derive(Debug, Args)]
 pub struct LearnerArgs {
@@ -124,8 +124,8 @@ pub async fn run(args: LearnerArgs) -> anyhow::Result<u8> {
     let stored = match &args.replay {
         Some(url) => {
             let run = args.run.clone().context("--replay needs --run")?;
-            let store = infra::store::open_store(&crate::cli::absolute_store(url)).await.with_context(|| format!("--replay {url}"))?;
-            let (groups, trajectories) = native::learn::read_step(store.as_ref(), &run, args.step)
+            let store = infra::store::open_store(&infra::store::absolute_url(url)).await.with_context(|| format!("--replay {url}"))?;
+            let (groups, trajectories) = native::train::learn::read_step(store.as_ref(), &run, args.step)
                 .await
                 .with_context(|| format!("--replay: run `{run}` step {}", args.step))?;
             anyhow::ensure!(!groups.is_empty(), "--replay: run `{run}` has no groups at step {} in {url}", args.step);
@@ -148,7 +148,7 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
     let precision = Precision::parse(&args.precision, "--precision")?;
     native::device::set_cpu_threads(args.threads);
     let model = match &args.model {
-        Some(p) => native::loader::load(p, device)?.0,
+        Some(p) => native::model::loader::load(p, device)?.0,
         None if args.shape == "smollm2-135m" => Llama::new(smollm2_135m(), device, 0)?,
         None => Llama::new(LlamaConfig::tiny(args.vocab, args.width, args.layers), device, 0)?,
     };
@@ -173,8 +173,8 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
     );
     if let Some((run, groups, trajectories)) = stored {
         let path = args.tokenizer.as_ref().or(args.model.as_ref()).context("--replay needs --tokenizer (or --model)")?;
-        let tok = native::loader::load_tokenizer(path).with_context(|| format!("--tokenizer {}", path.display()))?;
-        let batch = native::learner::data::batch_from_groups(&groups, &trajectories, &tok, &Default::default())?;
+        let tok = native::model::loader::load_tokenizer(path).with_context(|| format!("--tokenizer {}", path.display()))?;
+        let batch = native::train::learner::data::batch_from_groups(&groups, &trajectories, &tok, &Default::default())?;
         let largest = batch.samples.iter().flat_map(|s| s.context.iter().chain(&s.completion)).max().copied().unwrap_or(0);
         anyhow::ensure!(
             largest < vocab,
@@ -316,7 +316,7 @@ fn resume_difference(mut learner: Learner, first: &Batch, second: &Batch, device
     let store = infra::store::LocalStore::new(dir.path())?;
     let rt = tokio::runtime::Handle::current();
     learner.update(first)?;
-    let info = native::checkpoint::SaveInfo {
+    let info = native::train::checkpoint::SaveInfo {
         run_id: "resume-check".into(),
         step: 1,
         parent: None,
@@ -324,10 +324,10 @@ fn resume_difference(mut learner: Learner, first: &Batch, second: &Batch, device
         metrics: Default::default(),
         dtype: Default::default(),
     };
-    rt.block_on(native::checkpoint::save(&store, &learner, None, &info))?;
+    rt.block_on(native::train::checkpoint::save(&store, &learner, None, &info))?;
     learner.update(second)?;
     let config = learner.config.clone();
-    let mut resumed = rt.block_on(native::checkpoint::load(&store, "resume-check", 1, device, config))?.learner;
+    let mut resumed = rt.block_on(native::train::checkpoint::load(&store, "resume-check", 1, device, config))?.learner;
     resumed.update(second)?;
     let mut largest = 0f64;
     for ((name, a), (_, b)) in learner.model.named_tensors().iter().zip(resumed.model.named_tensors()) {

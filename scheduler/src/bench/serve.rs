@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use native::engine::EngineConfig;
-use native::packed::WeightFormat;
+use native::infer::engine::EngineConfig;
+use native::infer::packed::WeightFormat;
 
 use super::sampler::{smollm2_gguf, start_llama_server, wait_for_models};
 

@@ -95,13 +95,13 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<u8> {
     let (model_name, flags) = cpu();
     let has = |f: &str| flags.iter().any(|x| x == f);
     let listed: Vec<&str> = ["avx2", "fma", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"].into_iter().filter(|f| has(f)).collect();
-    let isa = native::kernels::isa();
+    let isa = native::infer::kernels::isa();
     r.line(
         Verdict::Ok,
         "cpu",
         format!("{model_name}, {} threads; lists {}; engine kernels: {}", num_threads(), listed.join(" "), isa.name()),
     );
-    if has("amx_tile") && isa != native::kernels::Isa::Amx {
+    if has("amx_tile") && isa != native::infer::kernels::Isa::Amx {
         r.line(
             Verdict::Warn,
             "amx",
@@ -115,7 +115,7 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<u8> {
         r.line(Verdict::Warn, "cpu", "no AVX2: the engine's portable kernels run, several times slower");
     }
 
-    match native::loader::resolve_model_with(&args.model, Path::new("."), &args.python) {
+    match native::model::loader::resolve_model_with(&args.model, Path::new("."), &args.python) {
         Ok(path) => match std::fs::metadata(&path) {
             Ok(m) if path.is_dir() || m.len() > 0 => {
                 r.line(Verdict::Ok, "model", format!("{} resolves to {} ({:.0} MB)", args.model, path.display(), m.len() as f64 / 1e6))
@@ -189,7 +189,7 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<u8> {
         Ok(out) if out.status.success() => {
             let text = String::from_utf8_lossy(&out.stdout);
             let version = text.lines().next().unwrap_or("?");
-            if text.contains("AMX = 1") && isa != native::kernels::Isa::Amx {
+            if text.contains("AMX = 1") && isa != native::infer::kernels::Isa::Amx {
                 r.line(
                     Verdict::Warn,
                     "llama.cpp",

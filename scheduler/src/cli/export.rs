@@ -40,7 +40,7 @@ pub enum GgufType {
     Q8_0,
 }
 
-impl From<GgufType> for native::export::TensorType {
+impl From<GgufType> for native::model::export::TensorType {
     fn from(t: GgufType) -> Self {
         match t {
             GgufType::F32 => Self::F32,
@@ -66,20 +66,20 @@ async fn gguf(args: GgufArgs) -> anyhow::Result<u8> {
             stored.base_model.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "no starting weights".into())
         );
     };
-    let base = native::gguf::GgufFile::open(base).with_context(|| format!("reading the run's starting GGUF {}", base.display()))?;
+    let base = native::model::gguf::GgufFile::open(base).with_context(|| format!("reading the run's starting GGUF {}", base.display()))?;
     let step = match args.step {
         Some(s) => s,
         None => {
-            native::checkpoint::latest(store.as_ref(), &args.run)
+            native::train::checkpoint::latest(store.as_ref(), &args.run)
                 .await?
                 .with_context(|| format!("run `{}` has no checkpoint yet (nothing was trained)", args.run))?
                 .step
         }
     };
-    let (model, _, manifest) = native::checkpoint::load_model(store.as_ref(), &args.run, step, native::device::Device::Cpu)
+    let (model, _, manifest) = native::train::checkpoint::load_model(store.as_ref(), &args.run, step, native::device::Device::Cpu)
         .await
         .with_context(|| format!("loading checkpoint step {step} of run `{}`", args.run))?;
-    let bytes = native::export::gguf_bytes_as(&base, &model, args.ty.into())?;
+    let bytes = native::model::export::gguf_bytes_as(&base, &model, args.ty.into())?;
     std::fs::write(&args.out, &bytes).with_context(|| format!("--out {}", args.out.display()))?;
     println!(
         "{}: step {step} of run `{}` (weights of step {}), {} tensors ({:?} matrices), {} bytes",

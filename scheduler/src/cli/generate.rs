@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use jobs::policy::Message;
-use native::sampler::{generate, Finish, GenerateOptions};
+use native::infer::sampler::{generate, Finish, GenerateOptions};
 use schemas::Role;
 
 #[derive(Debug, Args)]
@@ -60,8 +60,8 @@ fn run_blocking(args: &GenerateArgs) -> anyhow::Result<u8> {
     }
     let device = native::device::resolve(&args.device, "--device")?;
     let started = Instant::now();
-    let path = native::loader::resolve_model(&args.model, std::path::Path::new("."))?;
-    let (model, tok) = native::loader::load(&path, device).with_context(|| format!("cannot load the model {}", path.display()))?;
+    let path = native::model::loader::resolve_model(&args.model, std::path::Path::new("."))?;
+    let (model, tok) = native::model::loader::load(&path, device).with_context(|| format!("cannot load the model {}", path.display()))?;
     tracing::info!(model = %path.display(), layers = model.config.num_hidden_layers, hidden = model.config.hidden_size, seconds = started.elapsed().as_secs_f64(), "model loaded");
     let prompt = if args.chat { tok.encode_chat(&[Message::new(Role::User, args.prompt.clone())])? } else { tok.encode(&args.prompt)? };
     let opts = if args.greedy {

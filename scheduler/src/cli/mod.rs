@@ -203,23 +203,13 @@ pub const DEFAULT_STORE: &str = "harness-s-data";
 impl StoreArg {
     /// The URL with a relative folder made absolute (taken relative to the current folder).
     pub fn url(&self) -> String {
-        absolute_store(&self.url)
+        infra::store::absolute_url(&self.url)
     }
 
     /// Opens the store; errors name the flag.
     pub async fn open(&self) -> anyhow::Result<std::sync::Arc<dyn infra::store::ObjectStore>> {
         use anyhow::Context;
         infra::store::open_store(&self.url()).await.with_context(|| format!("--store {}", infra::redact_url(&self.url)))
-    }
-}
-
-/// A relative plain path as store URL is taken relative to the current folder.
-pub fn absolute_store(url: &str) -> String {
-    if url.contains("://") {
-        url.to_string()
-    } else {
-        let p = std::path::absolute(url).unwrap_or_else(|_| std::path::PathBuf::from(url));
-        format!("file://{}", p.display())
     }
 }
 

@@ -173,19 +173,19 @@ pub async fn run(args: RolloutArgs) -> anyhow::Result<u8> {
     let factory = DbBenchFactory { tasks: Arc::new(all), config: env_config };
     let policy: Box<dyn jobs::policy::Policy> = match &args.native {
         Some(reference) => {
-            let path =
-                native::loader::resolve_model(reference, &std::env::current_dir()?).with_context(|| format!("--native {reference}"))?;
+            let path = native::model::loader::resolve_model(reference, &std::env::current_dir()?)
+                .with_context(|| format!("--native {reference}"))?;
             if let Some(n) = args.threads {
                 native::device::set_cpu_threads(n);
             }
             let threads = args.threads.and_then(|n| usize::try_from(n).ok()).filter(|&n| n > 0);
-            let engine = native::engine::EngineConfig {
-                weights: native::packed::WeightFormat::parse(&args.rollout_weights)?,
+            let engine = native::infer::engine::EngineConfig {
+                weights: native::infer::packed::WeightFormat::parse(&args.rollout_weights)?,
                 threads,
                 ..Default::default()
             };
             Box::new(
-                native::policy::NativePolicy::load(&path, native::device::Device::Cpu, engine)
+                native::infer::policy::NativePolicy::load(&path, native::device::Device::Cpu, engine)
                     .with_context(|| format!("--native {}", path.display()))?,
             )
         }

@@ -128,7 +128,7 @@ async fn print_summary(store: &dyn infra::store::ObjectStore, run_id: &str) -> a
     let series = crate::report::Series::load(store, run_id).await?;
     let editor_run = crate::run::inputs::load_stored(store, run_id).await.is_ok_and(|r| r.spec.editor_training.is_some());
     if editor_run {
-        println!("\n{}", crate::run::editor::editor_table(&series));
+        println!("\n{}", crate::report::editor_table(&series));
     } else {
         println!("\n{}", crate::report::update_table(&series));
     }

@@ -38,14 +38,15 @@ pub struct ServeArgs {
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     let device = native::device::resolve(&args.device, "--device")?;
-    let path = native::loader::resolve_model(&args.model, std::path::Path::new(".")).with_context(|| format!("--model {}", args.model))?;
+    let path =
+        native::model::loader::resolve_model(&args.model, std::path::Path::new(".")).with_context(|| format!("--model {}", args.model))?;
     let name = args
         .served_model_name
         .clone()
         .unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| args.model.clone()));
-    let weights = native::packed::WeightFormat::parse(&args.weights).map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
+    let weights = native::infer::packed::WeightFormat::parse(&args.weights).map_err(|e| anyhow::anyhow!("--weights: {e}"))?;
     weights.check_device(device, "--weights")?;
-    let engine = native::engine::EngineConfig {
+    let engine = native::infer::engine::EngineConfig {
         max_batch: args.max_concurrent_sequences,
         weights,
         threads: Some(args.threads),

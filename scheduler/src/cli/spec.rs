@@ -77,7 +77,7 @@ fn pool_size(loaded: &LoadedSpec) -> anyhow::Result<Option<usize>> {
         return Ok(None);
     }
     match &spec.pool.dir {
-        Some(dir) => Ok(Some(crate::run::inputs::read_pool(&loaded.resolve(dir), &spec.environment.validate_options())?.len())),
+        Some(dir) => Ok(Some(handlers::harnesses::read_pool(&loaded.resolve(dir), &spec.environment.validate_options())?.len())),
         None => Ok(Some(0)),
     }
 }

@@ -91,7 +91,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<u8> {
     config.grace = settings.grace;
     let metrics = Metrics::new();
     let _server = super::serve_metrics(&metrics, args.metrics_addr).await?;
-    let worker = Worker::new(queue.clone(), Arc::clone(&store), crate::run::handlers::registry(), config)?.with_metrics(metrics);
+    let worker = Worker::new(queue.clone(), Arc::clone(&store), handlers::registry(), config)?.with_metrics(metrics);
     let summary = worker.run(shutdown).await;
     // Jobs given up after the grace period dropped their environments; sessions they held on
     // environment servers end here rather than at the servers' expiry.

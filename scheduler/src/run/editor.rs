@@ -12,12 +12,7 @@
 //!
 //! Every unit is a job with a deterministic id, so a resumed run redoes nothing.
 
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
-
 use anyhow::{bail, Context};
-use bytes::Bytes;
-use infra::store::ObjectStore;
 use infra::table::{read_committed, read_records, write_records};
 use jobs::edit::{best_patch, EditInput, EditSummary};
 use jobs::policy::Constrain;
@@ -25,22 +20,11 @@ use jobs::policy::SamplingParams;
 use jobs::rollout::RolloutInput;
 use schemas::{job_id, keys, JobIdParts, JobKind, PatchRecord, RolloutKind, Split, TracePacket};
 
-use super::handlers::{EditJob, RolloutJob};
 use super::machine::{unit_seed, Scheduler};
 use super::spec::EditorTrainingSection;
 use super::stage::{Stage, UpdatePart};
 use super::state::RunState;
-
-/// The stages of an editor run.
-pub fn stages(e: &EditorTrainingSection) -> Vec<Stage> {
-    let mut s = vec![Stage::Packets];
-    for u in 1..=e.steps {
-        s.push(Stage::Update(u, UpdatePart::Edit));
-        s.push(Stage::Update(u, UpdatePart::Learn));
-    }
-    s.push(Stage::Report);
-    s
-}
+use handlers::{EditJob, RolloutJob};
 
 /// The packet part of a run (one, written by the packets stage).
 fn packets_key(run_id: &str) -> String {
@@ -129,7 +113,7 @@ impl Scheduler {
         let chosen: Vec<&TracePacket> = (0..(e.packets_per_step as usize).min(n)).map(|i| &packets[(first + i) % n]).collect();
         let editor_step = st.latest_checkpoint;
         let editor_checkpoint = match editor_step {
-            Some(s) => native::checkpoint::manifest_key(self.run_id(), s),
+            Some(s) => native::train::checkpoint::manifest_key(self.run_id(), s),
             None => self.inputs.stored.editor_model.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
         };
         // An endpoint editor samples from the editor's latest weights.
@@ -195,99 +179,5 @@ impl Scheduler {
             ("editor_policy_tokens", summaries.iter().map(|s| s.policy_tokens as f64).sum()),
         ];
         self.write_metrics(u, "edit", &values, st).await
-    }
-}
-
-/// The editor run's report: `report.md` and `editor.png` under the run's reports.
-pub async fn write_report(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
-    let s = crate::report::Series::load(store, run_id).await?;
-    let patches: Vec<PatchRecord> = read_committed(store, run_id, &keys::patches_prefix(run_id)).await?;
-    let mut by_step: BTreeMap<u32, Vec<PatchRecord>> = BTreeMap::new();
-    for p in patches {
-        by_step.entry(p.step).or_default().push(p);
-    }
-    let dir = tempfile::tempdir().context("cannot create a temporary folder for plots")?;
-    let path = dir.path().join("editor.png");
-    crate::report::line_plot_over(
-        &path,
-        "Harness editor by step",
-        "step",
-        "value",
-        &[
-            ("valid-patch rate", s.get("valid_patch_rate")),
-            ("mean patch reward (Eq. 1)", s.get("mean_patch_reward")),
-            ("best patch reward", s.get("best_patch_reward")),
-        ],
-    )
-    .context("drawing editor.png")?;
-    store.put(&keys::report_file(run_id, "editor.png"), Bytes::from(std::fs::read(&path)?)).await?;
-    let mut md = format!("# Editor run `{run_id}`\n\n");
-    if let Ok(stored) = super::inputs::load_stored(store, run_id).await {
-        md.push_str(&crate::report::spec_summary(&stored));
-    }
-    md.push_str(&editor_table(&s));
-    md.push_str("\n![editor](editor.png)\n\n## Best patch per step\n\n");
-    for (step, ps) in &by_step {
-        match best_patch(ps) {
-            Some(b) => {
-                let reply: String = b.reply.chars().take(600).collect();
-                let _ = writeln!(
-                    md,
-                    "### Step {step}: `{}`, reward {:.3} (per task Rᴾ {:?})\n\n```\n{reply}\n```\n",
-                    b.child_harness_id.as_deref().unwrap_or(""),
-                    b.reward,
-                    b.patched_rewards
-                );
-            }
-            None => {
-                let _ = writeln!(md, "### Step {step}: no valid patch among {}\n", ps.len());
-            }
-        }
-    }
-    let key = keys::report_file(run_id, "report.md");
-    store.put(&key, Bytes::from(md)).await?;
-    Ok(store.object_url(&key))
-}
-
-/// The per-step table of an editor run (Markdown).
-pub fn editor_table(s: &crate::report::Series) -> String {
-    let cols = [
-        "patches",
-        "valid_patch_rate",
-        "mean_patch_reward",
-        "best_patch_reward",
-        "effective_group_rate",
-        "policy_tokens_trained",
-        "loss",
-        "grad_norm",
-        "mismatch_max",
-    ];
-    let steps: std::collections::BTreeSet<u32> = cols.iter().flat_map(|c| s.get(c).iter().map(|p| p.0)).collect();
-    let mut out = format!("| step | {} |\n|---|{}\n", cols.join(" | "), "---:|".repeat(cols.len()));
-    for step in steps {
-        let _ = write!(out, "| {step} |");
-        for c in cols {
-            match s.get(c).iter().find(|p| p.0 == step) {
-                Some((_, v)) => {
-                    let _ = write!(out, " {} |", crate::report::number(*v));
-                }
-                None => out.push_str(" – |"),
-            }
-        }
-        out.push('\n');
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_editor_run_alternates_edit_and_learn_after_the_packets() {
-        let e: EditorTrainingSection = toml::from_str("steps = 2").unwrap();
-        let labels: Vec<String> = stages(&e).iter().map(|s| s.to_string()).collect();
-        assert_eq!(labels, ["packets", "update:1:edit", "update:1:learn", "update:2:edit", "update:2:learn", "report"]);
-        assert_eq!((e.patches, e.packets_per_step, e.parent.as_str()), (8, 2, "h0"));
     }
 }

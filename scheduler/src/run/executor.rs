@@ -156,13 +156,7 @@ impl Executor {
 
     /// Job ids with a done-marker.
     async fn markers(&self, prefix: &str) -> anyhow::Result<BTreeSet<String>> {
-        Ok(self
-            .store
-            .list(prefix)
-            .await?
-            .into_iter()
-            .filter_map(|o| o.key.strip_prefix(prefix).and_then(|k| k.strip_suffix(".done.json")).map(str::to_string))
-            .collect())
+        Ok(self.store.list(prefix).await?.into_iter().filter_map(|o| schemas::keys::job_of_marker(&o.key).map(str::to_string)).collect())
     }
 }
 

@@ -30,10 +30,10 @@ use schemas::{
 };
 
 use super::executor::{output_keys, Executor, StageError};
-use super::handlers::{LearnJob, ReanchorJob, RolloutJob};
 use super::inputs::RunInputs;
 use super::stage::{Stage, UpdatePart};
 use super::state::{self, RunState, RunStatus};
+use handlers::{LearnJob, ReanchorJob, RolloutJob};
 
 /// Seconds an endpoint may take to load a checkpoint (and to come back when restarting).
 const WEIGHT_LOAD_TIMEOUT_S: u64 = 600;
@@ -59,7 +59,7 @@ pub struct Scheduler {
     pub exec: Executor,
     pub inputs: Arc<RunInputs>,
     /// Costs of the stage running now (Table 9), stored when it finishes.
-    pub cost: std::sync::Mutex<super::cost::StageCost>,
+    pub cost: std::sync::Mutex<crate::cost::StageCost>,
     /// Run-level gauges (Prometheus).
     pub metrics: worker::Metrics,
 }
@@ -147,7 +147,7 @@ impl<'a> RolloutRequest<'a> {
 /// update stages, final calibration, evaluation, report.
 pub fn stages(spec: &super::spec::RunSpec) -> Vec<Stage> {
     if let Some(e) = &spec.editor_training {
-        return super::editor::stages(e);
+        return super::stage::editor_stages(e);
     }
     let mut s = vec![];
     if spec.evolution.is_some() {
@@ -331,9 +331,9 @@ impl Scheduler {
             base: self.spec().pool.base.is_some().then(|| self.inputs.base()),
         };
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "evolve", ..Default::default() });
-        let payload = serde_json::to_value(super::handlers::EvolveJob { input })?;
+        let payload = serde_json::to_value(handlers::EvolveJob { input })?;
         let markers = self.exec.run(self.run_id(), "evolve", vec![self.envelope(id, JobKind::Evolve, payload)]).await?;
-        for (component, usage) in super::handlers::spend_of(&markers[0].result) {
+        for (component, usage) in handlers::spend_of(&markers[0].result) {
             self.cost_mut().add_llm(&component, usage);
         }
         if let Some(why) = markers[0].result.get("stopped").and_then(|v| v.as_str()) {
@@ -455,7 +455,7 @@ impl Scheduler {
         Ok(())
     }
 
-    fn cost_mut(&self) -> std::sync::MutexGuard<'_, super::cost::StageCost> {
+    fn cost_mut(&self) -> std::sync::MutexGuard<'_, crate::cost::StageCost> {
         self.cost.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -464,7 +464,7 @@ impl Scheduler {
     async fn write_cost(&self, stage: Stage, wall_seconds: f64, st: &RunState) -> anyhow::Result<()> {
         let values = self.cost_mut().metrics(wall_seconds);
         let refs: Vec<(&str, f64)> = values.iter().map(|(n, v)| (n.as_str(), *v)).collect();
-        let kind = format!("{}{}", super::cost::STAGE_PREFIX, stage.kind());
+        let kind = format!("{}{}", crate::cost::STAGE_PREFIX, stage.kind());
         let step = stage.step(self.spec().algorithm.updates);
         self.write_metric_part(step, &kind, &format!("cost:{stage}"), &refs, st).await
     }
@@ -488,7 +488,7 @@ impl Scheduler {
                 stage: stage.to_string(),
                 name: name.to_string(),
                 value: *value,
-                policy_checkpoint: st.latest_checkpoint.map(|s| native::checkpoint::manifest_key(self.run_id(), s)),
+                policy_checkpoint: st.latest_checkpoint.map(|s| native::train::checkpoint::manifest_key(self.run_id(), s)),
                 recorded_at_ms: now,
             })
             .collect();
@@ -582,7 +582,7 @@ impl Scheduler {
             for r in &table {
                 tracing::info!(row = %r.label, tasks = r.tasks, pass_at_k = r.pass_at_k, avg_at_k = r.avg_at_k, h0_rate = ?r.h0_rate, "rank analysis (Table 5)");
             }
-            let checkpoint_key = checkpoint.map(|s| native::checkpoint::manifest_key(self.run_id(), s));
+            let checkpoint_key = checkpoint.map(|s| native::train::checkpoint::manifest_key(self.run_id(), s));
             let rows = jobs::router::analysis::metric_rows(&table, self.run_id(), step, "evaluation:ranks", checkpoint_key.as_deref());
             self.store_metric_rows(step, "evaluation:ranks", &rows).await?;
         }
@@ -674,7 +674,7 @@ impl Scheduler {
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "reanchor", step, task_id: &calibration_id, ..Default::default() });
         let payload = serde_json::to_value(ReanchorJob { input, checkpoint_step: st.latest_checkpoint })?;
         let markers = self.exec.run(self.run_id(), stage, vec![self.envelope(id, JobKind::Reanchor, payload)]).await?;
-        for (component, usage) in super::handlers::spend_of(&markers[0].result) {
+        for (component, usage) in handlers::spend_of(&markers[0].result) {
             self.cost_mut().add_llm(&component, usage);
         }
 
@@ -710,7 +710,12 @@ impl Scheduler {
     /// mean log-probability, under H0's context, of the first calibration's successful
     /// sibling rows. None where it does not apply: no pool, a policy without native
     /// weights, an editor run, an HTTP environment, or `[calibration] transfer_rows = 0`.
-    async fn transfer_probe(&self, step: u32, stage: &str, st: &RunState) -> anyhow::Result<Option<native::transfer::TransferOutput>> {
+    async fn transfer_probe(
+        &self,
+        step: u32,
+        stage: &str,
+        st: &RunState,
+    ) -> anyhow::Result<Option<native::train::transfer::TransferOutput>> {
         let spec = self.spec();
         let max_rows = spec.calibration.transfer_rows();
         let native_weights = spec.policy.backend == super::spec::Backend::Native;
@@ -723,7 +728,7 @@ impl Scheduler {
             return Ok(None);
         }
         let context = h0_rendering(spec, h0);
-        let input = native::transfer::TransferInput {
+        let input = native::train::transfer::TransferInput {
             run_id: self.run_id().to_string(),
             step,
             weights_step: st.latest_checkpoint,
@@ -985,37 +990,11 @@ impl Scheduler {
         let id = job_id(&JobIdParts { run_id: self.run_id(), stage: "learn", step: u, ..Default::default() });
         let job = self.envelope(id, JobKind::Learn, serde_json::to_value(&input)?);
         let markers = self.exec.run(self.run_id(), &Stage::Update(u, UpdatePart::Learn).to_string(), vec![job]).await?;
-        let out: native::learn::LearnOutput =
+        let out: native::train::learn::LearnOutput =
             serde_json::from_value(markers[0].result.clone()).context("reading the learn job's result")?;
         let m = &out.metrics;
         self.cost_mut().learner_forward_tokens += m.forward_tokens;
-        // A step that trained nothing has no loss, gradient or mismatch to report: only
-        // that it trained nothing (the report shows "–" there, not a measured zero).
-        let mut values = vec![
-            ("policy_tokens_trained", m.policy_tokens as f64),
-            ("tasks", m.tasks as f64),
-            ("trained", if out.trained { 1.0 } else { 0.0 }),
-        ];
-        if out.trained {
-            values.extend([
-                ("loss", m.loss),
-                ("grad_norm", m.grad_norm),
-                ("clip_fraction", m.clip_fraction),
-                ("mismatch_mean", m.mismatch_mean),
-                ("mismatch_max", m.mismatch_max),
-                ("tis_clipped_share", m.tis_clipped_share),
-            ]);
-            if m.context_tokens > 0 || m.kept_rows > 0 {
-                values.extend([
-                    ("rescue_rows_under_h0", m.rendered_rows as f64),
-                    ("rescue_rows_kept", m.kept_rows as f64),
-                    ("context_tokens", m.context_tokens as f64),
-                    ("context_ratio_mean", m.context_ratio_mean),
-                    ("context_ratio_max", m.context_ratio_max),
-                    ("context_clipped_share", m.context_clipped_share),
-                ]);
-            }
-        }
+        let values = m.run_metrics(out.trained);
         self.write_metrics(u, "learn", &values, st).await?;
         if !out.trained && !out.already_done {
             tracing::warn!(update = u, "update {u} trained nothing (no retained group had a policy token); the policy is unchanged");
@@ -1093,16 +1072,16 @@ fn protocol_share<'a>(rows: impl IntoIterator<Item = &'a Trajectory>) -> Option<
 /// `[algorithm] rescue_context` with what H0's re-rendering needs: H0's spec (always the
 /// unedited base harness), DBBench's tools (the spec check keeps other environments on
 /// `generating`), its round limit and the episode limits.
-fn rescue_context(spec: &super::spec::RunSpec, h0: HarnessSpec) -> native::learner::data::RescueContext {
+fn rescue_context(spec: &super::spec::RunSpec, h0: HarnessSpec) -> native::train::learner::data::RescueContext {
     match spec.algorithm.rescue_context {
-        native::learner::data::RescueContextMode::Generating => spec.algorithm.rescue_context(),
+        native::train::learner::data::RescueContextMode::Generating => spec.algorithm.rescue_context(),
         _ => h0_rendering(spec, h0),
     }
 }
 
 /// The spec's rescue-context settings with H0's rendering filled in.
-fn h0_rendering(spec: &super::spec::RunSpec, h0: HarnessSpec) -> native::learner::data::RescueContext {
-    native::learner::data::RescueContext {
+fn h0_rendering(spec: &super::spec::RunSpec, h0: HarnessSpec) -> native::train::learner::data::RescueContext {
+    native::train::learner::data::RescueContext {
         h0: Some(h0),
         env_tools: jobs::env::dbbench::tools(),
         max_rounds: spec.environment.max_rounds.unwrap_or(jobs::env::dbbench::DEFAULT_MAX_ROUNDS),
@@ -1125,7 +1104,7 @@ fn best_checkpoint(best: Option<(u32, f64)>, current: Option<u32>, success: f64)
 /// serves them already, and waits until it reports them; `what` names it in errors and logs.
 pub(super) async fn bring_endpoint_to(config: &jobs::policy::openai::OpenAiConfig, want: &str, what: &str) -> anyhow::Result<()> {
     let timeout = std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S);
-    let endpoint = jobs::policy::weight_sync::Endpoint::of_policy(config, timeout)?;
+    let endpoint = config.weight_endpoint(timeout)?;
     let started = std::time::Instant::now();
     let loaded =
         endpoint.ensure(want, timeout).await.with_context(|| format!("bringing the {what} endpoint to {}", infra::redact_url(want)))?;
@@ -1154,7 +1133,7 @@ mod tests {
         let l = &job.learner;
         assert_eq!((l.optimizer.weight_decay, l.micro_batch_tokens, l.updates_per_batch), (0.05, 2048, 2));
         assert_eq!((l.optimizer.lr, l.seed), (1e-4, 7), "learning rate and seed come from [algorithm] and [run]");
-        assert_eq!((job.checkpoints.dtype, job.checkpoints.keep_last), (native::retention::Dtype::Bf16, Some(2)));
+        assert_eq!((job.checkpoints.dtype, job.checkpoints.keep_last), (native::model::Dtype::Bf16, Some(2)));
         assert_eq!((job.step, job.data_cursor, job.best_step), (2, 10, Some(1)));
     }
 

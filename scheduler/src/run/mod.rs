@@ -1,16 +1,14 @@
-//! Harness-S training runs: the spec, the inputs in the store, the worker handlers, the
-//! executor and the state machine; and the two ways to drive a run with the same code —
-//! embedded (in-process memory queue and workers) and distributed (a queue URL, worker
-//! processes elsewhere).
+//! Harness-S training runs: the executor and the state machine, and the two ways to drive a
+//! run with the same code — embedded (in-process memory queue and workers) and distributed
+//! (a queue URL, worker processes elsewhere). The spec, the run's inputs and the worker
+//! handlers are the `handlers` crate's (re-exported here as `run::spec`, `run::inputs`).
 
-pub mod cost;
+pub use handlers::{inputs, spec};
+
 pub mod editor;
 pub mod executor;
-pub mod handlers;
-pub mod inputs;
 pub mod machine;
 pub mod preflight;
-pub mod spec;
 pub mod stage;
 pub mod state;
 pub mod verify;

@@ -133,6 +133,17 @@ impl FromStr for Stage {
     }
 }
 
+/// The stages of an editor run.
+pub fn editor_stages(e: &handlers::spec::EditorTrainingSection) -> Vec<Stage> {
+    let mut s = vec![Stage::Packets];
+    for u in 1..=e.steps {
+        s.push(Stage::Update(u, UpdatePart::Edit));
+        s.push(Stage::Update(u, UpdatePart::Learn));
+    }
+    s.push(Stage::Report);
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,10 +188,18 @@ mod tests {
         assert_eq!(Stage::Evaluation.step(9), 9);
         assert_eq!(Stage::Evolve.step(9), 0);
         for s in [Stage::Evolve, Stage::Packets, Stage::Baseline, Stage::Calibration(0), Stage::Evaluation, Stage::Report] {
-            assert!(super::super::cost::KINDS.contains(&s.kind()), "{s}");
+            assert!(crate::cost::KINDS.contains(&s.kind()), "{s}");
         }
         for part in UpdatePart::ALL {
-            assert!(super::super::cost::KINDS.contains(&Stage::Update(1, part).kind()), "{part:?}");
+            assert!(crate::cost::KINDS.contains(&Stage::Update(1, part).kind()), "{part:?}");
         }
+    }
+
+    #[test]
+    fn an_editor_run_alternates_edit_and_learn_after_the_packets() {
+        let e: handlers::spec::EditorTrainingSection = toml::from_str("steps = 2").unwrap();
+        let labels: Vec<String> = editor_stages(&e).iter().map(|s| s.to_string()).collect();
+        assert_eq!(labels, ["packets", "update:1:edit", "update:1:learn", "update:2:edit", "update:2:learn", "report"]);
+        assert_eq!((e.patches, e.packets_per_step, e.parent.as_str()), (8, 2, "h0"));
     }
 }

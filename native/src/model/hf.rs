@@ -1,0 +1,228 @@
+//! Hugging Face model directories: `config.json` plus `model.safetensors` or the shards
+//! listed by `model.safetensors.index.json` (F32, F16 or BF16 tensors).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use safetensors::SafeTensors;
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use crate::model::{Llama, LlamaConfig};
+use crate::NativeError;
+
+/// Reads every tensor of one safetensors buffer as float32 (`source` names it in errors).
+pub fn read_safetensors(bytes: &[u8], source: &Path) -> Result<HashMap<String, Tensor>, NativeError> {
+    let st = SafeTensors::deserialize(bytes)
+        .map_err(|e| NativeError::Format { path: source.into(), detail: format!("not a safetensors file: {e:?}") })?;
+    let mut out = HashMap::new();
+    for (name, view) in st.tensors() {
+        let t = Tensor::try_from(view).map_err(|e| NativeError::Format { path: source.into(), detail: format!("tensor `{name}`: {e}") })?;
+        out.insert(name, t.to_kind(Kind::Float));
+    }
+    Ok(out)
+}
+
+/// Serialises float32 tensors (HF names) to safetensors bytes.
+pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, NativeError> {
+    write_safetensors_with(tensors, None)
+}
+
+/// [`write_safetensors`] with header metadata (`__metadata__`). Each tensor is copied once
+/// into its little-endian bytes, then once into the file buffer.
+pub fn write_safetensors_with(
+    tensors: &[(String, Tensor)],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<Vec<u8>, NativeError> {
+    write_safetensors_as(tensors, Dtype::F32, metadata)
+}
+
+/// [`write_safetensors_with`] in `dtype` (float32, bfloat16 or float16, rounded to nearest):
+/// the parts of [`safetensors_parts`] in one buffer.
+pub fn write_safetensors_as(
+    tensors: &[(String, Tensor)],
+    dtype: Dtype,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>, NativeError> {
+    Ok(safetensors_parts(tensors, dtype, metadata)?.concat())
+}
+
+/// A safetensors file of `tensors` in `dtype` as the parts a streaming upload writes: the
+/// header (its 8-byte length first), then each tensor's bytes in file order, each a view of
+/// a CPU tensor's memory, not a copy. Streamed, a checkpoint of 1.6 GB needs no second
+/// copy of itself in memory (see `checkpoint::save`).
+pub fn safetensors_parts(
+    tensors: &[(String, Tensor)],
+    dtype: Dtype,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<Bytes>, NativeError> {
+    let (kind, st_dtype) = match dtype {
+        Dtype::F32 => (Kind::Float, safetensors::Dtype::F32),
+        Dtype::Bf16 => (Kind::BFloat16, safetensors::Dtype::BF16),
+        Dtype::F16 => (Kind::Half, safetensors::Dtype::F16),
+    };
+    let format_err = |detail: String| NativeError::Format { path: PathBuf::from("<memory>"), detail };
+    // Native byte order is little-endian on every platform libtorch runs on. The dtype
+    // conversion runs where the tensor is (a GPU's bf16 checkpoint crosses to the host at half
+    // the size); on the CPU both steps are no-ops for float32 and the parts view the weights.
+    let data: Vec<(&str, Tensor)> =
+        tensors.iter().map(|(n, t)| (n.as_str(), t.to_kind(kind).to_device(Device::Cpu).contiguous())).collect();
+    let shapes: Vec<(&str, Shape)> = data
+        .iter()
+        .map(|(n, t)| {
+            let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
+            (*n, Shape { dtype: st_dtype, len: t.numel() * st_dtype.size(), shape })
+        })
+        .collect();
+    // The crate lays out the header from each view's length and then appends each view's
+    // data, which a `Shape` leaves empty: what comes back is the header alone.
+    let header =
+        safetensors::tensor::serialize(shapes.iter().map(|(n, s)| (*n, s)), &metadata).map_err(|e| format_err(format!("{e:?}")))?;
+    let layout: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(&header[8..]).map_err(|e| format_err(format!("safetensors header: {e}")))?;
+    let start = |name: &str| layout.get(name).and_then(|v| v["data_offsets"][0].as_u64());
+    let mut ordered = data
+        .into_iter()
+        .map(|(n, t)| Ok((start(n).ok_or_else(|| format_err(format!("`{n}` is not in the header")))?, t)))
+        .collect::<Result<Vec<_>, NativeError>>()?;
+    ordered.sort_by_key(|(offset, _)| *offset);
+    let mut parts = vec![Bytes::from(header)];
+    parts.extend(ordered.into_iter().map(|(_, t)| TensorBytes::bytes(t)));
+    Ok(parts)
+}
+
+/// A tensor's dtype and shape without its data (see [`safetensors_parts`]).
+struct Shape {
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    len: usize,
+}
+
+impl safetensors::View for &Shape {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&[])
+    }
+    fn data_len(&self) -> usize {
+        self.len
+    }
+}
+
+/// The memory of a contiguous CPU tensor as bytes, owning the tensor.
+struct TensorBytes(Tensor, usize);
+
+impl TensorBytes {
+    fn bytes(t: Tensor) -> Bytes {
+        let len = t.numel() * t.kind().elt_size_in_bytes();
+        if len == 0 {
+            return Bytes::new();
+        }
+        Bytes::from_owner(TensorBytes(t, len))
+    }
+}
+
+impl AsRef<[u8]> for TensorBytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: a contiguous CPU tensor of `self.1` bytes (checked non-empty), kept alive
+        // by `self`; nothing writes it while the bytes are in use (a checkpoint's tensors
+        // are not trained while they are written).
+        unsafe { std::slice::from_raw_parts(self.0.data_ptr() as *const u8, self.1) }
+    }
+}
+
+/// Safetensors files of a model directory.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, NativeError> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index)
+        .map_err(|_| NativeError::Format { path: dir.into(), detail: "no model.safetensors and no model.safetensors.index.json".into() })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| NativeError::Format { path: index.clone(), detail: e.to_string() })?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| NativeError::MissingMetadata { path: index.clone(), key: "weight_map".into() })?;
+    let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+/// Loads a llama or qwen2 model from a Hugging Face directory.
+pub fn load_model(dir: &Path, device: Device) -> Result<Llama, NativeError> {
+    let cfg_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| NativeError::io(&cfg_path, e))?;
+    let cfg = LlamaConfig::from_hf_json(&cfg_path, &text)?;
+    let files = weight_files(dir)?;
+    let mut tensors = HashMap::new();
+    for file in &files {
+        let bytes = std::fs::read(file).map_err(|e| NativeError::io(file, e))?;
+        tensors.extend(read_safetensors(&bytes, file)?);
+    }
+    let source = if files.len() == 1 { files[0].clone() } else { dir.to_path_buf() };
+    Llama::from_tensors(cfg, &tensors, device, &source)
+}
+
+/// Element type of a checkpoint's `model.safetensors`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The streamed parts make a file the safetensors reader takes back tensor for tensor,
+    /// in every dtype, with the tensors in the header's order.
+    #[test]
+    fn streamed_parts_read_back_as_the_tensors() {
+        let tensors: Vec<(String, Tensor)> = ["b.weight", "a.weight", "c.bias"]
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.to_string(), Tensor::randn([3 + i as i64, 5], (Kind::Float, Device::Cpu))))
+            .collect();
+        for (dtype, tol) in [(Dtype::F32, 0.0), (Dtype::Bf16, 1e-2), (Dtype::F16, 1e-3)] {
+            let meta = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
+            let parts = safetensors_parts(&tensors, dtype, meta).unwrap();
+            assert_eq!(parts.len(), 1 + tensors.len());
+            assert_eq!(parts[0].len() % 8, 0, "the header is padded to 8 bytes");
+            let file = parts.concat();
+            let st = SafeTensors::deserialize(&file).unwrap();
+            let mut names: Vec<(usize, String)> =
+                st.tensors().into_iter().map(|(n, v)| (v.data().as_ptr() as usize - file.as_ptr() as usize, n)).collect();
+            names.sort();
+            for ((_, name), part) in names.iter().zip(&parts[1..]) {
+                assert_eq!(st.tensor(name).unwrap().data(), &part[..], "{dtype:?}: `{name}` in file order");
+            }
+            let back = read_safetensors(&file, Path::new("<test>")).unwrap();
+            for (n, t) in &tensors {
+                let err = (&back[n] - t).abs().max().double_value(&[]);
+                assert!(err <= tol * t.abs().max().double_value(&[]), "{dtype:?} `{n}`: {err}");
+            }
+        }
+    }
+}

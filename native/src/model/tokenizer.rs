@@ -1,0 +1,339 @@
+//! Tokenizers (byte-level BPE from GGUF metadata, or a Hugging Face `tokenizer.json`) and
+//! the chat template (ChatML) that turns messages into the prompt text.
+
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use crate::model::gguf::{GgufFile, Value};
+use crate::NativeError;
+use jobs::policy::Message;
+use schemas::Role;
+
+/// How messages become prompt text.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChatTemplate {
+    /// `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then
+    /// `<|im_start|>assistant\n`. `default_system` is inserted when the first message is not
+    /// a system message (SmolLM2's template does this).
+    ChatMl { default_system: Option<String> },
+    /// The model's template is not one this backend renders; `--chat` reports it.
+    Unsupported(String),
+}
+
+impl ChatTemplate {
+    /// Recognises a Jinja chat template by its markers.
+    pub fn from_jinja(template: &str) -> Self {
+        if !template.contains("<|im_start|>") {
+            let head: String = template.chars().take(80).collect();
+            return ChatTemplate::Unsupported(head);
+        }
+        let mut default_system = None;
+        if template.contains("messages[0]['role'] != 'system'") {
+            let marker = "<|im_start|>system\n";
+            if let Some(start) = template.find(marker) {
+                let rest = &template[start + marker.len()..];
+                if let Some(end) = rest.find("<|im_end|>") {
+                    let text = &rest[..end];
+                    if !text.contains("{{") && !text.contains("{%") {
+                        default_system = Some(text.to_string());
+                    }
+                }
+            }
+        }
+        ChatTemplate::ChatMl { default_system }
+    }
+
+    /// Prompt text of `messages`, ending with the assistant turn opener.
+    pub fn render(&self, messages: &[Message]) -> Result<String, NativeError> {
+        let default_system = match self {
+            ChatTemplate::ChatMl { default_system } => default_system,
+            ChatTemplate::Unsupported(head) => {
+                return Err(NativeError::Tokenizer(format!(
+                    "the model's chat template is not ChatML (it starts `{head}`); pass a raw prompt instead of chat messages"
+                )))
+            }
+        };
+        let mut out = String::new();
+        if let (Some(sys), Some(first)) = (default_system, messages.first()) {
+            if first.role != Role::System {
+                out.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
+            }
+        }
+        for m in messages {
+            let role = match m.role {
+                Role::System => "system",
+                Role::User => "user",
+                Role::Assistant => "assistant",
+                Role::Tool => "tool",
+            };
+            out.push_str(&format!("<|im_start|>{role}\n{}<|im_end|>\n", m.content));
+        }
+        out.push_str("<|im_start|>assistant\n");
+        Ok(out)
+    }
+}
+
+/// A tokenizer plus what generation needs to know about special tokens.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos_id: Option<u32>,
+    pub eos_id: Option<u32>,
+    pub add_bos: bool,
+    pub template: ChatTemplate,
+    /// The model's Jinja chat template text, kept for `tokenizer_config.json`.
+    pub template_text: Option<String>,
+    /// Token ids that end an assistant turn (EOS, `<|im_end|>`, EOT).
+    stop: Vec<u32>,
+}
+
+fn tok_err(path: &Path, e: impl std::fmt::Display) -> NativeError {
+    NativeError::Format { path: path.into(), detail: format!("tokenizer: {e}") }
+}
+
+// Pre-tokenizer regexes of llama.cpp's vocabulary pre-types (llama-vocab.cpp).
+const LLAMA3_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+impl Tokenizer {
+    /// Builds the byte-level BPE tokenizer described by a GGUF's `tokenizer.ggml.*` keys.
+    pub fn from_gguf(f: &GgufFile) -> Result<Self, NativeError> {
+        let path = f.path.as_path();
+        let model = f.require("tokenizer.ggml.model")?.as_str().unwrap_or_default();
+        if model != "gpt2" {
+            return Err(NativeError::Format {
+                path: path.into(),
+                detail: format!("tokenizer.ggml.model `{model}` is not supported (only byte-level BPE, `gpt2`); use the model's tokenizer.json with an HF checkpoint"),
+            });
+        }
+        let strings = |key: &str| -> Result<Vec<String>, NativeError> {
+            let arr = f.require(key)?.as_array().ok_or_else(|| tok_err(path, format!("`{key}` is not an array")))?;
+            arr.iter().map(|v| v.as_str().map(str::to_string).ok_or_else(|| tok_err(path, format!("`{key}` holds a non-string")))).collect()
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| {
+                let (a, b) = m.split_once(' ').ok_or_else(|| tok_err(path, format!("merge `{m}` has no space")))?;
+                Ok((a.to_string(), b.to_string()))
+            })
+            .collect::<Result<_, NativeError>>()?;
+        let types: Vec<u64> = f
+            .get("tokenizer.ggml.token_type")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().map(|v| v.as_u64().unwrap_or(1)).collect())
+            .unwrap_or_default();
+        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| tok_err(path, e))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let byte_level = ByteLevel::new(false, true, true);
+        let pre = f.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
+        let pre_tok: PreTokenizerWrapper = match pre {
+            "smollm" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+            "llama-bpe" | "llama3" => regex_then_bytes(path, LLAMA3_REGEX)?,
+            "qwen2" => regex_then_bytes(path, QWEN2_REGEX)?,
+            _ => byte_level.into(),
+        };
+        inner.with_pre_tokenizer(Some(pre_tok));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        // Control (3) and user-defined (4) tokens are matched whole, as llama.cpp does with
+        // `special = true`, so template markers such as <|im_start|> stay one token.
+        let specials: Vec<AddedToken> = tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| matches!(types.get(*i), Some(3) | Some(4)))
+            .map(|(_, t)| AddedToken::from(t.clone(), true))
+            .collect();
+        inner.add_special_tokens(&specials);
+        let id = |k: &str| f.get(k).and_then(Value::as_u64).map(|v| v as u32);
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        let eos_id = id("tokenizer.ggml.eos_token_id");
+        let add_bos = f.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false);
+        let template_text = f.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string);
+        let template = template_text.as_deref().map(ChatTemplate::from_jinja).unwrap_or(ChatTemplate::ChatMl { default_system: None });
+        let mut stop: Vec<u32> = [eos_id, id("tokenizer.ggml.eot_token_id")].into_iter().flatten().collect();
+        if let Some(&im_end) = tokens.iter().position(|t| t == "<|im_end|>").map(|i| i as u32).as_ref() {
+            stop.push(im_end);
+        }
+        stop.sort();
+        stop.dedup();
+        Ok(Tokenizer { inner, bos_id, eos_id, add_bos, template, template_text, stop })
+    }
+
+    /// Loads `tokenizer.json` (and `tokenizer_config.json` beside it, for the chat template
+    /// and special tokens) of a Hugging Face model directory.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self, NativeError> {
+        let path = dir.join("tokenizer.json");
+        let bytes = std::fs::read(&path).map_err(|e| NativeError::io(&path, e))?;
+        let cfg = std::fs::read(dir.join("tokenizer_config.json")).ok();
+        Self::from_hf_bytes(&bytes, cfg.as_deref(), &path)
+    }
+
+    /// [`Tokenizer::from_hf_dir`] from the two files' bytes (`path` names them in errors).
+    pub fn from_hf_bytes(tokenizer_json: &[u8], tokenizer_config: Option<&[u8]>, path: &Path) -> Result<Self, NativeError> {
+        let inner = tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| tok_err(path, e))?;
+        let cfg: serde_json::Value = match tokenizer_config {
+            Some(t) => serde_json::from_slice(t).map_err(|e| tok_err(path, format!("tokenizer_config.json: {e}")))?,
+            None => serde_json::Value::Null,
+        };
+        let token_of = |key: &str| -> Option<u32> {
+            let v = cfg.get(key)?;
+            let s = v.as_str().or_else(|| v.get("content").and_then(|c| c.as_str()))?;
+            inner.token_to_id(s)
+        };
+        let bos_id = token_of("bos_token");
+        let eos_id = token_of("eos_token");
+        let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
+        let template_text = cfg.get("chat_template").and_then(|v| v.as_str()).map(str::to_string);
+        let template = template_text.as_deref().map(ChatTemplate::from_jinja).unwrap_or(ChatTemplate::ChatMl { default_system: None });
+        let mut stop: Vec<u32> =
+            [eos_id, inner.token_to_id("<|im_end|>"), inner.token_to_id("<|endoftext|>")].into_iter().flatten().collect();
+        stop.sort();
+        stop.dedup();
+        Ok(Tokenizer { inner, bos_id, eos_id, add_bos, template, template_text, stop })
+    }
+
+    /// The Hugging Face `tokenizer.json` text of this tokenizer.
+    pub fn to_json(&self) -> Result<String, NativeError> {
+        self.inner.to_string(false).map_err(|e| NativeError::Tokenizer(e.to_string()))
+    }
+
+    /// The Hugging Face `tokenizer_config.json` content (special tokens, BOS, template).
+    pub fn hf_config(&self) -> serde_json::Value {
+        let name = |id: Option<u32>| id.and_then(|i| self.inner.id_to_token(i));
+        let mut v = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": self.add_bos,
+            "bos_token": name(self.bos_id),
+            "eos_token": name(self.eos_id),
+        });
+        if let Some(t) = &self.template_text {
+            v["chat_template"] = t.clone().into();
+        }
+        v
+    }
+
+    /// Token ids of `text` (special-token markers in the text become their single ids; a
+    /// BOS is prepended when the model asks for one).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, NativeError> {
+        let enc = self.inner.encode(text, false).map_err(|e| NativeError::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos {
+            ids.extend(self.bos_id);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Token ids of a continuation (never a BOS).
+    pub fn encode_continuation(&self, text: &str) -> Result<Vec<u32>, NativeError> {
+        let enc = self.inner.encode(text, false).map_err(|e| NativeError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String, NativeError> {
+        self.inner.decode(ids, false).map_err(|e| NativeError::Tokenizer(e.to_string()))
+    }
+
+    /// Text of one token id (its piece, byte-level decoded).
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Ids that end an assistant turn.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        self.stop.clone()
+    }
+
+    /// Prompt ids of a chat.
+    pub fn encode_chat(&self, messages: &[Message]) -> Result<Vec<u32>, NativeError> {
+        self.encode(&self.template.render(messages)?)
+    }
+}
+
+/// A whitespace word-level tokenizer over `words` with the ChatML markers as special
+/// tokens (ids 0–2: `<|im_start|>`, `<|im_end|>`, `<unk>`; newlines are their own word).
+/// For tests and benchmarks with tiny random models.
+pub fn word_level(words: &[&str]) -> Tokenizer {
+    let specials = ["<|im_start|>", "<|im_end|>"];
+    let mut vocab = serde_json::Map::new();
+    for (i, w) in specials.iter().chain(&["<unk>", "\\n"]).chain(words).enumerate() {
+        vocab.insert(w.to_string(), (i as u32).into());
+    }
+    let added: Vec<serde_json::Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(i, s)| serde_json::json!({"id": i, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": {"type": "Replace", "pattern": {"String": "\n"}, "content": " \\n "},
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    let inner = tokenizers::Tokenizer::from_bytes(json.to_string()).expect("valid word-level tokenizer");
+    Tokenizer {
+        inner,
+        bos_id: None,
+        eos_id: Some(1),
+        add_bos: false,
+        template: ChatTemplate::ChatMl { default_system: None },
+        template_text: None,
+        stop: vec![1],
+    }
+}
+
+fn regex_then_bytes(path: &Path, regex: &str) -> Result<PreTokenizerWrapper, NativeError> {
+    let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false).map_err(|e| tok_err(path, e))?;
+    Ok(Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_inserts_the_default_system_prompt() {
+        let t = ChatTemplate::from_jinja(
+            "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}",
+        );
+        assert_eq!(t, ChatTemplate::ChatMl { default_system: Some("You are SmolLM".into()) });
+        let text = t.render(&[Message::new(Role::User, "hi")]).unwrap();
+        assert_eq!(text, "<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+        let text = t.render(&[Message::new(Role::System, "S"), Message::new(Role::User, "q")]).unwrap();
+        assert!(text.starts_with("<|im_start|>system\nS<|im_end|>"));
+    }
+
+    #[test]
+    fn word_level_keeps_chat_markers_whole() {
+        let t = word_level(&["user", "assistant", "hello", "world"]);
+        let ids = t.encode_chat(&[Message::new(Role::User, "hello world")]).unwrap();
+        // <|im_start|> user \n hello world <|im_end|> \n <|im_start|> assistant \n
+        assert_eq!(ids, vec![0, 4, 3, 6, 7, 1, 3, 0, 5, 3]);
+        assert_eq!(t.decode(&[6, 7]).unwrap(), "hello world");
+    }
+
+    #[test]
+    fn non_chatml_template_is_reported() {
+        let t = ChatTemplate::from_jinja("{{ bos_token }}[INST] {{ message }} [/INST]");
+        let err = t.render(&[Message::new(Role::User, "hi")]).unwrap_err().to_string();
+        assert!(err.contains("not ChatML"), "{err}");
+    }
+}

@@ -50,7 +50,7 @@ pub enum NativeError {
     Shape { path: PathBuf, tensor: String, expected: Vec<i64>, got: Vec<i64> },
     #[error("{path}: tensor `{tensor}` uses quantization {kind}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); re-quantize the model to one of these")]
     UnsupportedQuant { path: PathBuf, tensor: String, kind: String },
-    #[error("{path}: architecture `{arch}` is not supported (llama and qwen2 are)")]
+    #[error("{path}: architecture `{arch}` is not supported (llama, qwen2 and qwen3 are)")]
     UnsupportedArchitecture { path: PathBuf, arch: String },
     #[error("tokenizer: {0}")]
     Tokenizer(String),

@@ -48,6 +48,8 @@ struct CpuLayer {
     input_norm: Vec<f32>,
     qkv: Matrix,
     qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of the queries and the keys (qwen3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     o: Matrix,
     post_norm: Vec<f32>,
     gate_up: Matrix,
@@ -143,6 +145,10 @@ impl CpuWeights {
                 input_norm: floats(&l.input_norm, &name("input_layernorm"))?,
                 qkv: matrix(&[&l.q, &l.k, &l.v], bits, &name("self_attn.qkv"))?,
                 qkv_bias,
+                qk_norm: match (&l.q_norm, &l.k_norm) {
+                    (Some(q), Some(k)) => Some((floats(q, &name("self_attn.q_norm"))?, floats(k, &name("self_attn.k_norm"))?)),
+                    _ => None,
+                },
                 o: matrix(&[&l.o], bits, &name("self_attn.o_proj"))?,
                 post_norm: floats(&l.post_norm, &name("post_attention_layernorm"))?,
                 gate_up: matrix(&[&l.gate, &l.up], bits, &name("mlp.gate_up"))?,
@@ -202,6 +208,15 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
         for ((o, v), g) in or.iter_mut().zip(xr).zip(w) {
             *o = v * r * g;
         }
+    }
+}
+
+/// [`rms_norm`] of one row in place (a head's queries or keys).
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let var = dot(x, x) / w.len() as f32;
+    let r = 1.0 / (var + eps).sqrt();
+    for (v, g) in x.iter_mut().zip(w) {
+        *v *= r * g;
     }
 }
 
@@ -288,7 +303,10 @@ pub fn forward(model: &Llama, w: &CpuWeights, ids: &[u32], segments: &mut [Segme
                 v.iter_mut().zip(b).for_each(|(a, b)| *a += b);
             }
             let t = &table_ref[r * hd..(r + 1) * hd];
-            for head in v[..(heads + kv_heads) * hd].chunks_exact_mut(hd) {
+            for (i, head) in v[..(heads + kv_heads) * hd].chunks_exact_mut(hd).enumerate() {
+                if let Some((qn, kn)) = &l.qk_norm {
+                    rms_norm_in_place(head, if i < heads { qn } else { kn }, eps);
+                }
                 rope(head, t, c.rope_interleaved);
             }
             let (k, v) = v[heads * hd..].split_at(kv_heads * hd);

@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 use crate::infer::cpu::{self, CpuWeights};
 use crate::infer::kv::Segment;
 use crate::infer::packed::{Packed, WeightFormat};
-use crate::model::layers::rms_norm;
+use crate::model::layers::{head_norm, rms_norm};
 use crate::model::Llama;
 use crate::NativeError;
 
@@ -120,8 +120,19 @@ impl EngineWeights {
             if let Some(b) = &pl.qkv_bias {
                 qkv = qkv + b;
             }
-            // q and k rotate together: [1, heads + kv_heads, rows, head_dim]
-            let qk = qkv.narrow(1, 0, (heads + kv_heads) * hd).view([1, m, heads + kv_heads, hd]).transpose(1, 2);
+            // q and k (normed per head where the family does it) rotate together:
+            // [1, heads + kv_heads, rows, head_dim]
+            let qk = match (&l.q_norm, &l.k_norm) {
+                (Some(qn), Some(kn)) => Tensor::cat(
+                    &[
+                        head_norm(qkv.narrow(1, 0, heads * hd), Some(qn), hd, c.rms_norm_eps),
+                        head_norm(qkv.narrow(1, heads * hd, kv_heads * hd), Some(kn), hd, c.rms_norm_eps),
+                    ],
+                    1,
+                ),
+                _ => qkv.narrow(1, 0, (heads + kv_heads) * hd),
+            };
+            let qk = qk.reshape([1, m, heads + kv_heads, hd]).transpose(1, 2);
             let qk = model.rope(&qk, &cos, &sin);
             let (q, k) = (qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads));
             let v = qkv.narrow(1, (heads + kv_heads) * hd, kv_heads * hd).view([1, m, kv_heads, hd]).transpose(1, 2);

@@ -10,7 +10,7 @@ use crate::NativeError;
 /// Architecture hyper-parameters, in `config.json` terms.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
-    /// `llama` or `qwen2`.
+    /// `llama`, `qwen2` or `qwen3` (the families [`ARCHITECTURES`] lists).
     pub model_type: String,
     pub vocab_size: i64,
     pub hidden_size: i64,
@@ -18,6 +18,10 @@ pub struct LlamaConfig {
     pub num_hidden_layers: i64,
     pub num_attention_heads: i64,
     pub num_key_value_heads: i64,
+    /// The width of one attention head where it is not `hidden_size / num_attention_heads`
+    /// (qwen3's `head_dim`).
+    #[serde(default, rename = "head_dim", skip_serializing_if = "Option::is_none")]
+    pub explicit_head_dim: Option<i64>,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub max_position_embeddings: i64,
@@ -33,9 +37,18 @@ pub struct LlamaConfig {
     pub eos_token_id: Option<i64>,
 }
 
+/// The `model_type`s this decoder runs: llama; qwen2 (q/k/v bias); qwen3 (per-head q/k
+/// RMSNorm before RoPE, an explicit head width).
+pub const ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
 impl LlamaConfig {
     pub fn head_dim(&self) -> i64 {
-        self.hidden_size / self.num_attention_heads
+        self.explicit_head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// Each head's queries and keys pass an RMSNorm of their own before RoPE (qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.model_type == "qwen3"
     }
 
     /// A small random-initialisable configuration for tests and benchmarks.
@@ -48,6 +61,7 @@ impl LlamaConfig {
             num_hidden_layers: layers,
             num_attention_heads: 4,
             num_key_value_heads: 2,
+            explicit_head_dim: None,
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
             max_position_embeddings: 2048,
@@ -62,8 +76,8 @@ impl LlamaConfig {
     /// Checks the hyper-parameters fit together; errors name the field.
     pub fn validate(&self) -> Result<(), NativeError> {
         let bad = |field: &str, detail: String| Err(NativeError::Config { field: field.into(), detail });
-        if !matches!(self.model_type.as_str(), "llama" | "qwen2") {
-            return bad("model_type", format!("`{}` is not supported (llama, qwen2)", self.model_type));
+        if !ARCHITECTURES.contains(&self.model_type.as_str()) {
+            return bad("model_type", format!("`{}` is not supported ({})", self.model_type, ARCHITECTURES.join(", ")));
         }
         for (f, v) in [
             ("vocab_size", self.vocab_size),
@@ -77,7 +91,11 @@ impl LlamaConfig {
                 return bad(f, format!("must be positive, is {v}"));
             }
         }
-        if self.hidden_size % self.num_attention_heads != 0 || self.head_dim() % 2 != 0 {
+        if let Some(hd) = self.explicit_head_dim {
+            if hd <= 0 || hd % 2 != 0 {
+                return bad("head_dim", format!("must be positive and even, is {hd}"));
+            }
+        } else if self.hidden_size % self.num_attention_heads != 0 || self.head_dim() % 2 != 0 {
             return bad("num_attention_heads", format!("hidden_size {} must split into heads of even size", self.hidden_size));
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
@@ -91,7 +109,11 @@ impl LlamaConfig {
 
     /// The Hugging Face `config.json` of this model (float32 weights).
     pub fn to_hf_json(&self) -> serde_json::Value {
-        let arch = if self.model_type == "qwen2" { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" };
+        let arch = match self.model_type.as_str() {
+            "qwen2" => "Qwen2ForCausalLM",
+            "qwen3" => "Qwen3ForCausalLM",
+            _ => "LlamaForCausalLM",
+        };
         let mut v = serde_json::to_value(self).expect("config serialises");
         let o = v.as_object_mut().expect("object");
         o.remove("rope_interleaved");
@@ -105,7 +127,9 @@ impl LlamaConfig {
         v
     }
 
-    /// Reads a Hugging Face `config.json` (llama or qwen2).
+    /// Reads a Hugging Face `config.json` (llama, qwen2 or qwen3). What this decoder does not
+    /// run (sliding-window attention, scaled RoPE, a MoE block) is refused with the field
+    /// named.
     pub fn from_hf_json(path: &Path, text: &str) -> Result<Self, NativeError> {
         let v: serde_json::Value =
             serde_json::from_str(text).map_err(|e| NativeError::Format { path: path.into(), detail: format!("not JSON: {e}") })?;
@@ -114,9 +138,27 @@ impl LlamaConfig {
             field(k)?.as_i64().ok_or_else(|| NativeError::Format { path: path.into(), detail: format!("`{k}` must be an integer") })
         };
         let model_type = field("model_type")?.as_str().unwrap_or_default().to_string();
-        if !matches!(model_type.as_str(), "llama" | "qwen2") {
+        if !ARCHITECTURES.contains(&model_type.as_str()) {
             return Err(NativeError::UnsupportedArchitecture { path: path.into(), arch: model_type });
         }
+        let refuse = |field: &str, detail: String| Err(NativeError::Config { field: format!("{}: {field}", path.display()), detail });
+        if v.get("use_sliding_window").and_then(|x| x.as_bool()) == Some(true) {
+            return refuse("use_sliding_window", "sliding-window attention is not supported; set it to false".into());
+        }
+        if v.get("num_experts").and_then(|x| x.as_i64()).is_some_and(|n| n > 0) {
+            return refuse("num_experts", "mixture-of-experts blocks are not supported".into());
+        }
+        // transformers 5 writes `rope_parameters`; older configs `rope_theta` and `rope_scaling`
+        let rope = v.get("rope_parameters").filter(|r| r.is_object());
+        let rope_type = rope
+            .or_else(|| v.get("rope_scaling").filter(|r| r.is_object()))
+            .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        if rope_type != "default" {
+            return refuse("rope_type", format!("`{rope_type}` RoPE scaling is not supported (default only)"));
+        }
+        let rope_theta = rope.and_then(|r| r.get("rope_theta")).or_else(|| v.get("rope_theta")).and_then(|x| x.as_f64()).unwrap_or(10000.0);
         let heads = int("num_attention_heads")?;
         let first_id =
             |k: &str| v.get(k).and_then(|x| x.as_i64().or_else(|| x.as_array().and_then(|a| a.first()).and_then(|y| y.as_i64())));
@@ -127,8 +169,9 @@ impl LlamaConfig {
             num_hidden_layers: int("num_hidden_layers")?,
             num_attention_heads: heads,
             num_key_value_heads: v.get("num_key_value_heads").and_then(|x| x.as_i64()).unwrap_or(heads),
+            explicit_head_dim: v.get("head_dim").and_then(|x| x.as_i64()).filter(|&hd| hd * heads != int("hidden_size").unwrap_or(0)),
             rms_norm_eps: v.get("rms_norm_eps").and_then(|x| x.as_f64()).unwrap_or(1e-6),
-            rope_theta: v.get("rope_theta").and_then(|x| x.as_f64()).unwrap_or(10000.0),
+            rope_theta,
             max_position_embeddings: v.get("max_position_embeddings").and_then(|x| x.as_i64()).unwrap_or(2048),
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false),
             attention_bias: model_type == "qwen2" || v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(false),
@@ -156,5 +199,24 @@ mod tests {
         assert_eq!(back, cfg);
         let err = LlamaConfig::from_hf_json(Path::new("config.json"), r#"{"model_type":"gpt2"}"#).unwrap_err().to_string();
         assert!(err.contains("gpt2"), "{err}");
+        // qwen3: an explicit head width, the RoPE base under `rope_parameters`
+        let mut q3 = LlamaConfig::tiny(50, 32, 2);
+        q3.model_type = "qwen3".into();
+        q3.explicit_head_dim = Some(16);
+        q3.rope_theta = 1e6;
+        let mut json = q3.to_hf_json();
+        let theta = json.as_object_mut().unwrap().remove("rope_theta").unwrap();
+        json["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": theta});
+        let back = LlamaConfig::from_hf_json(Path::new("config.json"), &json.to_string()).unwrap();
+        assert_eq!((back.head_dim(), back.rope_theta, back.qk_norm()), (16, 1e6, true));
+        for (field, value) in [
+            ("use_sliding_window", serde_json::json!(true)),
+            ("rope_parameters", serde_json::json!({"rope_type": "yarn", "rope_theta": 1e6})),
+        ] {
+            let mut bad = q3.to_hf_json();
+            bad[field] = value;
+            let err = LlamaConfig::from_hf_json(Path::new("config.json"), &bad.to_string()).unwrap_err().to_string();
+            assert!(err.contains(if field == "use_sliding_window" { field } else { "rope_type" }), "{err}");
+        }
     }
 }

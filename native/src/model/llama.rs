@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::model::config::LlamaConfig;
-use crate::model::layers::{linear, mm, rms_norm};
+use crate::model::layers::{head_norm, linear, mm, rms_norm};
 use crate::NativeError;
 
 pub(crate) struct Layer {
@@ -26,6 +26,9 @@ pub(crate) struct Layer {
     pub(crate) q_bias: Option<Tensor>,
     pub(crate) k_bias: Option<Tensor>,
     pub(crate) v_bias: Option<Tensor>,
+    /// Per-head RMSNorm weights `[head_dim]` of the queries and the keys (qwen3).
+    pub(crate) q_norm: Option<Tensor>,
+    pub(crate) k_norm: Option<Tensor>,
     pub(crate) o: Tensor,
     pub(crate) post_norm: Tensor,
     pub(crate) gate: Tensor,
@@ -107,6 +110,7 @@ impl Llama {
             let a = &l / "self_attn";
             let mlp = &l / "mlp";
             let bias = |name: &str, n: i64| c.attention_bias.then(|| (&a / name).var("bias", &[n], nn::Init::Const(0.0)));
+            let head_norm = |name: &str| c.qk_norm().then(|| (&a / name).var("weight", &[hd], nn::Init::Const(1.0)));
             layers.push(Layer {
                 input_norm: (&l / "input_layernorm").var("weight", &[c.hidden_size], nn::Init::Const(1.0)),
                 q: (&a / "q_proj").var("weight", &[c.num_attention_heads * hd, c.hidden_size], init),
@@ -115,6 +119,8 @@ impl Llama {
                 q_bias: bias("q_proj", c.num_attention_heads * hd),
                 k_bias: bias("k_proj", c.num_key_value_heads * hd),
                 v_bias: bias("v_proj", c.num_key_value_heads * hd),
+                q_norm: head_norm("q_norm"),
+                k_norm: head_norm("k_norm"),
                 o: (&a / "o_proj").var("weight", &[c.hidden_size, c.num_attention_heads * hd], init),
                 post_norm: (&l / "post_attention_layernorm").var("weight", &[c.hidden_size], nn::Init::Const(1.0)),
                 gate: (&mlp / "gate_proj").var("weight", &[c.intermediate_size, c.hidden_size], init),
@@ -238,18 +244,17 @@ impl Llama {
     }
 
     /// One decoder layer on the residual stream `x` (`[.., hidden]`): pre-norm, the q, k and
-    /// v projections, `attention` (which places, rotates and attends them and returns `[..,
+    /// v projections (q and k normed per head where the family does it), `attention` (which places, rotates and attends them and returns `[..,
     /// heads · head_dim]` in `x`'s row layout), the output projection, and the SwiGLU MLP.
     /// Only attention differs between the full, cached and shared-prefix passes.
     fn layer(&self, l: &Layer, x: &Tensor, attention: impl FnOnce(Tensor, Tensor, Tensor) -> Tensor) -> Tensor {
         let eps = self.config.rms_norm_eps;
         let h = rms_norm(x, &l.input_norm, eps);
         let c = self.compute;
-        let att = attention(
-            linear(&h, &l.q, l.q_bias.as_ref(), c),
-            linear(&h, &l.k, l.k_bias.as_ref(), c),
-            linear(&h, &l.v, l.v_bias.as_ref(), c),
-        );
+        let (q, k) = (linear(&h, &l.q, l.q_bias.as_ref(), c), linear(&h, &l.k, l.k_bias.as_ref(), c));
+        let (q, k) =
+            (head_norm(q, l.q_norm.as_ref(), self.config.head_dim(), eps), head_norm(k, l.k_norm.as_ref(), self.config.head_dim(), eps));
+        let att = attention(q, k, linear(&h, &l.v, l.v_bias.as_ref(), c));
         let x = x + mm(&att, &l.o, c);
         let h = rms_norm(&x, &l.post_norm, eps);
         let mlp = mm(&(mm(&h, &l.gate, c).silu() * mm(&h, &l.up, c)), &l.down, c);

@@ -110,7 +110,7 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, NativeError> {
 pub fn config_from_gguf(f: &GgufFile) -> Result<LlamaConfig, NativeError> {
     let path = f.path.as_path();
     let arch = f.require("general.architecture")?.as_str().unwrap_or_default().to_string();
-    if !matches!(arch.as_str(), "llama" | "qwen2") {
+    if !crate::model::config::ARCHITECTURES.contains(&arch.as_str()) {
         return Err(NativeError::UnsupportedArchitecture { path: path.into(), arch });
     }
     let int = |k: &str| -> Result<i64, NativeError> {
@@ -133,6 +133,11 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<LlamaConfig, NativeError> {
         num_hidden_layers: int("block_count")?,
         num_attention_heads: heads,
         num_key_value_heads: f.get(&format!("{arch}.attention.head_count_kv")).and_then(Value::as_u64).map(|v| v as i64).unwrap_or(heads),
+        explicit_head_dim: f
+            .get(&format!("{arch}.attention.key_length"))
+            .and_then(Value::as_u64)
+            .map(|v| v as i64)
+            .filter(|&hd| hd * heads != int("embedding_length").unwrap_or(0)),
         rms_norm_eps: f.get(&format!("{arch}.attention.layer_norm_rms_epsilon")).and_then(Value::as_f64).unwrap_or(1e-5),
         rope_theta: f.get(&format!("{arch}.rope.freq_base")).and_then(Value::as_f64).unwrap_or(10000.0),
         max_position_embeddings: int("context_length").unwrap_or(2048),
@@ -167,6 +172,8 @@ pub fn hf_name(gguf: &str) -> Option<String> {
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
         "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",

@@ -1,0 +1,111 @@
+//! The model families against transformers on the same weights: tiny random models made
+//! by transformers with a fixed seed, and transformers' own outputs on them
+//! (`tests/data/make_fixtures.py`; the versions it ran with are in `tests/data/versions.txt`).
+//! A port is correct when it agrees with the reference, not when it runs.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use native::infer::engine::{Engine, EngineConfig, Request};
+use native::infer::packed::WeightFormat;
+use native::infer::sampler::GenerateOptions;
+use native::model::{hf, KvCache, Llama};
+use tch::{Device, Kind, Tensor};
+
+fn fixture(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(format!("{family}-tiny"))
+}
+
+/// The model and transformers' outputs on it.
+fn load(family: &str) -> (Llama, HashMap<String, Tensor>) {
+    let dir = fixture(family);
+    let model = hf::load_model(&dir, Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
+    let path = dir.join("reference.safetensors");
+    let reference = hf::read_safetensors(&std::fs::read(&path).unwrap(), &path).unwrap();
+    (model, reference)
+}
+
+fn ids(t: &Tensor) -> Vec<i64> {
+    Vec::<f32>::try_from(&t.to_kind(Kind::Float)).unwrap().into_iter().map(|v| v as i64).collect()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn qwen3_logits_agree_with_transformers_over_a_prompt_and_every_cached_step() {
+    let (model, r) = load("qwen3");
+    assert!(model.config.qk_norm() && model.config.head_dim() == 16, "qwen3 with an explicit head width: {:?}", model.config);
+    let prompt = ids(&r["prompt_ids"]);
+    let p = prompt.len() as i64;
+    let logits = model.forward(&Tensor::from_slice(&prompt).view([1, p]), None).squeeze_dim(0);
+    let d = max_diff(&logits, &r["logits"]);
+    assert!(d < 1e-4, "prompt logits differ by {d}");
+
+    // One token per step on the cache: the cache and the per-head norms of every position.
+    let decoded = ids(&r["decoded_ids"]);
+    let mut cache = KvCache::default();
+    let mut next = model.logits_last(&Tensor::from_slice(&prompt).view([1, p]), Some(&mut cache)).squeeze_dim(0);
+    for (i, &t) in decoded.iter().enumerate() {
+        assert_eq!(next.argmax(-1, false).int64_value(&[]), t, "greedy token {i}");
+        next = model.forward(&Tensor::from_slice(&[t]).view([1, 1]), Some(&mut cache)).view([-1]);
+        let d = max_diff(&next, &r["step_logits"].get(i as i64));
+        assert!(d < 1e-4, "step {i}: logits differ by {d}");
+    }
+}
+
+#[test]
+fn qwen3_gradient_agrees_with_pytorch() {
+    let (model, r) = load("qwen3");
+    let row: Vec<i64> = ids(&r["prompt_ids"]).into_iter().chain(ids(&r["decoded_ids"])).collect();
+    let p = r["prompt_ids"].size()[0];
+    let n = row.len() as i64;
+    // log π of each decoded token given what precedes it, teacher-forced on one row
+    let positions = Tensor::arange_start(p - 1, n - 1, (Kind::Int64, Device::Cpu));
+    let logits = model.logits_at(&Tensor::from_slice(&row).view([1, n]), &positions);
+    let targets = Tensor::from_slice(&row[p as usize..]).view([-1, 1]);
+    let sum = logits.log_softmax(-1, Kind::Float).gather(1, &targets, false).sum(Kind::Float);
+    let want = r["logprob_sum"].double_value(&[0]);
+    assert!((sum.double_value(&[]) - want).abs() < 1e-3, "log-probability sum {} against {want}", sum.double_value(&[]));
+    sum.backward();
+    let mut checked = 0;
+    for (name, param) in model.named_tensors() {
+        let Some(theirs) = r.get(&format!("grad.{name}")) else { panic!("transformers has no parameter `{name}`") };
+        let ours = param.grad();
+        let scale = 1.0 + theirs.abs().max().double_value(&[]);
+        let d = max_diff(&ours, theirs);
+        assert!(d < 1e-4 * scale, "gradient of `{name}` differs by {d} (scale {scale})");
+        checked += 1;
+    }
+    assert_eq!(checked, r.keys().filter(|k| k.starts_with("grad.")).count(), "every parameter of transformers is ours");
+}
+
+/// The engine decodes the same tokens, with transformers' log-probabilities: on the CPU's own
+/// kernels (f32) exactly, on libtorch in bf16 within bf16's rounding.
+#[test]
+fn qwen3_rolls_out_on_the_engine_as_transformers_decodes() {
+    let (model, r) = load("qwen3");
+    let prompt: Vec<u32> = ids(&r["prompt_ids"]).into_iter().map(|t| t as u32).collect();
+    let decoded = ids(&r["decoded_ids"]);
+    let p = prompt.len() as i64;
+    // log q of each decoded token, from transformers' logits (the prompt's last, then each step's)
+    let all = Tensor::cat(&[r["logits"].get(p - 1).unsqueeze(0), r["step_logits"].narrow(0, 0, 15)], 0).log_softmax(-1, Kind::Float);
+    let want: Vec<f32> = decoded.iter().enumerate().map(|(i, &t)| all.double_value(&[i as i64, t]) as f32).collect();
+    for (weights, tolerance) in [(WeightFormat::F32, 1e-4f32), (WeightFormat::Bf16, 5e-2)] {
+        let engine =
+            Engine::start(model.clone_weights().unwrap(), EngineConfig { weights, threads: Some(1), ..Default::default() }).unwrap();
+        let g = engine.generate(Request::new(prompt.clone(), GenerateOptions::greedy(16))).unwrap();
+        let worst = g.logprobs.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        if weights == WeightFormat::F32 {
+            assert_eq!(g.tokens.iter().map(|&t| t as i64).collect::<Vec<_>>(), decoded, "{weights:?} tokens");
+            assert!(worst < tolerance, "{weights:?}: log q differs by {worst}");
+        } else {
+            // bf16 may flip a near-tie; until the first difference it follows transformers
+            let same = g.tokens.iter().zip(&decoded).take_while(|(a, b)| **a as i64 == **b).count();
+            assert!(same >= 1, "{weights:?}: the first token differs: {:?} against {decoded:?}", g.tokens);
+            let worst = g.logprobs[..same].iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < tolerance, "{weights:?}: log q differs by {worst} over the first {same} tokens");
+        }
+    }
+}

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use native::infer::engine::{Engine, EngineConfig, Request};
 use native::infer::packed::WeightFormat;
 use native::infer::sampler::GenerateOptions;
+use native::model::qwen3_5::{Qwen35, Qwen35Cache};
 use native::model::{hf, KvCache, Llama};
 use tch::{Device, Kind, Tensor};
 
@@ -108,4 +109,63 @@ fn qwen3_rolls_out_on_the_engine_as_transformers_decodes() {
             assert!(worst < tolerance, "{weights:?}: log q differs by {worst} over the first {same} tokens");
         }
     }
+}
+
+fn reference(family: &str) -> HashMap<String, Tensor> {
+    let path = fixture(family).join("reference.safetensors");
+    hf::read_safetensors(&std::fs::read(&path).unwrap(), &path).unwrap()
+}
+
+#[test]
+fn qwen3_5_logits_agree_with_transformers_over_a_prompt_and_every_cached_step() {
+    let model = Qwen35::load(&fixture("qwen3.5"), Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(model.config.full_attention, [false, false, false, true], "[GDN, GDN, GDN, full]");
+    let r = reference("qwen3.5");
+    let prompt = ids(&r["prompt_ids"]);
+    let p = prompt.len() as i64;
+    let tokens = Tensor::from_slice(&prompt).view([1, p]);
+    // one chunk (transformers' 64), and chunks of 5 with a padded last one
+    for chunk in [64, 5] {
+        let logits = model.forward(&tokens, None, chunk).squeeze_dim(0);
+        let d = max_diff(&logits, &r["logits"]);
+        assert!(d < 1e-4, "chunk {chunk}: prompt logits differ by {d}");
+    }
+    // the prompt in two passes (the GDN state and the convolution carried over), then one
+    // token per step on the recurrent form
+    let decoded = ids(&r["decoded_ids"]);
+    let mut cache = Qwen35Cache::default();
+    let _ = model.forward(&tokens.narrow(1, 0, 7), Some(&mut cache), 4);
+    let mut next = model.forward(&tokens.narrow(1, 7, p - 7), Some(&mut cache), 4).get(0).get(p - 8);
+    assert!(max_diff(&next, &r["logits"].get(p - 1)) < 1e-4, "the prompt split in two passes");
+    for (i, &t) in decoded.iter().enumerate() {
+        assert_eq!(next.argmax(-1, false).int64_value(&[]), t, "greedy token {i}");
+        next = model.forward(&Tensor::from_slice(&[t]).view([1, 1]), Some(&mut cache), 64).view([-1]);
+        let d = max_diff(&next, &r["step_logits"].get(i as i64));
+        assert!(d < 1e-4, "step {i}: logits differ by {d}");
+    }
+    assert_eq!(cache.len(), p + 16);
+}
+
+#[test]
+fn qwen3_5_gradient_agrees_with_pytorch() {
+    let model = Qwen35::load(&fixture("qwen3.5"), Device::Cpu).unwrap();
+    let r = reference("qwen3.5");
+    let row: Vec<i64> = ids(&r["prompt_ids"]).into_iter().chain(ids(&r["decoded_ids"])).collect();
+    let p = r["prompt_ids"].size()[0];
+    let n = row.len() as i64;
+    // chunks of 6: neither the key width (8) nor a divisor of the row's 28 tokens
+    let logits = model.forward(&Tensor::from_slice(&row).view([1, n]), None, 6).squeeze_dim(0).narrow(0, p - 1, n - p);
+    let targets = Tensor::from_slice(&row[p as usize..]).view([-1, 1]);
+    let sum = logits.log_softmax(-1, Kind::Float).gather(1, &targets, false).sum(Kind::Float);
+    let want = r["logprob_sum"].double_value(&[0]);
+    assert!((sum.double_value(&[]) - want).abs() < 1e-3, "log-probability sum {} against {want}", sum.double_value(&[]));
+    sum.backward();
+    let named = model.named_tensors();
+    for (name, param) in &named {
+        let theirs = r.get(&format!("grad.{name}")).unwrap_or_else(|| panic!("transformers has no parameter `{name}`"));
+        let scale = 1.0 + theirs.abs().max().double_value(&[]);
+        let d = max_diff(&param.grad(), theirs);
+        assert!(d < 1e-4 * scale, "gradient of `{name}` differs by {d} (scale {scale})");
+    }
+    assert_eq!(named.len(), r.keys().filter(|k| k.starts_with("grad.")).count(), "every parameter of transformers is ours");
 }

@@ -137,7 +137,7 @@ impl AsRef<[u8]> for TensorBytes {
 }
 
 /// Safetensors files of a model directory.
-fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, NativeError> {
+pub(crate) fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, NativeError> {
     let single = dir.join("model.safetensors");
     if single.exists() {
         return Ok(vec![single]);

@@ -33,7 +33,21 @@ def qwen3():
     return transformers.Qwen3ForCausalLM(cfg)
 
 
-FAMILIES = {"qwen3": qwen3}
+def qwen3_5():
+    # [GDN, GDN, GDN, full] like the released models, at toy widths; more value heads than
+    # key heads (the released models' grouping) and a partial rotary width of 4.
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        bos_token_id=1, eos_token_id=2, attn_implementation="eager",
+    )
+    return transformers.Qwen3_5ForCausalLM(cfg)
+
+
+FAMILIES = {"qwen3": qwen3, "qwen3_5": qwen3_5}
 
 
 def make(name, build):
@@ -44,7 +58,7 @@ def make(name, build):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    out = os.path.join(HERE, f"{name}-tiny")
+    out = os.path.join(HERE, f"{name.replace('_', '.')}-tiny")
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     g = torch.Generator().manual_seed(7)

@@ -1,0 +1,491 @@
+//! Qwen3.5's text decoder (transformers' `qwen3_5`): a hybrid of Gated DeltaNet layers and
+//! gated full-attention layers, [GDN, GDN, GDN, full] repeated (`layer_types`).
+//!
+//! - Full attention: `q_proj` gives each head's query and an output gate side by side; q and
+//!   k pass a per-head RMSNorm; RoPE rotates the first `partial_rotary_factor` of each head
+//!   (text positions: the multimodal rope sections reduce to 1-D); GQA; the output is
+//!   multiplied by sigmoid(gate) before `o_proj`.
+//! - Gated DeltaNet ([`crate::model::deltanet`]): `in_proj_qkv` through a causal depthwise
+//!   convolution with SiLU; β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias); the gated
+//!   delta rule; an RMSNorm gated by SiLU(z); `out_proj`.
+//! - Every RMSNorm but the gated one is zero-centred: x̂ · (1 + w).
+//!
+//! Parameters keep transformers' names (`model.layers.0.linear_attn.in_proj_qkv.weight`);
+//! a released `Qwen3_5ForConditionalGeneration` checkpoint's `model.language_model.*` are
+//! read as `model.*`, its vision tower and MTP layer are not read.
+//!
+//! This file is the model alone: the loader, the learner and the engine run the families of
+//! [`crate::model::config::ARCHITECTURES`] and refuse `qwen3_5` until they take this decoder.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tch::{nn, Device, Kind, Tensor};
+
+use crate::model::deltanet;
+use crate::model::layers::rms_norm;
+use crate::NativeError;
+
+/// The text part of a Qwen3.5 `config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen35Config {
+    pub vocab_size: i64,
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    pub num_key_value_heads: i64,
+    pub head_dim: i64,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// The share of each head RoPE rotates (0.25).
+    pub partial_rotary_factor: f64,
+    pub linear_num_key_heads: i64,
+    pub linear_num_value_heads: i64,
+    pub linear_key_head_dim: i64,
+    pub linear_value_head_dim: i64,
+    pub linear_conv_kernel_dim: i64,
+    /// One per layer: true for full attention, false for a Gated DeltaNet layer.
+    pub full_attention: Vec<bool>,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: i64,
+}
+
+impl Qwen35Config {
+    /// Reads `config.json`: a `qwen3_5_text` config, or a `qwen3_5` one with the text config
+    /// under `text_config`. What this decoder does not run is refused with the field named.
+    pub fn from_hf_json(path: &Path, text: &str) -> Result<Self, NativeError> {
+        let top: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| NativeError::Format { path: path.into(), detail: format!("not JSON: {e}") })?;
+        let model_type = top.get("model_type").and_then(|v| v.as_str()).unwrap_or_default();
+        let v = match model_type {
+            "qwen3_5_text" => &top,
+            "qwen3_5" => {
+                top.get("text_config").ok_or_else(|| NativeError::MissingMetadata { path: path.into(), key: "text_config".into() })?
+            }
+            other => return Err(NativeError::UnsupportedArchitecture { path: path.into(), arch: other.into() }),
+        };
+        let refuse = |field: &str, detail: String| NativeError::Config { field: format!("{}: {field}", path.display()), detail };
+        let int = |k: &str| -> Result<i64, NativeError> {
+            v.get(k).and_then(|x| x.as_i64()).ok_or_else(|| NativeError::MissingMetadata { path: path.into(), key: k.into() })
+        };
+        let rope = v.get("rope_parameters").cloned().unwrap_or_default();
+        if let Some(t) = rope.get("rope_type").and_then(|t| t.as_str()).filter(|t| *t != "default") {
+            return Err(refuse("rope_parameters.rope_type", format!("`{t}` RoPE scaling is not supported (default only)")));
+        }
+        if v.get("attention_bias").and_then(|b| b.as_bool()) == Some(true) {
+            return Err(refuse("attention_bias", "Qwen3.5 attention without bias is what this decoder runs".into()));
+        }
+        if v.get("num_experts").and_then(|x| x.as_i64()).is_some_and(|n| n > 0) {
+            return Err(refuse("num_experts", "the mixture-of-experts Qwen3.5 models are not supported".into()));
+        }
+        let layers = int("num_hidden_layers")?;
+        let full_attention = match v.get("layer_types").and_then(|t| t.as_array()) {
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(true),
+                    Some("linear_attention") => Ok(false),
+                    other => Err(refuse("layer_types", format!("{other:?} is neither `full_attention` nor `linear_attention`"))),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            None => {
+                let every = v.get("full_attention_interval").and_then(|x| x.as_i64()).unwrap_or(4);
+                (0..layers).map(|i| (i + 1) % every == 0).collect()
+            }
+        };
+        if full_attention.len() as i64 != layers {
+            return Err(refuse("layer_types", format!("{} entries for {layers} layers", full_attention.len())));
+        }
+        let f = |k: &str, default: f64| v.get(k).and_then(|x| x.as_f64()).unwrap_or(default);
+        let cfg = Qwen35Config {
+            vocab_size: int("vocab_size")?,
+            hidden_size: int("hidden_size")?,
+            intermediate_size: int("intermediate_size")?,
+            num_hidden_layers: layers,
+            num_attention_heads: int("num_attention_heads")?,
+            num_key_value_heads: int("num_key_value_heads")?,
+            head_dim: int("head_dim")?,
+            rms_norm_eps: f("rms_norm_eps", 1e-6),
+            rope_theta: rope.get("rope_theta").and_then(|x| x.as_f64()).unwrap_or_else(|| f("rope_theta", 10_000_000.0)),
+            partial_rotary_factor: rope
+                .get("partial_rotary_factor")
+                .and_then(|x| x.as_f64())
+                .unwrap_or_else(|| f("partial_rotary_factor", 0.25)),
+            linear_num_key_heads: int("linear_num_key_heads")?,
+            linear_num_value_heads: int("linear_num_value_heads")?,
+            linear_key_head_dim: int("linear_key_head_dim")?,
+            linear_value_head_dim: int("linear_value_head_dim")?,
+            linear_conv_kernel_dim: v.get("linear_conv_kernel_dim").and_then(|x| x.as_i64()).unwrap_or(4),
+            full_attention,
+            // the small sizes tie their embeddings; the flag sits at the top of a nested config
+            tie_word_embeddings: v
+                .get("tie_word_embeddings")
+                .or_else(|| top.get("tie_word_embeddings"))
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
+            max_position_embeddings: v.get("max_position_embeddings").and_then(|x| x.as_i64()).unwrap_or(32768),
+        };
+        cfg.validate().map_err(|e| NativeError::Format { path: path.into(), detail: e.to_string() })?;
+        Ok(cfg)
+    }
+
+    /// The rotated width of each head: an even number of dimensions.
+    pub fn rotary_dim(&self) -> i64 {
+        (self.head_dim as f64 * self.partial_rotary_factor) as i64
+    }
+
+    pub fn validate(&self) -> Result<(), NativeError> {
+        let bad = |field: &str, detail: String| Err(NativeError::Config { field: field.into(), detail });
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return bad("num_key_value_heads", format!("{} does not divide num_attention_heads", self.num_key_value_heads));
+        }
+        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+            return bad("linear_num_key_heads", format!("{} does not divide linear_num_value_heads", self.linear_num_key_heads));
+        }
+        let rd = self.rotary_dim();
+        if rd <= 0 || rd % 2 != 0 || rd > self.head_dim {
+            return bad("partial_rotary_factor", format!("rotates {rd} of {} dimensions; it must be an even share", self.head_dim));
+        }
+        Ok(())
+    }
+}
+
+struct Attention {
+    /// `[heads · 2 · head_dim, hidden]`: per head, the query rows then the gate rows.
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+}
+
+struct DeltaNet {
+    in_qkv: Tensor,
+    in_z: Tensor,
+    in_b: Tensor,
+    in_a: Tensor,
+    /// `[conv_dim, 1, kernel]`
+    conv: Tensor,
+    dt_bias: Tensor,
+    a_log: Tensor,
+    /// The gated RMSNorm's weight `[value_head_dim]` (not zero-centred).
+    norm: Tensor,
+    out: Tensor,
+}
+
+enum Mixer {
+    Attention(Attention),
+    DeltaNet(DeltaNet),
+}
+
+struct Layer {
+    input_norm: Tensor,
+    mixer: Mixer,
+    post_norm: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+/// What a sequence carries between passes: keys and values of the attention layers, the
+/// convolution inputs and the recurrent state of the GDN layers.
+#[derive(Default)]
+pub struct Qwen35Cache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Positions held.
+    len: i64,
+}
+
+impl Qwen35Cache {
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Qwen3.5's text decoder.
+pub struct Qwen35 {
+    pub config: Qwen35Config,
+    pub vs: nn::VarStore,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Option<Tensor>,
+}
+
+/// The zero-centred RMSNorm of Qwen3.5: x̂ · (1 + w).
+fn norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    rms_norm(x, &(w + 1.0), eps)
+}
+
+fn mm(x: &Tensor, w: &Tensor) -> Tensor {
+    x.matmul(&w.tr())
+}
+
+impl Qwen35 {
+    /// The model with every parameter zero, under transformers' names.
+    fn zeros(config: Qwen35Config, device: Device) -> Result<Self, NativeError> {
+        config.validate()?;
+        let vs = nn::VarStore::new(device);
+        let root = vs.root();
+        let c = &config;
+        let z = nn::Init::Const(0.0);
+        let m = &root / "model";
+        let embed = (&m / "embed_tokens").var("weight", &[c.vocab_size, c.hidden_size], z);
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (kd, vd) = (c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim);
+        let mut layers = vec![];
+        for (i, &full) in c.full_attention.iter().enumerate() {
+            let l = &(&m / "layers") / i;
+            let w =
+                |module: &str, rows: i64, cols: i64| module.split('.').fold(l.clone(), |p, seg| &p / seg).var("weight", &[rows, cols], z);
+            let mixer = if full {
+                let a = |name: &str| format!("self_attn.{name}");
+                Mixer::Attention(Attention {
+                    q: w(&a("q_proj"), c.num_attention_heads * hd * 2, h),
+                    k: w(&a("k_proj"), c.num_key_value_heads * hd, h),
+                    v: w(&a("v_proj"), c.num_key_value_heads * hd, h),
+                    o: w(&a("o_proj"), h, c.num_attention_heads * hd),
+                    q_norm: (&l / "self_attn" / "q_norm").var("weight", &[hd], z),
+                    k_norm: (&l / "self_attn" / "k_norm").var("weight", &[hd], z),
+                })
+            } else {
+                let g = &l / "linear_attn";
+                let conv_dim = 2 * kd + vd;
+                Mixer::DeltaNet(DeltaNet {
+                    in_qkv: (&g / "in_proj_qkv").var("weight", &[conv_dim, h], z),
+                    in_z: (&g / "in_proj_z").var("weight", &[vd, h], z),
+                    in_b: (&g / "in_proj_b").var("weight", &[c.linear_num_value_heads, h], z),
+                    in_a: (&g / "in_proj_a").var("weight", &[c.linear_num_value_heads, h], z),
+                    conv: (&g / "conv1d").var("weight", &[conv_dim, 1, c.linear_conv_kernel_dim], z),
+                    dt_bias: g.var("dt_bias", &[c.linear_num_value_heads], z),
+                    a_log: g.var("A_log", &[c.linear_num_value_heads], z),
+                    norm: (&g / "norm").var("weight", &[c.linear_value_head_dim], z),
+                    out: (&g / "out_proj").var("weight", &[h, vd], z),
+                })
+            };
+            layers.push(Layer {
+                input_norm: (&l / "input_layernorm").var("weight", &[h], z),
+                mixer,
+                post_norm: (&l / "post_attention_layernorm").var("weight", &[h], z),
+                gate: w("mlp.gate_proj", c.intermediate_size, h),
+                up: w("mlp.up_proj", c.intermediate_size, h),
+                down: w("mlp.down_proj", h, c.intermediate_size),
+            });
+        }
+        let norm = (&m / "norm").var("weight", &[h], z);
+        let lm_head = (!c.tie_word_embeddings).then(|| (&root / "lm_head").var("weight", &[c.vocab_size, h], z));
+        Ok(Qwen35 { config, vs, embed, layers, norm, lm_head })
+    }
+
+    /// Loads a Hugging Face folder (`config.json` and safetensors, any float dtype):
+    /// `Qwen3_5ForCausalLM`'s names, or a released checkpoint's `model.language_model.*`.
+    pub fn load(dir: &Path, device: Device) -> Result<Self, NativeError> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| NativeError::io(&cfg_path, e))?;
+        let config = Qwen35Config::from_hf_json(&cfg_path, &text)?;
+        let mut tensors = HashMap::new();
+        for file in crate::model::hf::weight_files(dir)? {
+            let bytes = std::fs::read(&file).map_err(|e| NativeError::io(&file, e))?;
+            for (name, t) in crate::model::hf::read_safetensors(&bytes, &file)? {
+                let name = match name.strip_prefix("model.language_model.") {
+                    Some(rest) => format!("model.{rest}"),
+                    None => name,
+                };
+                tensors.insert(name, t);
+            }
+        }
+        let model = Self::zeros(config, device)?;
+        let _g = tch::no_grad_guard();
+        for (name, mut var) in model.vs.variables() {
+            let src = tensors.get(&name).ok_or_else(|| NativeError::MissingTensor { path: dir.into(), tensor: name.clone() })?;
+            if src.size() != var.size() {
+                return Err(NativeError::Shape { path: dir.into(), tensor: name, expected: var.size(), got: src.size() });
+            }
+            var.f_copy_(&src.to_kind(Kind::Float))?;
+        }
+        Ok(model)
+    }
+
+    /// Parameters by transformers' name.
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut v: Vec<_> = self.vs.variables().into_iter().collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    pub fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    /// Logits `[B, T, vocab]` of `tokens` `[B, T]` placed after the positions in `cache`
+    /// (which is extended); without a cache the tokens start at position 0. `chunk`: the
+    /// gated delta rule's chunk length for passes of more than one token (64 in
+    /// transformers; any length gives the same result within float rounding).
+    pub fn forward(&self, tokens: &Tensor, mut cache: Option<&mut Qwen35Cache>, chunk: i64) -> Tensor {
+        let c = &self.config;
+        let (b, t) = tokens.size2().expect("tokens must be [B, T]");
+        let start = cache.as_ref().map_or(0, |c| c.len);
+        if let Some(cache) = cache.as_mut() {
+            cache.layers.resize_with(self.layers.len(), || None);
+        }
+        let (cos, sin) = self.rope(start, t);
+        let mut x = Tensor::embedding(&self.embed, tokens, -1, false, false);
+        for (i, l) in self.layers.iter().enumerate() {
+            let h = norm(&x, &l.input_norm, c.rms_norm_eps);
+            let slot = cache.as_mut().map(|c| &mut c.layers[i]);
+            let mixed = match &l.mixer {
+                Mixer::Attention(a) => self.attention(a, &h, (b, t, start), (&cos, &sin), slot),
+                Mixer::DeltaNet(d) => self.deltanet(d, &h, (b, t), slot, chunk),
+            };
+            x = x + mixed;
+            let h = norm(&x, &l.post_norm, c.rms_norm_eps);
+            x = &x + mm(&(mm(&h, &l.gate).silu() * mm(&h, &l.up)), &l.down);
+        }
+        if let Some(cache) = cache.as_mut() {
+            cache.len += t;
+        }
+        let x = norm(&x, &self.norm, c.rms_norm_eps);
+        mm(&x, self.lm_head.as_ref().unwrap_or(&self.embed))
+    }
+
+    /// cos/sin `[T, rotary_dim]` of positions `start..start + t` (the half-rotation layout).
+    fn rope(&self, start: i64, t: i64) -> (Tensor, Tensor) {
+        let rd = self.config.rotary_dim();
+        let dev = self.device();
+        let exponent = Tensor::arange_start_step(0, rd, 2, (Kind::Float, dev)) / rd as f64;
+        let inv_freq = Tensor::from(self.config.rope_theta as f32).to_device(dev).pow(&exponent).reciprocal();
+        let pos = Tensor::arange_start(start, start + t, (Kind::Float, dev));
+        let freqs = pos.outer(&inv_freq);
+        let freqs = Tensor::cat(&[&freqs, &freqs], -1);
+        (freqs.cos(), freqs.sin())
+    }
+
+    /// Rotates the first `rotary_dim` of each head of `x` `[B, H, T, head_dim]`.
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let (rd, hd) = (self.config.rotary_dim(), self.config.head_dim);
+        let (rot, pass) = (x.narrow(-1, 0, rd), x.narrow(-1, rd, hd - rd));
+        let half = rd / 2;
+        let rotated = Tensor::cat(&[-rot.narrow(-1, half, half), rot.narrow(-1, 0, half)], -1);
+        Tensor::cat(&[&rot * cos + rotated * sin, pass], -1)
+    }
+
+    fn attention(
+        &self,
+        a: &Attention,
+        h: &Tensor,
+        (b, t, start): (i64, i64, i64),
+        (cos, sin): (&Tensor, &Tensor),
+        slot: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Tensor {
+        let c = &self.config;
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let qg = mm(h, &a.q).view([b, t, nh, 2 * hd]);
+        let gate = qg.narrow(-1, hd, hd).reshape([b, t, nh * hd]);
+        let q = norm(&qg.narrow(-1, 0, hd), &a.q_norm, c.rms_norm_eps).transpose(1, 2);
+        let k = norm(&mm(h, &a.k).view([b, t, nkv, hd]), &a.k_norm, c.rms_norm_eps).transpose(1, 2);
+        let mut v = mm(h, &a.v).view([b, t, nkv, hd]).transpose(1, 2);
+        let q = self.rotate(&q, cos, sin);
+        let mut k = self.rotate(&k, cos, sin);
+        if let Some(slot) = slot {
+            if let Some((pk, pv)) = slot.as_ref() {
+                k = Tensor::cat(&[pk, &k], 2);
+                v = Tensor::cat(&[pv, &v], 2);
+            }
+            *slot = Some((k.shallow_clone(), v.shallow_clone()));
+        }
+        let rep = nh / nkv;
+        let repeat = |x: &Tensor| if rep > 1 { x.repeat_interleave_self_int(rep, 1, None) } else { x.shallow_clone() };
+        let mask = (t > 1).then(|| {
+            let q_pos = Tensor::arange_start(start, start + t, (Kind::Int64, self.device())).unsqueeze(1);
+            Tensor::arange(start + t, (Kind::Int64, self.device())).unsqueeze(0).le_tensor(&q_pos)
+        });
+        let att = Tensor::scaled_dot_product_attention(&q, &repeat(&k), &repeat(&v), mask.as_ref(), 0.0, false, None, false);
+        let att = att.transpose(1, 2).contiguous().view([b, t, nh * hd]);
+        mm(&(att * gate.sigmoid()), &a.o)
+    }
+
+    fn deltanet(&self, d: &DeltaNet, h: &Tensor, (b, t): (i64, i64), slot: Option<&mut Option<(Tensor, Tensor)>>, chunk: i64) -> Tensor {
+        let c = &self.config;
+        let (hk, hv, dk, dv) = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
+        let (kd, vd) = (hk * dk, hv * dv);
+        let (conv_state, state) = match slot.as_ref().and_then(|s| s.as_ref()) {
+            Some((conv, s)) => (Some(conv.shallow_clone()), Some(s.shallow_clone())),
+            None => (None, None),
+        };
+        let (mixed, conv_state) = deltanet::causal_conv(&mm(h, &d.in_qkv).transpose(1, 2), &d.conv, conv_state.as_ref());
+        let mixed = mixed.transpose(1, 2);
+        let q = mixed.narrow(-1, 0, kd).reshape([b, t, hk, dk]);
+        let k = mixed.narrow(-1, kd, kd).reshape([b, t, hk, dk]);
+        let v = mixed.narrow(-1, 2 * kd, vd).reshape([b, t, hv, dv]);
+        let beta = mm(h, &d.in_b).sigmoid();
+        let g = -d.a_log.exp() * (mm(h, &d.in_a) + &d.dt_bias).softplus();
+        let (out, state) = match &state {
+            Some(s) if t == 1 => deltanet::recurrent(&q, &k, &v, &g, &beta, Some(s)),
+            s => deltanet::chunked(&q, &k, &v, &g, &beta, s.as_ref(), chunk),
+        };
+        if let Some(slot) = slot {
+            *slot = Some((conv_state, state));
+        }
+        // the gated RMSNorm: x̂ · w · SiLU(z), per value head
+        let z = mm(h, &d.in_z).reshape([b, t, hv, dv]);
+        let out = rms_norm(&out, &d.norm, c.rms_norm_eps) * z.silu();
+        mm(&out.reshape([b, t, vd]), &d.out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text_config() -> serde_json::Value {
+        serde_json::json!({
+            "model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+        })
+    }
+
+    fn parse(v: &serde_json::Value) -> Result<Qwen35Config, NativeError> {
+        Qwen35Config::from_hf_json(Path::new("config.json"), &v.to_string())
+    }
+
+    #[test]
+    fn a_released_checkpoint_nests_its_text_config_and_the_layer_pattern_has_a_default() {
+        let flat = parse(&text_config()).unwrap();
+        assert_eq!(flat.full_attention, [false, false, false, true], "every fourth layer is full attention");
+        assert_eq!(flat.rotary_dim(), 4);
+        let nested =
+            serde_json::json!({"model_type": "qwen3_5", "tie_word_embeddings": true, "text_config": text_config(), "vision_config": {}});
+        let c = parse(&nested).unwrap();
+        assert!(c.tie_word_embeddings, "the top-level flag of a nested config counts");
+        assert_eq!(Qwen35Config { tie_word_embeddings: false, ..c }, flat);
+    }
+
+    #[test]
+    fn what_the_decoder_does_not_run_is_refused_by_field() {
+        for (field, value, named) in [
+            ("num_experts", serde_json::json!(64), "num_experts"),
+            ("attention_bias", serde_json::json!(true), "attention_bias"),
+            (
+                "layer_types",
+                serde_json::json!(["linear_attention", "sliding_attention", "full_attention", "full_attention"]),
+                "layer_types",
+            ),
+            ("rope_parameters", serde_json::json!({"rope_type": "yarn", "rope_theta": 1e7}), "rope_type"),
+        ] {
+            let mut v = text_config();
+            v[field] = value;
+            let err = parse(&v).unwrap_err().to_string();
+            assert!(err.contains(named), "{field}: {err}");
+        }
+        let err = parse(&serde_json::json!({"model_type": "qwen3_next"})).unwrap_err().to_string();
+        assert!(err.contains("qwen3_next"), "{err}");
+    }
+}

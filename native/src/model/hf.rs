@@ -172,6 +172,21 @@ pub fn load_model(dir: &Path, device: Device) -> Result<Llama, NativeError> {
     Llama::from_tensors(cfg, &tensors, device, &source)
 }
 
+/// Overwrites every variable of `vs` from `tensors` by name (any float kind, copied as
+/// float32). A missing tensor or a shape mismatch is an error naming `source` and the
+/// tensor; tensors no variable uses (a tied `lm_head.weight`) are ignored.
+pub fn fill(vs: &tch::nn::VarStore, tensors: &HashMap<String, Tensor>, source: &Path) -> Result<(), NativeError> {
+    let _guard = tch::no_grad_guard();
+    for (name, mut var) in vs.variables() {
+        let src = tensors.get(&name).ok_or_else(|| NativeError::MissingTensor { path: source.into(), tensor: name.clone() })?;
+        if src.size() != var.size() {
+            return Err(NativeError::Shape { path: source.into(), tensor: name, expected: var.size(), got: src.size() });
+        }
+        var.f_copy_(&src.to_kind(Kind::Float))?;
+    }
+    Ok(())
+}
+
 /// Element type of a checkpoint's `model.safetensors`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -149,15 +149,7 @@ impl Llama {
 
     /// Overwrites every parameter from `tensors` (see [`Llama::from_tensors`]).
     pub fn copy_from(&self, tensors: &HashMap<String, Tensor>, source: &Path) -> Result<(), NativeError> {
-        let _guard = tch::no_grad_guard();
-        for (name, mut var) in self.vs.variables() {
-            let src = tensors.get(&name).ok_or_else(|| NativeError::MissingTensor { path: source.into(), tensor: name.clone() })?;
-            if src.size() != var.size() {
-                return Err(NativeError::Shape { path: source.into(), tensor: name, expected: var.size(), got: src.size() });
-            }
-            var.f_copy_(&src.to_kind(Kind::Float))?;
-        }
-        Ok(())
+        crate::model::hf::fill(&self.vs, tensors, source)
     }
 
     /// A copy of this model with its own parameters (e.g. one per engine).

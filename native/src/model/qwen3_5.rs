@@ -301,14 +301,7 @@ impl Qwen35 {
             }
         }
         let model = Self::zeros(config, device)?;
-        let _g = tch::no_grad_guard();
-        for (name, mut var) in model.vs.variables() {
-            let src = tensors.get(&name).ok_or_else(|| NativeError::MissingTensor { path: dir.into(), tensor: name.clone() })?;
-            if src.size() != var.size() {
-                return Err(NativeError::Shape { path: dir.into(), tensor: name, expected: var.size(), got: src.size() });
-            }
-            var.f_copy_(&src.to_kind(Kind::Float))?;
-        }
+        crate::model::hf::fill(&model.vs, &tensors, dir)?;
         Ok(model)
     }
 

@@ -169,3 +169,21 @@ fn qwen3_5_gradient_agrees_with_pytorch() {
     }
     assert_eq!(named.len(), r.keys().filter(|k| k.starts_with("grad.")).count(), "every parameter of transformers is ours");
 }
+
+/// What a checkpoint of a qwen3 run holds (`config.json` from the model's config,
+/// `model.safetensors` under transformers' names) loads back into the same model.
+/// `HARNESS_S_KEEP_CHECKPOINT=DIR` keeps the folder there (for loading it in transformers).
+#[test]
+fn a_qwen3_checkpoint_reads_back_as_the_same_model() {
+    let (model, r) = load("qwen3");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = std::env::var("HARNESS_S_KEEP_CHECKPOINT").map(PathBuf::from).unwrap_or_else(|_| tmp.path().to_path_buf());
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&model.config.to_hf_json()).unwrap()).unwrap();
+    std::fs::write(dir.join("model.safetensors"), hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
+    let back = hf::load_model(&dir, Device::Cpu).unwrap();
+    assert_eq!(back.config, model.config);
+    let prompt = ids(&r["prompt_ids"]);
+    let tokens = Tensor::from_slice(&prompt).view([1, prompt.len() as i64]);
+    assert!(max_diff(&back.forward(&tokens, None), &model.forward(&tokens, None)) == 0.0);
+}

@@ -138,6 +138,14 @@ impl LlamaConfig {
             field(k)?.as_i64().ok_or_else(|| NativeError::Format { path: path.into(), detail: format!("`{k}` must be an integer") })
         };
         let model_type = field("model_type")?.as_str().unwrap_or_default().to_string();
+        if matches!(model_type.as_str(), "qwen3_5" | "qwen3_5_text") {
+            return Err(NativeError::Config {
+                field: format!("{}: model_type", path.display()),
+                detail: format!(
+                    "`{model_type}` (Qwen3.5) is ported as a model (it agrees with transformers) but the learner and the rollout engine do not run it yet; use a llama, qwen2 or qwen3 model"
+                ),
+            });
+        }
         if !ARCHITECTURES.contains(&model_type.as_str()) {
             return Err(NativeError::UnsupportedArchitecture { path: path.into(), arch: model_type });
         }
@@ -199,6 +207,8 @@ mod tests {
         assert_eq!(back, cfg);
         let err = LlamaConfig::from_hf_json(Path::new("config.json"), r#"{"model_type":"gpt2"}"#).unwrap_err().to_string();
         assert!(err.contains("gpt2"), "{err}");
+        let err = LlamaConfig::from_hf_json(Path::new("config.json"), r#"{"model_type":"qwen3_5"}"#).unwrap_err().to_string();
+        assert!(err.contains("Qwen3.5") && err.contains("not run it yet"), "{err}");
         // qwen3: an explicit head width, the RoPE base under `rope_parameters`
         let mut q3 = LlamaConfig::tiny(50, 32, 2);
         q3.model_type = "qwen3".into();

@@ -17,9 +17,11 @@ pub struct LearnerArgs {
     /// Model to train (GGUF or HF directory); default: a random llama of --shape.
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Shape of the random model: `tiny` (--width, --layers, --vocab) or `smollm2-135m`
-    /// (SmolLM2-135M's: 576 wide, 30 layers, 9 heads, 3 key-value heads, 49152 tokens).
-    #[arg(long, default_value = "tiny", value_parser = ["tiny", "smollm2-135m"])]
+    /// Shape of the random model: `tiny` (--width, --layers, --vocab), `smollm2-135m`
+    /// (SmolLM2-135M's: 576 wide, 30 layers, 9 heads, 3 key-value heads, 49152 tokens) or
+    /// `qwen3-0.6b` (Qwen3-0.6B's: 1024 wide, 28 layers, 16 heads of 128, 8 key-value heads,
+    /// per-head q/k norms, 151936 tokens).
+    #[arg(long, default_value = "tiny", value_parser = ["tiny", "smollm2-135m", "qwen3-0.6b"])]
     pub shape: String,
     /// Width of the random model.
     #[arg(long, default_value_t = 256)]
@@ -92,6 +94,21 @@ fn smollm2_135m() -> LlamaConfig {
     }
 }
 
+/// Qwen3-0.6B's shape (its `config.json`).
+fn qwen3_0_6b() -> LlamaConfig {
+    LlamaConfig {
+        model_type: "qwen3".into(),
+        intermediate_size: 3072,
+        num_attention_heads: 16,
+        num_key_value_heads: 8,
+        explicit_head_dim: Some(128),
+        rms_norm_eps: 1e-6,
+        rope_theta: 1_000_000.0,
+        max_position_embeddings: 40960,
+        ..LlamaConfig::tiny(151_936, 1024, 28)
+    }
+}
+
 /// One measured row of ours or the peer's.
 #[derive(Debug, Clone, serde::Deserialize)]
 struct Measured {
@@ -150,6 +167,7 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
     let model = match &args.model {
         Some(p) => native::model::loader::load(p, device)?.0,
         None if args.shape == "smollm2-135m" => Llama::new(smollm2_135m(), device, 0)?,
+        None if args.shape == "qwen3-0.6b" => Llama::new(qwen3_0_6b(), device, 0)?,
         None => Llama::new(LlamaConfig::tiny(args.vocab, args.width, args.layers), device, 0)?,
     };
     let config = model.config.clone();
@@ -260,6 +278,7 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
                     "vocab": config.vocab_size, "hidden": config.hidden_size, "inter": config.intermediate_size,
                     "layers": config.num_hidden_layers, "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
                     "eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "tie": config.tie_word_embeddings,
+                    "head_dim": config.head_dim(), "qk_norm": config.qk_norm(),
                 },
                 "device": native::device::name(device),
                 "precision": precision.name(),

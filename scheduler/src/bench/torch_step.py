@@ -1,5 +1,5 @@
 # The peer of `harness-s bench learner --peer torch`: a plain PyTorch training step of the
-# same llama model shape and the same batch (rows, lengths, micro-batches under the same
+# same llama (or qwen3: per-head q/k norms, an explicit head width) model shape and the same batch (rows, lengths, micro-batches under the same
 # token budget, LM head on the completion positions only, a policy-gradient loss on the
 # completion tokens, global-norm clipping, AdamW). Random weights: speed does not depend on
 # their values. Prints one JSON object per (sequence length, group) row.
@@ -22,12 +22,15 @@ if device.type == "cpu":
 class Layer(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        h, hd = c["hidden"], c["hidden"] // c["heads"]
+        h, hd = c["hidden"], c["head_dim"]
         lin = lambda i, o: torch.nn.Linear(i, o, bias=False)
         self.q, self.k, self.v = lin(h, c["heads"] * hd), lin(h, c["kv_heads"] * hd), lin(h, c["kv_heads"] * hd)
         self.o = lin(c["heads"] * hd, h)
         self.gate, self.up, self.down = lin(h, c["inter"]), lin(h, c["inter"]), lin(c["inter"], h)
         self.n1, self.n2 = torch.nn.Parameter(torch.ones(h)), torch.nn.Parameter(torch.ones(h))
+        # qwen3: an RMSNorm of each head's queries and keys before RoPE
+        self.qn = torch.nn.Parameter(torch.ones(hd)) if c["qk_norm"] else None
+        self.kn = torch.nn.Parameter(torch.ones(hd)) if c["qk_norm"] else None
 
 
 def rms(x, w):
@@ -48,7 +51,7 @@ class Llama(torch.nn.Module):
     def forward(self, ids, flat):
         b, t = ids.shape
         nh, nkv = c["heads"], c["kv_heads"]
-        hd = c["hidden"] // nh
+        hd = c["head_dim"]
         inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, hd, 2, device=ids.device).float() / hd))
         ang = torch.outer(torch.arange(t, device=ids.device).float(), inv)
         cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
@@ -60,8 +63,10 @@ class Llama(torch.nn.Module):
         x = self.embed(ids)
         for l in self.layers:
             h = rms(x, l.n1)
-            q = rope(l.q(h).view(b, t, nh, hd).transpose(1, 2))
-            k = rope(l.k(h).view(b, t, nkv, hd).transpose(1, 2))
+            q, k = l.q(h).view(b, t, nh, hd), l.k(h).view(b, t, nkv, hd)
+            if l.qn is not None:
+                q, k = rms(q, l.qn), rms(k, l.kn)
+            q, k = rope(q.transpose(1, 2)), rope(k.transpose(1, 2))
             v = l.v(h).view(b, t, nkv, hd).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
             x = x + l.o(a.transpose(1, 2).reshape(b, t, nh * hd))

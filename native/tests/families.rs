@@ -187,3 +187,87 @@ fn a_qwen3_checkpoint_reads_back_as_the_same_model() {
     let tokens = Tensor::from_slice(&prompt).view([1, prompt.len() as i64]);
     assert!(max_diff(&back.forward(&tokens, None), &model.forward(&tokens, None)) == 0.0);
 }
+
+/// The learner trains Qwen3.5: its teacher-forced log-probabilities are transformers', and an
+/// update over rows that share a prefix (the prefix run once, its GDN state and keys and
+/// values continued by every row) has the loss and gradient norm of the same rows run
+/// separately, on fewer tokens, and changes the weights.
+#[test]
+fn the_learner_trains_qwen3_5_with_shared_prefixes_as_with_separate_rows() {
+    use native::train::learner::{AdamWConfig, Batch, Learner, LearnerConfig, Sample};
+    let r = reference("qwen3.5");
+    let prompt: Vec<u32> = ids(&r["prompt_ids"]).into_iter().map(|t| t as u32).collect();
+    let decoded: Vec<u32> = ids(&r["decoded_ids"]).into_iter().map(|t| t as u32).collect();
+    let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, ..Default::default() };
+    let learner = Learner::new(Qwen35::load(&fixture("qwen3.5"), Device::Cpu).unwrap(), cfg.clone());
+    // sequence_logprob is the mean over the completion's tokens
+    let want = r["logprob_sum"].double_value(&[0]) / decoded.len() as f64;
+    let got = learner.sequence_logprob(&prompt, &decoded);
+    assert!((got - want).abs() < 1e-4, "mean log π of the decoded tokens: {got} against transformers' {want}");
+
+    // a preamble of 20 tokens (the learner shares prefixes of 16 and more): the prompt twice, cut
+    let preamble: Vec<u32> = prompt.iter().chain(&prompt).take(20).copied().collect();
+    let row = |task: usize, tail: &[u32], completion: &[u32], advantage: f64| Sample {
+        task,
+        context: preamble.iter().chain(tail).copied().collect(),
+        mask: vec![true; completion.len()],
+        logq: vec![],
+        completion: completion.to_vec(),
+        advantage,
+        temperature: 1.0,
+        scale: 1.0,
+        shift: None,
+    };
+    let batch = Batch {
+        tasks: vec!["a".into(), "b".into()],
+        samples: vec![
+            row(0, &[5, 6], &decoded[..4], 1.0),
+            row(0, &[5, 6], &decoded[4..7], -1.0),
+            row(0, &[5, 7, 3], &decoded[7..8], 0.5),
+            Sample { context: vec![4, 4, 4], ..row(1, &[], &[1, 2], 1.0) },
+        ],
+        ..Default::default()
+    };
+    let model = || Qwen35::load(&fixture("qwen3.5"), Device::Cpu).unwrap();
+    let mut shared = Learner::new(model(), cfg.clone());
+    let mut separate = Learner::new(model(), LearnerConfig { share_prefixes: false, ..cfg });
+    let a = shared.update(&batch).unwrap();
+    let b = separate.update(&batch).unwrap();
+    assert!(a.policy_tokens > 0 && a.forward_tokens < b.forward_tokens, "the prefix ran once: {a:?} vs {b:?}");
+    assert!((a.loss - b.loss).abs() < 1e-6 && (a.grad_norm - b.grad_norm).abs() < 1e-4 * b.grad_norm.max(1.0), "{a:?} vs {b:?}");
+    let start = model().named_tensors();
+    let x = shared.model.named_tensors();
+    assert!(x.iter().zip(&start).any(|((_, x), (_, s))| !x.equal(s)), "the update changed no weight");
+}
+
+/// A shared prefix run once, its state continuing every row, gives the logits and the
+/// gradients of the rows run separately (what the learner's shared plan relies on).
+#[test]
+fn qwen3_5_shared_prefix_gives_the_logits_and_gradients_of_separate_rows() {
+    use native::model::CausalLm;
+    let model = Qwen35::load(&fixture("qwen3.5"), Device::Cpu).unwrap();
+    let prefix: Vec<i64> = (0..19).map(|i| (i * 7 % 60 + 3) as i64).collect();
+    let rest = [[5i64, 9, 2, 11, 30], [7, 6, 0, 0, 0]];
+    let full: Vec<i64> = rest.iter().flat_map(|r| prefix.iter().chain(r).copied()).collect();
+    let (p, t) = (prefix.len() as i64, 5i64);
+    let flat_full = Tensor::from_slice(&(0..2 * t).map(|i| (i / t) * (p + t) + p + i % t).collect::<Vec<_>>());
+    let flat_shared = Tensor::arange(2 * t, (Kind::Int64, Device::Cpu));
+    let params = model.named_tensors();
+    let grads = |logits: Tensor| -> Vec<Tensor> {
+        for (_, x) in &params {
+            let mut g = x.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        (&logits * &logits).sum(Kind::Float).backward();
+        params.iter().map(|(_, x)| x.grad().copy()).collect()
+    };
+    let a = model.logits_at(&Tensor::from_slice(&full).view([2, p + t]), &flat_full);
+    let b = model.logits_at_shared(&Tensor::from_slice(&prefix), &Tensor::from_slice(&rest.concat()).view([2, t]), &flat_shared);
+    assert!(max_diff(&a, &b) < 1e-4, "logits differ by {}", max_diff(&a, &b));
+    for ((n, _), (x, y)) in params.iter().zip(grads(a).iter().zip(grads(b))) {
+        let d = max_diff(x, &y);
+        assert!(d < 1e-4 * (1.0 + x.abs().max().double_value(&[])), "gradient of {n} differs by {d}");
+    }
+}

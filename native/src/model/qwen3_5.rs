@@ -14,8 +14,9 @@
 //! a released `Qwen3_5ForConditionalGeneration` checkpoint's `model.language_model.*` are
 //! read as `model.*`, its vision tower and MTP layer are not read.
 //!
-//! This file is the model alone: the loader, the learner and the engine run the families of
-//! [`crate::model::config::ARCHITECTURES`] and refuse `qwen3_5` until they take this decoder.
+//! The learner trains it ([`crate::model::CausalLm`]); the loader, the learn job's
+//! checkpoints and the engine run the families of [`crate::model::config::ARCHITECTURES`] and
+//! refuse `qwen3_5` until they take this decoder.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -23,7 +24,7 @@ use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::model::deltanet;
-use crate::model::layers::rms_norm;
+use crate::model::layers::{mm as mm_in, rms_norm};
 use crate::NativeError;
 
 /// The text part of a Qwen3.5 `config.json`.
@@ -206,6 +207,50 @@ impl Qwen35Cache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The state of one sequence as the start of `b` (a shared prefix continued by `b` rows).
+    fn expand(&mut self, b: i64) {
+        for (x, y) in self.layers.iter_mut().flatten() {
+            let grow = |t: &Tensor| {
+                let mut shape = t.size();
+                shape[0] = b;
+                t.expand(shape.as_slice(), false)
+            };
+            (*x, *y) = (grow(x), grow(y));
+        }
+    }
+}
+
+/// The learner's passes: the gated delta rule in chunks of 64 (transformers' length); a
+/// shared prefix runs once and its state (keys and values, convolution inputs, recurrent
+/// state) starts every row.
+impl crate::model::CausalLm for Qwen35 {
+    fn device(&self) -> Device {
+        Qwen35::device(self)
+    }
+
+    fn set_compute(&mut self, kind: Kind) {
+        self.compute = kind;
+    }
+
+    fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        Qwen35::named_tensors(self)
+    }
+
+    fn logits_at(&self, tokens: &Tensor, flat: &Tensor) -> Tensor {
+        let h = self.hidden(tokens, None, 64);
+        let hidden = h.size()[2];
+        self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
+    }
+
+    fn logits_at_shared(&self, prefix: &Tensor, rows: &Tensor, flat: &Tensor) -> Tensor {
+        let mut cache = Qwen35Cache::default();
+        let _ = self.hidden(&prefix.unsqueeze(0), Some(&mut cache), 64);
+        cache.expand(rows.size()[0]);
+        let h = self.hidden(rows, Some(&mut cache), 64);
+        let hidden = h.size()[2];
+        self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
+    }
 }
 
 /// Qwen3.5's text decoder.
@@ -216,15 +261,14 @@ pub struct Qwen35 {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Option<Tensor>,
+    /// The kind the matrix products run in (`Float`, or `BFloat16` for the learner's mixed
+    /// precision); norms, the gated delta rule and the residual stream stay float32.
+    pub compute: Kind,
 }
 
 /// The zero-centred RMSNorm of Qwen3.5: x̂ · (1 + w).
 fn norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     rms_norm(x, &(w + 1.0), eps)
-}
-
-fn mm(x: &Tensor, w: &Tensor) -> Tensor {
-    x.matmul(&w.tr())
 }
 
 impl Qwen35 {
@@ -280,7 +324,7 @@ impl Qwen35 {
         }
         let norm = (&m / "norm").var("weight", &[h], z);
         let lm_head = (!c.tie_word_embeddings).then(|| (&root / "lm_head").var("weight", &[c.vocab_size, h], z));
-        Ok(Qwen35 { config, vs, embed, layers, norm, lm_head })
+        Ok(Qwen35 { config, vs, embed, layers, norm, lm_head, compute: Kind::Float })
     }
 
     /// Loads a Hugging Face folder (`config.json` and safetensors, any float dtype):
@@ -305,6 +349,11 @@ impl Qwen35 {
         Ok(model)
     }
 
+    /// `x · wᵀ` in [`Qwen35::compute`], float32 out.
+    fn mm(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        mm_in(x, w, self.compute)
+    }
+
     /// Parameters by transformers' name.
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
         let mut v: Vec<_> = self.vs.variables().into_iter().collect();
@@ -320,7 +369,17 @@ impl Qwen35 {
     /// (which is extended); without a cache the tokens start at position 0. `chunk`: the
     /// gated delta rule's chunk length for passes of more than one token (64 in
     /// transformers; any length gives the same result within float rounding).
-    pub fn forward(&self, tokens: &Tensor, mut cache: Option<&mut Qwen35Cache>, chunk: i64) -> Tensor {
+    pub fn forward(&self, tokens: &Tensor, cache: Option<&mut Qwen35Cache>, chunk: i64) -> Tensor {
+        self.logits_of(&self.hidden(tokens, cache, chunk))
+    }
+
+    /// Logits of final-norm hidden states (the LM head).
+    fn logits_of(&self, h: &Tensor) -> Tensor {
+        self.mm(h, self.lm_head.as_ref().unwrap_or(&self.embed))
+    }
+
+    /// Final-norm hidden states `[B, T, hidden]` (see [`Qwen35::forward`]).
+    fn hidden(&self, tokens: &Tensor, mut cache: Option<&mut Qwen35Cache>, chunk: i64) -> Tensor {
         let c = &self.config;
         let (b, t) = tokens.size2().expect("tokens must be [B, T]");
         let start = cache.as_ref().map_or(0, |c| c.len);
@@ -338,13 +397,12 @@ impl Qwen35 {
             };
             x = x + mixed;
             let h = norm(&x, &l.post_norm, c.rms_norm_eps);
-            x = &x + mm(&(mm(&h, &l.gate).silu() * mm(&h, &l.up)), &l.down);
+            x = &x + self.mm(&(self.mm(&h, &l.gate).silu() * self.mm(&h, &l.up)), &l.down);
         }
         if let Some(cache) = cache.as_mut() {
             cache.len += t;
         }
-        let x = norm(&x, &self.norm, c.rms_norm_eps);
-        mm(&x, self.lm_head.as_ref().unwrap_or(&self.embed))
+        norm(&x, &self.norm, c.rms_norm_eps)
     }
 
     /// cos/sin `[T, rotary_dim]` of positions `start..start + t` (the half-rotation layout).
@@ -378,11 +436,11 @@ impl Qwen35 {
     ) -> Tensor {
         let c = &self.config;
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let qg = mm(h, &a.q).view([b, t, nh, 2 * hd]);
+        let qg = self.mm(h, &a.q).view([b, t, nh, 2 * hd]);
         let gate = qg.narrow(-1, hd, hd).reshape([b, t, nh * hd]);
         let q = norm(&qg.narrow(-1, 0, hd), &a.q_norm, c.rms_norm_eps).transpose(1, 2);
-        let k = norm(&mm(h, &a.k).view([b, t, nkv, hd]), &a.k_norm, c.rms_norm_eps).transpose(1, 2);
-        let mut v = mm(h, &a.v).view([b, t, nkv, hd]).transpose(1, 2);
+        let k = norm(&self.mm(h, &a.k).view([b, t, nkv, hd]), &a.k_norm, c.rms_norm_eps).transpose(1, 2);
+        let mut v = self.mm(h, &a.v).view([b, t, nkv, hd]).transpose(1, 2);
         let q = self.rotate(&q, cos, sin);
         let mut k = self.rotate(&k, cos, sin);
         if let Some(slot) = slot {
@@ -400,7 +458,7 @@ impl Qwen35 {
         });
         let att = Tensor::scaled_dot_product_attention(&q, &repeat(&k), &repeat(&v), mask.as_ref(), 0.0, false, None, false);
         let att = att.transpose(1, 2).contiguous().view([b, t, nh * hd]);
-        mm(&(att * gate.sigmoid()), &a.o)
+        self.mm(&(att * gate.sigmoid()), &a.o)
     }
 
     fn deltanet(&self, d: &DeltaNet, h: &Tensor, (b, t): (i64, i64), slot: Option<&mut Option<(Tensor, Tensor)>>, chunk: i64) -> Tensor {
@@ -411,13 +469,13 @@ impl Qwen35 {
             Some((conv, s)) => (Some(conv.shallow_clone()), Some(s.shallow_clone())),
             None => (None, None),
         };
-        let (mixed, conv_state) = deltanet::causal_conv(&mm(h, &d.in_qkv).transpose(1, 2), &d.conv, conv_state.as_ref());
+        let (mixed, conv_state) = deltanet::causal_conv(&self.mm(h, &d.in_qkv).transpose(1, 2), &d.conv, conv_state.as_ref());
         let mixed = mixed.transpose(1, 2);
         let q = mixed.narrow(-1, 0, kd).reshape([b, t, hk, dk]);
         let k = mixed.narrow(-1, kd, kd).reshape([b, t, hk, dk]);
         let v = mixed.narrow(-1, 2 * kd, vd).reshape([b, t, hv, dv]);
-        let beta = mm(h, &d.in_b).sigmoid();
-        let g = -d.a_log.exp() * (mm(h, &d.in_a) + &d.dt_bias).softplus();
+        let beta = self.mm(h, &d.in_b).sigmoid();
+        let g = -d.a_log.exp() * (self.mm(h, &d.in_a) + &d.dt_bias).softplus();
         let (out, state) = match &state {
             Some(s) if t == 1 => deltanet::recurrent(&q, &k, &v, &g, &beta, Some(s)),
             s => deltanet::chunked(&q, &k, &v, &g, &beta, s.as_ref(), chunk),
@@ -426,9 +484,9 @@ impl Qwen35 {
             *slot = Some((conv_state, state));
         }
         // the gated RMSNorm: x̂ · w · SiLU(z), per value head
-        let z = mm(h, &d.in_z).reshape([b, t, hv, dv]);
+        let z = self.mm(h, &d.in_z).reshape([b, t, hv, dv]);
         let out = rms_norm(&out, &d.norm, c.rms_norm_eps) * z.silu();
-        mm(&out.reshape([b, t, vd]), &d.out)
+        self.mm(&out.reshape([b, t, vd]), &d.out)
     }
 }
 

@@ -19,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::model::Llama;
+use crate::model::{CausalLm, Llama};
 use crate::NativeError;
 pub use adamw::{AdamW, AdamWConfig};
 
@@ -87,7 +87,7 @@ pub struct LearnerConfig {
     pub seed: u64,
     /// Rows that start with the same tokens (the K rollouts of a group under one harness,
     /// one sibling's preamble across tasks) run that prefix forward and backward once per
-    /// micro-batch instead of once per row ([`Llama::logits_at_shared`]); the gradient is
+    /// micro-batch instead of once per row ([`CausalLm::logits_at_shared`]); the gradient is
     /// the same within float rounding.
     pub share_prefixes: bool,
     /// The kind of the passes' matrix products and attention: `f32`, or `bf16` with float32
@@ -275,9 +275,10 @@ impl StepMetrics {
     }
 }
 
-/// Model + optimizer + the learner's random state.
-pub struct Learner {
-    pub model: Llama,
+/// Model + optimizer + the learner's random state. Any [`CausalLm`] trains: llama, qwen2
+/// and qwen3 ([`Llama`], the default) or Qwen3.5 ([`crate::model::qwen3_5::Qwen35`]).
+pub struct Learner<M = Llama> {
+    pub model: M,
     pub optim: AdamW,
     pub config: LearnerConfig,
     pub rng: ChaCha8Rng,
@@ -288,7 +289,7 @@ pub struct Learner {
 /// temperature. Only those N positions go through the LM head.
 struct MicroBatch {
     rows: Vec<usize>,
-    /// `[P]` the tokens every row starts with, run once ([`Llama::logits_at_shared`]);
+    /// `[P]` the tokens every row starts with, run once ([`CausalLm::logits_at_shared`]);
     /// None: P = 0.
     prefix: Option<Tensor>,
     /// `[rows, longest − 1]`: every token but the last of each padded row, from position P.
@@ -303,10 +304,10 @@ struct MicroBatch {
     offsets: Vec<usize>,
 }
 
-impl Learner {
-    pub fn new(mut model: Llama, config: LearnerConfig) -> Self {
+impl<M: CausalLm> Learner<M> {
+    pub fn new(mut model: M, config: LearnerConfig) -> Self {
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
-        model.compute = config.precision.kind();
+        model.set_compute(config.precision.kind());
         Learner { optim: AdamW::new(config.optimizer.clone()), model, config, rng }
     }
 

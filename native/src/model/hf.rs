@@ -172,6 +172,13 @@ pub fn load_model(dir: &Path, device: Device) -> Result<Llama, NativeError> {
     Llama::from_tensors(cfg, &tensors, device, &source)
 }
 
+/// Every variable of `vs` by its transformers name, sorted (shared storage, float32).
+pub fn named(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut v: Vec<_> = vs.variables().into_iter().collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
 /// Overwrites every variable of `vs` from `tensors` by name (any float kind, copied as
 /// float32). A missing tensor or a shape mismatch is an error naming `source` and the
 /// tensor; tensors no variable uses (a tied `lm_head.weight`) are ignored.

@@ -32,3 +32,19 @@ pub(crate) fn head_norm(x: Tensor, w: Option<&Tensor>, head_dim: i64, eps: f64) 
     heads.extend([last / head_dim, head_dim]);
     rms_norm(&x.reshape(heads.as_slice()), w, eps).reshape(shape.as_slice())
 }
+
+/// RoPE's rotation angles `[positions, dim / 2]`: position · θ^(−2i/dim) for each pair i of
+/// the `dim` rotated dimensions.
+pub(crate) fn rope_angles(theta: f64, dim: i64, pos: &Tensor) -> Tensor {
+    let exponent = Tensor::arange_start_step(0, dim, 2, (Kind::Float, pos.device())) / dim as f64;
+    let inv_freq = Tensor::from(theta as f32).to_device(pos.device()).pow(&exponent).reciprocal();
+    pos.to_kind(Kind::Float).outer(&inv_freq)
+}
+
+/// The Hugging Face half rotation of `x`'s last dimension by `cos`/`sin` (each angle twice:
+/// `[.., dim]`): the first half of each head rotates against the second.
+pub(crate) fn rotate_half(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let half = x.size().last().copied().expect("a head has a last dimension") / 2;
+    let rotated = Tensor::cat(&[-x.narrow(-1, half, half), x.narrow(-1, 0, half)], -1);
+    x * cos + rotated * sin
+}

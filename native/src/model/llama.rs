@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::model::config::LlamaConfig;
-use crate::model::layers::{head_norm, linear, mm, rms_norm};
+use crate::model::layers::{head_norm, linear, mm, rms_norm, rope_angles, rotate_half};
 use crate::NativeError;
 
 pub(crate) struct Layer {
@@ -160,9 +160,7 @@ impl Llama {
 
     /// Parameters by HF name (shared storage, float32).
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
-        let mut v: Vec<_> = self.vs.variables().into_iter().collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
-        v
+        crate::model::hf::named(&self.vs)
     }
 
     pub fn device(&self) -> Device {
@@ -306,12 +304,8 @@ impl Llama {
 
     /// cos/sin of arbitrary positions, laid out as [`Llama::rope_tables`]'.
     pub(crate) fn rope_at(&self, pos: &[i64]) -> (Tensor, Tensor) {
-        let hd = self.config.head_dim();
-        let dev = self.device();
-        let exponent = Tensor::arange_start_step(0, hd, 2, (Kind::Float, dev)) / hd as f64;
-        let inv_freq = Tensor::from(self.config.rope_theta as f32).to_device(dev).pow(&exponent).reciprocal();
-        let pos = Tensor::from_slice(pos).to_kind(Kind::Float).to_device(dev);
-        let freqs = pos.outer(&inv_freq);
+        let pos = Tensor::from_slice(pos).to_device(self.device());
+        let freqs = rope_angles(self.config.rope_theta, self.config.head_dim(), &pos);
         let freqs = if self.config.rope_interleaved { freqs } else { Tensor::cat(&[&freqs, &freqs], -1) };
         (freqs.cos(), freqs.sin())
     }
@@ -335,11 +329,7 @@ impl Llama {
             let r1 = &x0 * sin + &x1 * cos;
             Tensor::stack(&[r0, r1], -1).view([s[0], s[1], s[2], hd])
         } else {
-            // HF layout: rotate the first half of each head against the second.
-            let x1 = x.narrow(-1, 0, hd / 2);
-            let x2 = x.narrow(-1, hd / 2, hd / 2);
-            let rotated = Tensor::cat(&[-x2, x1], -1);
-            x * cos + rotated * sin
+            rotate_half(x, cos, sin)
         }
     }
 }

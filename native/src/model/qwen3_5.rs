@@ -24,7 +24,7 @@ use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::model::deltanet;
-use crate::model::layers::{mm as mm_in, rms_norm};
+use crate::model::layers::{mm as mm_in, rms_norm, rope_angles, rotate_half};
 use crate::NativeError;
 
 /// The text part of a Qwen3.5 `config.json`.
@@ -356,9 +356,7 @@ impl Qwen35 {
 
     /// Parameters by transformers' name.
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
-        let mut v: Vec<_> = self.vs.variables().into_iter().collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
-        v
+        crate::model::hf::named(&self.vs)
     }
 
     pub fn device(&self) -> Device {
@@ -407,12 +405,8 @@ impl Qwen35 {
 
     /// cos/sin `[T, rotary_dim]` of positions `start..start + t` (the half-rotation layout).
     fn rope(&self, start: i64, t: i64) -> (Tensor, Tensor) {
-        let rd = self.config.rotary_dim();
-        let dev = self.device();
-        let exponent = Tensor::arange_start_step(0, rd, 2, (Kind::Float, dev)) / rd as f64;
-        let inv_freq = Tensor::from(self.config.rope_theta as f32).to_device(dev).pow(&exponent).reciprocal();
-        let pos = Tensor::arange_start(start, start + t, (Kind::Float, dev));
-        let freqs = pos.outer(&inv_freq);
+        let pos = Tensor::arange_start(start, start + t, (Kind::Int64, self.device()));
+        let freqs = rope_angles(self.config.rope_theta, self.config.rotary_dim(), &pos);
         let freqs = Tensor::cat(&[&freqs, &freqs], -1);
         (freqs.cos(), freqs.sin())
     }
@@ -420,10 +414,7 @@ impl Qwen35 {
     /// Rotates the first `rotary_dim` of each head of `x` `[B, H, T, head_dim]`.
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
         let (rd, hd) = (self.config.rotary_dim(), self.config.head_dim);
-        let (rot, pass) = (x.narrow(-1, 0, rd), x.narrow(-1, rd, hd - rd));
-        let half = rd / 2;
-        let rotated = Tensor::cat(&[-rot.narrow(-1, half, half), rot.narrow(-1, 0, half)], -1);
-        Tensor::cat(&[&rot * cos + rotated * sin, pass], -1)
+        Tensor::cat(&[rotate_half(&x.narrow(-1, 0, rd), cos, sin), x.narrow(-1, rd, hd - rd)], -1)
     }
 
     fn attention(

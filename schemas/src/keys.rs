@@ -198,7 +198,7 @@ pub fn checkpoint_of(location: &str) -> Result<Option<CheckpointRef<'_>>, String
     let step = digits.parse::<u32>().map_err(|_| format!("`{location}` names no checkpoint step"))?;
     let before = &location[..at];
     let run_id = before.rsplit('/').next().unwrap_or("");
-    let under_runs = before.strip_suffix(run_id).is_some_and(|p| p.ends_with("runs/") || p == "runs/");
+    let under_runs = before.strip_suffix(run_id).is_some_and(|p| p.ends_with("runs/"));
     if !under_runs || run_id.is_empty() {
         return Err(format!("`{location}` names a checkpoint outside a run (`runs/<run>/checkpoints/step=<n>`)"));
     }

@@ -10,7 +10,7 @@ use native::infer::engine::{Engine, EngineConfig, Request};
 use native::infer::packed::WeightFormat;
 use native::infer::sampler::GenerateOptions;
 use native::model::qwen3_5::{Qwen35, Qwen35Cache};
-use native::model::{hf, KvCache, Llama};
+use native::model::{hf, KvCache, Llama, Model};
 use tch::{Device, Kind, Tensor};
 
 fn fixture(family: &str) -> PathBuf {
@@ -20,7 +20,9 @@ fn fixture(family: &str) -> PathBuf {
 /// The model and transformers' outputs on it.
 fn load(family: &str) -> (Llama, HashMap<String, Tensor>) {
     let dir = fixture(family);
-    let model = hf::load_model(&dir, Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
+    let Model::Llama(model) = hf::load_model(&dir, Device::Cpu).unwrap_or_else(|e| panic!("{e}")) else {
+        panic!("{family} is a llama-family model")
+    };
     let path = dir.join("reference.safetensors");
     let reference = hf::read_safetensors(&std::fs::read(&path).unwrap(), &path).unwrap();
     (model, reference)
@@ -95,7 +97,7 @@ fn qwen3_rolls_out_on_the_engine_as_transformers_decodes() {
     let want: Vec<f32> = decoded.iter().enumerate().map(|(i, &t)| all.double_value(&[i as i64, t]) as f32).collect();
     for (weights, tolerance) in [(WeightFormat::F32, 1e-4f32), (WeightFormat::Bf16, 5e-2)] {
         let engine =
-            Engine::start(model.clone_weights().unwrap(), EngineConfig { weights, threads: Some(1), ..Default::default() }).unwrap();
+            Engine::start(model.clone_weights().unwrap().into(), EngineConfig { weights, threads: Some(1), ..Default::default() }).unwrap();
         let g = engine.generate(Request::new(prompt.clone(), GenerateOptions::greedy(16))).unwrap();
         let worst = g.logprobs.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         if weights == WeightFormat::F32 {
@@ -146,6 +148,37 @@ fn qwen3_5_logits_agree_with_transformers_over_a_prompt_and_every_cached_step() 
     assert_eq!(cache.len(), p + 16);
 }
 
+/// The engine's rollouts of Qwen3.5 (the model's own pass per sequence, prefill in chunks,
+/// the GDN state carried from chunk to chunk and into decoding) decode transformers' tokens
+/// with its log-probabilities; a second request with the same prompt continues from the
+/// state kept at the prompt's last chunk boundary and gives the same result.
+#[test]
+fn qwen3_5_rolls_out_on_the_engine_as_transformers_decodes() {
+    let dir = fixture("qwen3.5");
+    let model = hf::load_model(&dir, Device::Cpu).unwrap();
+    assert!(matches!(model, Model::Qwen35(_)), "the loader picks Qwen3.5 by model_type");
+    let r = reference("qwen3.5");
+    let prompt: Vec<u32> = ids(&r["prompt_ids"]).into_iter().map(|t| t as u32).collect();
+    let decoded = ids(&r["decoded_ids"]);
+    let p = prompt.len() as i64;
+    let all = Tensor::cat(&[r["logits"].get(p - 1).unsqueeze(0), r["step_logits"].narrow(0, 0, 15)], 0).log_softmax(-1, Kind::Float);
+    let want: Vec<f32> = decoded.iter().enumerate().map(|(i, &t)| all.double_value(&[i as i64, t]) as f32).collect();
+    let engine = Engine::start(model, EngineConfig { chunk: 4, threads: Some(1), ..Default::default() }).unwrap();
+    let g = engine.generate(Request::new(prompt.clone(), GenerateOptions::greedy(16))).unwrap();
+    assert_eq!(g.tokens.iter().map(|&t| t as i64).collect::<Vec<_>>(), decoded, "greedy tokens");
+    let worst = g.logprobs.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst < 1e-4, "log q differs by {worst}");
+    let again = engine.generate(Request::new(prompt.clone(), GenerateOptions::greedy(16))).unwrap();
+    assert!(engine.stats().reused_tokens > 0, "the second request reuses the first one's prefix");
+    assert_eq!((again.tokens, again.logprobs), (g.tokens, g.logprobs));
+    // bf16 and int4 copies of the weights are refused by name
+    let err = Engine::start(hf::load_model(&dir, Device::Cpu).unwrap(), EngineConfig { weights: WeightFormat::Int4, ..Default::default() })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("engine.weights") && err.contains("f32"), "{err}");
+}
+
 #[test]
 fn qwen3_5_gradient_agrees_with_pytorch() {
     let model = Qwen35::load(&fixture("qwen3.5"), Device::Cpu).unwrap();
@@ -181,7 +214,7 @@ fn a_qwen3_checkpoint_reads_back_as_the_same_model() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&model.config.to_hf_json()).unwrap()).unwrap();
     std::fs::write(dir.join("model.safetensors"), hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
-    let back = hf::load_model(&dir, Device::Cpu).unwrap();
+    let Model::Llama(back) = hf::load_model(&dir, Device::Cpu).unwrap() else { panic!("reads back as qwen3") };
     assert_eq!(back.config, model.config);
     let prompt = ids(&r["prompt_ids"]);
     let tokens = Tensor::from_slice(&prompt).view([1, prompt.len() as i64]);

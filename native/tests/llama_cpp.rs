@@ -152,7 +152,7 @@ fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
     // An "update": every layer's attention output projection scaled by 1.1 (q/k rows too,
     // so that the q/k permutation is exercised by changed weights).
     tch::no_grad(|| {
-        for (name, t) in model.named_tensors() {
+        for (name, t) in native::model::CausalLm::named_tensors(&model) {
             if name.ends_with("o_proj.weight") || name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight") {
                 let _ = t.shallow_clone().g_mul_scalar_(1.1);
             }
@@ -171,7 +171,7 @@ fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
     // 2.5e-2 (share 0.34) on another, against a change of 7.2e-2.
     for (ty, tol, share, tokens) in [(TensorType::F32, 1e-2, 0.1, 20), (TensorType::Q8_0, 3e-2, 0.45, 16)] {
         let exported = dir.path().join(format!("exported-{ty:?}.gguf"));
-        let bytes = native::model::export::gguf_bytes_as(&base, &model, ty).unwrap();
+        let bytes = native::model::export::gguf_bytes_as(&base, model.llama("export").unwrap(), ty).unwrap();
         sizes.push(bytes.len());
         std::fs::write(&exported, bytes).unwrap();
         let out =

@@ -3,7 +3,8 @@
 //! this test, outside both, is where they meet.
 
 use native::infer::sampler::{generate, GenerateOptions};
-use native::model::{Llama, LlamaConfig};
+use native::model::qwen3_5::{Qwen35, Qwen35Config};
+use native::model::{Llama, LlamaConfig, Model};
 use native::train::learner::{grpo, AdamWConfig, Batch, Learner, LearnerConfig, Sample};
 use tch::Device;
 
@@ -12,7 +13,16 @@ use tch::Device;
 /// After 20 GRPO steps the probability of token 7 rises well above its start.
 #[test]
 fn tiny_model_learns_a_rewarded_completion() {
-    let model = Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu, 1).unwrap();
+    learns_a_rewarded_completion(Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu, 1).unwrap().into());
+}
+
+/// The same with a tiny Qwen3.5: sampled on its recurrent form, trained on its chunked one.
+#[test]
+fn tiny_qwen3_5_learns_a_rewarded_completion() {
+    learns_a_rewarded_completion(Qwen35::new(Qwen35Config::shape("tiny", Some(32)).unwrap(), Device::Cpu, 1).unwrap().into());
+}
+
+fn learns_a_rewarded_completion(model: Model) {
     let cfg = LearnerConfig {
         optimizer: AdamWConfig { lr: 1e-2, weight_decay: 0.0, ..Default::default() },
         micro_batch_tokens: 24,

@@ -41,7 +41,7 @@ use crate::infer::kv::{Segment, SeqKv};
 use crate::infer::packed::WeightFormat;
 use crate::infer::sampler::{sample_masked, sample_next, top_logprobs, validate, Finish, GenerateOptions, Generation};
 use crate::infer::weights::EngineWeights;
-use crate::model::Llama;
+use crate::model::Model;
 use crate::NativeError;
 
 /// Engine settings.
@@ -185,7 +185,7 @@ pub struct Engine {
 
 impl Engine {
     /// Starts the engine thread with `model`.
-    pub fn start(model: Llama, config: EngineConfig) -> Result<Arc<Engine>, NativeError> {
+    pub fn start(model: Model, config: EngineConfig) -> Result<Arc<Engine>, NativeError> {
         config.validate()?;
         let threads = config.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
         let weights = EngineWeights::new(&model, config.weights, threads)?;
@@ -193,7 +193,7 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("native-engine".into())
             .spawn(move || {
-                if weights.rows_alone() {
+                if weights.cpu_kernels() {
                     // the CPU kernels: libtorch only samples here, one row at a time
                     crate::infer::threads::torch_on_this_thread_alone();
                 } else if let Some(n) = config.threads {
@@ -284,7 +284,7 @@ struct Idle {
 }
 
 struct Worker {
-    model: Llama,
+    model: Model,
     weights: EngineWeights,
     config: EngineConfig,
     seqs: Vec<Seq>,
@@ -327,7 +327,7 @@ impl Worker {
     }
 
     fn limit(&self) -> usize {
-        self.model.config.max_position_embeddings as usize
+        self.model.max_positions()
     }
 
     /// Positions of `prompt` that may come from a cache whose first `prefilled` positions
@@ -431,12 +431,17 @@ impl Worker {
             let mut segs = segments(&mut self.seqs, &picks);
             let h = self.weights.forward(&self.model, &ids, &mut segs);
             let rows: Vec<i64> = last.iter().map(|&(_, r)| r as i64).collect();
-            (!rows.is_empty()).then(|| self.weights.logits_of(&h.index_select(0, &Tensor::from_slice(&rows))))
+            (!rows.is_empty()).then(|| self.weights.logits_of(&self.model, &h.index_select(0, &Tensor::from_slice(&rows))))
         }));
         self.stats.prefill_tokens += ids.len() as u64;
         self.stats.prefill_passes += 1;
         match outcome {
             Ok(logits) => {
+                for &(i, _, to) in &pass {
+                    if to % c == 0 {
+                        self.seqs[i].cache.keep_state();
+                    }
+                }
                 for (i, from, to) in copy_after {
                     self.copy_chunk(i, from, to);
                 }
@@ -480,7 +485,10 @@ impl Worker {
                 let real = to - from;
                 let mut seg = [Segment { cache: &mut s.cache, first: 0, rows: c, attend: real }];
                 let h = self.weights.forward(&self.model, &ids, &mut seg);
-                (to == prompt_len).then(|| self.weights.logits_of(&h.narrow(0, real as i64 - 1, 1)).squeeze_dim(0))
+                if to % c == 0 {
+                    s.cache.keep_state();
+                }
+                (to == prompt_len).then(|| self.weights.logits_of(&self.model, &h.narrow(0, real as i64 - 1, 1)).squeeze_dim(0))
             }));
             self.stats.prefill_tokens += (to - from) as u64;
             self.stats.prefill_passes += 1;
@@ -548,7 +556,7 @@ impl Worker {
                 let picks: Vec<(usize, usize, usize)> = group.iter().enumerate().map(|(r, &i)| (i, r, 1)).collect();
                 let mut segs = segments(&mut self.seqs, &picks);
                 let h = self.weights.forward(&self.model, &ids, &mut segs);
-                self.weights.logits_of(&h)
+                self.weights.logits_of(&self.model, &h)
             }));
             self.stats.decode_passes += 1;
             self.stats.decode_rows += group.len() as u64;
@@ -720,11 +728,17 @@ fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
 mod tests {
     use super::*;
     use crate::infer::sampler::generate;
-    use crate::model::LlamaConfig;
+    use crate::model::qwen3_5::{Qwen35, Qwen35Config};
+    use crate::model::{Llama, LlamaConfig};
     use tch::Device;
 
-    fn model() -> Llama {
-        Llama::new(LlamaConfig::tiny(64, 32, 2), Device::Cpu, 5).unwrap()
+    fn model() -> Model {
+        Llama::new(LlamaConfig::tiny(64, 32, 2), Device::Cpu, 5).unwrap().into()
+    }
+
+    /// A tiny Qwen3.5: GDN layers and gated attention, on the model's own pass.
+    fn hybrid() -> Model {
+        Qwen35::new(Qwen35Config::shape("tiny", Some(64)).unwrap(), Device::Cpu, 5).unwrap().into()
     }
 
     fn small() -> EngineConfig {
@@ -741,15 +755,19 @@ mod tests {
 
     /// Alone on a fresh engine.
     fn alone(r: Request, config: &EngineConfig) -> Generation {
-        Engine::start(model(), config.clone()).unwrap().generate(r).unwrap()
+        alone_on(model, r, config)
+    }
+
+    fn alone_on(make: fn() -> Model, r: Request, config: &EngineConfig) -> Generation {
+        Engine::start(make(), config.clone()).unwrap().generate(r).unwrap()
     }
 
     /// Sequences of different lengths join while another is decoding; each comes out
     /// bitwise as it does alone, and with float32 weights within 1e-4 of the single-stream
     /// sampler.
-    fn batched_generation_equals_generation_alone(weights: WeightFormat) {
+    fn batched_generation_equals_generation_alone(weights: WeightFormat, make: fn() -> Model) {
         let config = EngineConfig { weights, ..small() };
-        let engine = Engine::start(model(), config.clone()).unwrap();
+        let engine = Engine::start(make(), config.clone()).unwrap();
         let (started_tx, started_rx) = mpsc::channel();
         let mut first = req(prompt(9, 1), 1, 24);
         let started = Mutex::new(Some(started_tx));
@@ -769,18 +787,18 @@ mod tests {
             .collect();
         let a = a.blocking_recv().unwrap().unwrap();
         assert_eq!(a.tokens.len(), 24);
-        assert_eq!(a.tokens, alone(req(prompt(9, 1), 1, 24), &config).tokens);
+        assert_eq!(a.tokens, alone_on(make, req(prompt(9, 1), 1, 24), &config).tokens);
         let stats = engine.stats();
         for (n, s, rx) in others {
             let got = rx.blocking_recv().unwrap().unwrap();
-            let want = alone(req(prompt(n, s as u32), s, 16), &config);
+            let want = alone_on(make, req(prompt(n, s as u32), s, 16), &config);
             assert_eq!(got.tokens, want.tokens, "prompt of {n} tokens");
             assert_eq!(got.logprobs, want.logprobs, "prompt of {n} tokens: log-probabilities differ bitwise");
             if weights != WeightFormat::F32 {
                 continue;
             }
             // against the single-stream sampler (another code path, other shapes)
-            let single = generate(&model(), &prompt(n, s as u32), &req(vec![], s, 16).opts, &[]).unwrap();
+            let single = generate(&make(), &prompt(n, s as u32), &req(vec![], s, 16).opts, &[]).unwrap();
             let shared = got.tokens.iter().zip(&single.tokens).take_while(|(x, y)| x == y).count();
             for j in 0..shared {
                 assert!((got.logprobs[j] - single.logprobs[j]).abs() < 1e-4, "token {j}: {} vs {}", got.logprobs[j], single.logprobs[j]);
@@ -792,17 +810,22 @@ mod tests {
 
     #[test]
     fn batched_generation_equals_generation_alone_f32() {
-        batched_generation_equals_generation_alone(WeightFormat::F32);
+        batched_generation_equals_generation_alone(WeightFormat::F32, model);
+    }
+
+    #[test]
+    fn hybrid_batched_generation_equals_generation_alone() {
+        batched_generation_equals_generation_alone(WeightFormat::F32, hybrid);
     }
 
     #[test]
     fn batched_generation_equals_generation_alone_bf16() {
-        batched_generation_equals_generation_alone(WeightFormat::Bf16);
+        batched_generation_equals_generation_alone(WeightFormat::Bf16, model);
     }
 
     #[test]
     fn batched_generation_equals_generation_alone_int4() {
-        batched_generation_equals_generation_alone(WeightFormat::Int4);
+        batched_generation_equals_generation_alone(WeightFormat::Int4, model);
     }
 
     /// With 64-value heads (the SIMD attention path), several kernel threads and a mix of
@@ -810,8 +833,10 @@ mod tests {
     #[test]
     fn int4_with_wide_heads_and_threads_equals_generation_alone() {
         let wide = || {
-            Llama::new(LlamaConfig { num_attention_heads: 4, num_key_value_heads: 2, ..LlamaConfig::tiny(96, 256, 2) }, Device::Cpu, 9)
-                .unwrap()
+            Model::from(
+                Llama::new(LlamaConfig { num_attention_heads: 4, num_key_value_heads: 2, ..LlamaConfig::tiny(96, 256, 2) }, Device::Cpu, 9)
+                    .unwrap(),
+            )
         };
         let config = EngineConfig { weights: WeightFormat::Int4, threads: Some(2), ..small() };
         let engine = Engine::start(wide(), config.clone()).unwrap();
@@ -848,6 +873,11 @@ mod tests {
     /// top-2 logit margin is above the tolerance.
     #[test]
     fn greedy_matches_the_single_stream_sampler() {
+        greedy_matches_the_single_stream_sampler_on(model);
+        greedy_matches_the_single_stream_sampler_on(hybrid);
+    }
+
+    fn greedy_matches_the_single_stream_sampler_on(model: fn() -> Model) {
         let engine = Engine::start(model(), small()).unwrap();
         let rxs: Vec<_> = (0..5).map(|s| engine.submit(Request::new(prompt(5 + 3 * s, s as u32), GenerateOptions::greedy(12)))).collect();
         for (s, rx) in rxs.into_iter().enumerate() {
@@ -865,6 +895,17 @@ mod tests {
     /// too small to keep anything.
     #[test]
     fn prefix_reuse_gives_the_cold_result() {
+        prefix_reuse_gives_the_cold_result_on(model);
+    }
+
+    /// A hybrid model's prefix continues from the GDN state kept at its last chunk boundary.
+    #[test]
+    fn hybrid_prefix_reuse_gives_the_cold_result() {
+        prefix_reuse_gives_the_cold_result_on(hybrid);
+    }
+
+    fn prefix_reuse_gives_the_cold_result_on(model: fn() -> Model) {
+        let alone = |r, c: &EngineConfig| alone_on(model, r, c);
         let turn1 = prompt(13, 3);
         let engine = Engine::start(model(), small()).unwrap();
         let g1 = engine.generate(req(turn1.clone(), 1, 6)).unwrap();
@@ -890,7 +931,8 @@ mod tests {
 
     /// K rollouts of one prompt share its prefill: chunks are copied, not recomputed (on the
     /// CPU kernels too, where the rollouts' chunks would otherwise share one pass).
-    fn a_group_shares_its_prompt_prefill(weights: WeightFormat) {
+    fn a_group_shares_its_prompt_prefill(weights: WeightFormat, model: fn() -> Model) {
+        let alone = |r, c: &EngineConfig| alone_on(model, r, c);
         let config = EngineConfig { weights, ..small() };
         let engine = Engine::start(model(), config.clone()).unwrap();
         let p = prompt(21, 8);
@@ -909,12 +951,13 @@ mod tests {
 
     #[test]
     fn a_group_shares_its_prompt_prefill_f32() {
-        a_group_shares_its_prompt_prefill(WeightFormat::F32);
+        a_group_shares_its_prompt_prefill(WeightFormat::F32, model);
+        a_group_shares_its_prompt_prefill(WeightFormat::F32, hybrid);
     }
 
     #[test]
     fn a_group_shares_its_prompt_prefill_int4() {
-        a_group_shares_its_prompt_prefill(WeightFormat::Int4);
+        a_group_shares_its_prompt_prefill(WeightFormat::Int4, model);
     }
 
     /// On the CPU kernels every prefilling sequence's chunk goes into one pass and every

@@ -1,4 +1,4 @@
-//! The `native` policy backend: a [`Llama`] + [`Tokenizer`] in this process behind the
+//! The `native` policy backend: a [`Model`] + [`Tokenizer`] in this process behind the
 //! [`Policy`] trait. Generation runs on the batching [`Engine`]: concurrent calls (the K
 //! rollouts of a group, the episodes of a stage) are decoded together.
 
@@ -13,7 +13,7 @@ use crate::infer::grammar::{GrammarState, PatchGrammar};
 use crate::infer::sampler::{Finish, GenerateOptions, Generation};
 use crate::model::chat::prompt_ids;
 use crate::model::tokenizer::Tokenizer;
-use crate::model::Llama;
+use crate::model::Model;
 use crate::NativeError;
 use jobs::env::ToolSpec;
 use jobs::policy::Constrain;
@@ -38,14 +38,14 @@ impl NativePolicy {
     }
 
     /// Starts a batching engine with `engine`'s settings over `model`.
-    pub fn new(model: Llama, tokenizer: Tokenizer, checkpoint: String, engine: EngineConfig) -> Result<Self, NativeError> {
+    pub fn new(model: Model, tokenizer: Tokenizer, checkpoint: String, engine: EngineConfig) -> Result<Self, NativeError> {
         Self::with_tokenizer(model, Arc::new(tokenizer), checkpoint, engine)
     }
 
     /// [`NativePolicy::new`] with a tokenizer shared with another policy (new weights of
     /// the same model).
-    pub fn with_tokenizer(model: Llama, tokenizer: Arc<Tokenizer>, checkpoint: String, engine: EngineConfig) -> Result<Self, NativeError> {
-        let context_limit = model.config.max_position_embeddings as u64;
+    pub fn with_tokenizer(model: Model, tokenizer: Arc<Tokenizer>, checkpoint: String, engine: EngineConfig) -> Result<Self, NativeError> {
+        let context_limit = model.max_positions() as u64;
         let engine = Engine::start(model, engine)?;
         Ok(NativePolicy { engine, tokenizer, context_limit, checkpoint, pieces: Arc::default() })
     }

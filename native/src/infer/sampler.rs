@@ -6,7 +6,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tch::{Device, IndexOp, Kind, Tensor};
 
-use crate::model::{KvCache, Llama};
+use crate::model::{CausalLm, Model};
 use crate::NativeError;
 
 /// Sampling settings of one generation.
@@ -57,10 +57,10 @@ impl Generation {
 }
 
 /// Logits `[vocab]` of the next token after `prompt` (float32, on the CPU).
-pub fn next_token_logits(model: &Llama, prompt: &[u32]) -> Result<Vec<f32>, NativeError> {
+pub fn next_token_logits(model: &Model, prompt: &[u32]) -> Result<Vec<f32>, NativeError> {
     let _g = tch::no_grad_guard();
-    let ids = to_tensor(prompt, model.device());
-    let logits = model.forward(&ids, None).i((0, -1)).to_device(Device::Cpu).to_kind(Kind::Float);
+    let ids = to_tensor(prompt, CausalLm::device(model));
+    let logits = model.logits_last(&ids, &mut model.new_cache()).i(0).to_device(Device::Cpu).to_kind(Kind::Float);
     Ok(Vec::<f32>::try_from(&logits)?)
 }
 
@@ -147,19 +147,20 @@ pub fn top_logprobs(logits: &Tensor, opts: &GenerateOptions, k: usize) -> Result
 /// Generates after `prompt` until a token of `stop_ids`, `max_tokens`, the model context,
 /// or `should_stop(tokens so far)` returning true (used for stop strings).
 pub fn generate_with(
-    model: &Llama,
+    model: &Model,
     prompt: &[u32],
     opts: &GenerateOptions,
     stop_ids: &[u32],
     mut should_stop: impl FnMut(&[u32]) -> bool,
 ) -> Result<Generation, NativeError> {
-    let limit = model.config.max_position_embeddings as usize;
+    let limit = model.max_positions();
     validate(prompt, opts, limit)?;
     let _g = tch::no_grad_guard();
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
-    let mut cache = KvCache::default();
+    let mut cache = model.new_cache();
     let mut out = Generation::empty();
-    let mut logits = model.logits_last(&to_tensor(prompt, model.device()), Some(&mut cache)).i(0);
+    let device = CausalLm::device(model);
+    let mut logits = model.logits_last(&to_tensor(prompt, device), &mut cache).i(0);
     for _ in 0..opts.max_tokens {
         let (token, logprob) = sample_next(&logits, opts, &mut rng)?;
         if stop_ids.contains(&token) {
@@ -176,13 +177,13 @@ pub fn generate_with(
         if prompt.len() + out.tokens.len() >= limit {
             break;
         }
-        logits = model.logits_last(&to_tensor(&[token], model.device()), Some(&mut cache)).i(0);
+        logits = model.logits_last(&to_tensor(&[token], device), &mut cache).i(0);
     }
     Ok(out)
 }
 
 /// [`generate_with`] without a stop callback.
-pub fn generate(model: &Llama, prompt: &[u32], opts: &GenerateOptions, stop_ids: &[u32]) -> Result<Generation, NativeError> {
+pub fn generate(model: &Model, prompt: &[u32], opts: &GenerateOptions, stop_ids: &[u32]) -> Result<Generation, NativeError> {
     generate_with(model, prompt, opts, stop_ids, |_| false)
 }
 
@@ -230,7 +231,7 @@ fn nucleus_candidates(probs: &[f32], top_p: f64) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::LlamaConfig;
+    use crate::model::{Llama, LlamaConfig};
 
     #[test]
     fn top_p_keeps_the_nucleus_only() {
@@ -296,7 +297,7 @@ mod tests {
 
     #[test]
     fn seeded_sampling_repeats_and_logprobs_are_consistent() {
-        let m = Llama::new(LlamaConfig::tiny(40, 32, 2), Device::Cpu, 3).unwrap();
+        let m = Model::from(Llama::new(LlamaConfig::tiny(40, 32, 2), Device::Cpu, 3).unwrap());
         let opts = GenerateOptions { max_tokens: 12, temperature: 1.0, top_p: 0.9, seed: 11 };
         let a = generate(&m, &[1, 2, 3], &opts, &[]).unwrap();
         let b = generate(&m, &[1, 2, 3], &opts, &[]).unwrap();
@@ -307,7 +308,8 @@ mod tests {
         let mut all = vec![1u32, 2, 3];
         all.extend(&a.tokens);
         let ids = to_tensor(&all, Device::Cpu);
-        let lp = m.forward(&ids, None).log_softmax(-1, Kind::Float);
+        let Model::Llama(llama) = &m else { unreachable!() };
+        let lp = llama.forward(&ids, None).log_softmax(-1, Kind::Float);
         for (i, (&t, &q)) in a.tokens.iter().zip(&a.logprobs).enumerate() {
             let want = lp.double_value(&[0, (2 + i) as i64, t as i64]);
             assert!((want - q as f64).abs() < 1e-4, "token {i}: {want} vs {q}");
@@ -316,7 +318,7 @@ mod tests {
 
     #[test]
     fn greedy_stops_on_a_stop_token() {
-        let m = Llama::new(LlamaConfig::tiny(40, 32, 2), Device::Cpu, 3).unwrap();
+        let m = Model::from(Llama::new(LlamaConfig::tiny(40, 32, 2), Device::Cpu, 3).unwrap());
         let free = generate(&m, &[5, 6], &GenerateOptions::greedy(5), &[]).unwrap();
         let stop = free.tokens[2];
         let g = generate(&m, &[5, 6], &GenerateOptions::greedy(5), &[stop]).unwrap();

@@ -2,7 +2,8 @@
 //! [`WeightFormat`], fused where products share an input, and the forward pass over a
 //! batch of rows from many sequences, each with its own KV cache ([`crate::infer::kv`]). `int4`, and
 //! `f32` on the CPU, run on the CPU's own kernels ([`crate::infer::cpu`]); `bf16`, and
-//! `f32` on a GPU, on libtorch. The model itself knows nothing of this.
+//! `f32` on a GPU, on libtorch. A hybrid model (Qwen3.5) runs its own forward pass on
+//! libtorch, one sequence at a time with its own cache. The model itself knows nothing of this.
 
 use tch::{Device, Kind, Tensor};
 
@@ -10,7 +11,7 @@ use crate::infer::cpu::{self, CpuWeights};
 use crate::infer::kv::Segment;
 use crate::infer::packed::{Packed, WeightFormat};
 use crate::model::layers::{head_norm, rms_norm};
-use crate::model::Llama;
+use crate::model::Model;
 use crate::NativeError;
 
 /// One layer's matrices for the engine (see [`EngineWeights::new`]).
@@ -34,22 +35,34 @@ pub struct EngineWeights {
 // One value per model, built once: the size of the larger variant costs nothing.
 #[allow(clippy::large_enum_variant)]
 enum Kernels {
-    Torch { layers: Vec<EngineLayer>, head: Packed },
+    Torch {
+        layers: Vec<EngineLayer>,
+        head: Packed,
+    },
     Cpu(CpuWeights),
+    /// The model's own forward pass and float32 weights, per sequence (Qwen3.5).
+    Model,
 }
 
 impl EngineWeights {
     /// Whether a pass computes each row on its own (the CPU kernels), so that passes need no
     /// fixed shape: the engine then puts every chunk or decode row of a step in one pass.
     pub fn rows_alone(&self) -> bool {
+        matches!(self.kernels, Kernels::Cpu(_) | Kernels::Model)
+    }
+
+    /// Whether the products run on the engine's own CPU kernels (libtorch then only samples).
+    pub fn cpu_kernels(&self) -> bool {
         matches!(self.kernels, Kernels::Cpu(_))
     }
 
     /// Logits `[rows, vocab]` of final-norm hidden states `[rows, hidden]`.
-    pub fn logits_of(&self, h: &Tensor) -> Tensor {
-        match &self.kernels {
-            Kernels::Torch { head, .. } => head.apply(h),
-            Kernels::Cpu(c) => c.logits(h),
+    pub fn logits_of(&self, model: &Model, h: &Tensor) -> Tensor {
+        match (&self.kernels, model) {
+            (Kernels::Torch { head, .. }, _) => head.apply(h),
+            (Kernels::Cpu(c), _) => c.logits(h),
+            (Kernels::Model, Model::Qwen35(m)) => m.logits_of(h),
+            (Kernels::Model, Model::Llama(m)) => m.logits_of(h),
         }
     }
 }
@@ -58,7 +71,20 @@ impl EngineWeights {
     /// The engine's copy of the weights in `format`, with the products that share an input
     /// fused (q, k and v into one matrix; gate and up into another): fewer, larger products
     /// per layer. `threads`: the CPU kernels' thread count (`int4`, and `f32` on the CPU).
-    pub fn new(model: &Llama, format: WeightFormat, threads: usize) -> Result<EngineWeights, NativeError> {
+    pub fn new(model: &Model, format: WeightFormat, threads: usize) -> Result<EngineWeights, NativeError> {
+        let model = match model {
+            Model::Llama(m) => m,
+            Model::Qwen35(_) if format == WeightFormat::F32 => return Ok(EngineWeights { format, kernels: Kernels::Model }),
+            Model::Qwen35(_) => {
+                return Err(NativeError::Config {
+                    field: "engine.weights".into(),
+                    detail: format!(
+                        "`{}`: the engine decodes Qwen3.5 with the model's own float32 weights on libtorch; set weights = \"f32\"",
+                        format.name()
+                    ),
+                })
+            }
+        };
         // int4 exists on the CPU kernels only; f32 on the CPU runs there too (libtorch's CPU
         // product at a decode step's few rows costs a copy of every weight matrix per call)
         let on_cpu = model.device() == Device::Cpu;
@@ -91,10 +117,16 @@ impl EngineWeights {
     /// rows (measured bitwise on this backend for every weight format; see the engine's
     /// tests), which makes the engine's numerics independent of batch composition.
     /// Attention runs per segment against its own cache.
-    pub fn forward(&self, model: &Llama, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
+    pub fn forward(&self, model: &Model, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
+        let model = match (&self.kernels, model) {
+            (Kernels::Model, _) => return hybrid_forward(model, ids, segments),
+            (_, Model::Llama(m)) => m,
+            (_, Model::Qwen35(_)) => unreachable!("Qwen3.5 runs on its own forward pass"),
+        };
         let layers = match &self.kernels {
             Kernels::Cpu(c) => return cpu::forward(model, c, ids, segments),
             Kernels::Torch { layers, .. } => layers,
+            Kernels::Model => unreachable!(),
         };
         let c = &model.config;
         let m = ids.len() as i64;
@@ -158,4 +190,21 @@ impl EngineWeights {
         }
         rms_norm(&x, &model.norm, c.rms_norm_eps)
     }
+}
+
+/// [`EngineWeights::forward`] of a hybrid model: each segment runs alone on the model's own
+/// pass, continuing its sequence's cache (so no row depends on another sequence); the
+/// gated delta rule takes prefill chunks in chunks of 64 as the learner does.
+fn hybrid_forward(model: &Model, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
+    let Model::Qwen35(m) = model else { unreachable!("the model kernels run Qwen3.5") };
+    let dev = m.device();
+    let out = Tensor::zeros([ids.len() as i64, m.config.hidden_size], (Kind::Float, dev));
+    for s in segments.iter_mut() {
+        let tokens: Vec<i64> = ids[s.first..s.first + s.attend].iter().map(|&t| t as i64).collect();
+        let hybrid = s.cache.hybrid.as_mut().expect("a Qwen3.5 sequence has a hybrid cache");
+        let h = m.hidden(&Tensor::from_slice(&tokens).view([1, -1]).to_device(dev), Some(&mut hybrid.cache), 64);
+        out.narrow(0, s.first as i64, s.attend as i64).copy_(&h.squeeze_dim(0));
+        s.cache.len += s.attend;
+    }
+    out
 }

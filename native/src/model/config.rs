@@ -141,9 +141,7 @@ impl LlamaConfig {
         if matches!(model_type.as_str(), "qwen3_5" | "qwen3_5_text") {
             return Err(NativeError::Config {
                 field: format!("{}: model_type", path.display()),
-                detail: format!(
-                    "`{model_type}` (Qwen3.5) is ported as a model (it agrees with transformers) but the learner and the rollout engine do not run it yet; use a llama, qwen2 or qwen3 model"
-                ),
+                detail: format!("`{model_type}` is Qwen3.5, not a llama-family model: load it as `native::model::Model` (qwen3_5.rs)"),
             });
         }
         if !ARCHITECTURES.contains(&model_type.as_str()) {
@@ -208,7 +206,7 @@ mod tests {
         let err = LlamaConfig::from_hf_json(Path::new("config.json"), r#"{"model_type":"gpt2"}"#).unwrap_err().to_string();
         assert!(err.contains("gpt2"), "{err}");
         let err = LlamaConfig::from_hf_json(Path::new("config.json"), r#"{"model_type":"qwen3_5"}"#).unwrap_err().to_string();
-        assert!(err.contains("Qwen3.5") && err.contains("not run it yet"), "{err}");
+        assert!(err.contains("Qwen3.5") && err.contains("qwen3_5.rs"), "{err}");
         // qwen3: an explicit head width, the RoPE base under `rope_parameters`
         let mut q3 = LlamaConfig::tiny(50, 32, 2);
         q3.model_type = "qwen3".into();

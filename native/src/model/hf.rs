@@ -9,7 +9,7 @@ use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{Llama, LlamaConfig};
+use crate::model::Model;
 use crate::NativeError;
 
 /// Reads every tensor of one safetensors buffer as float32 (`source` names it in errors).
@@ -157,11 +157,11 @@ pub(crate) fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, NativeError> {
     Ok(files)
 }
 
-/// Loads a llama or qwen2 model from a Hugging Face directory.
-pub fn load_model(dir: &Path, device: Device) -> Result<Llama, NativeError> {
+/// Loads a model of any supported family ([`Model::architectures`]) from a Hugging Face
+/// directory.
+pub fn load_model(dir: &Path, device: Device) -> Result<Model, NativeError> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| NativeError::io(&cfg_path, e))?;
-    let cfg = LlamaConfig::from_hf_json(&cfg_path, &text)?;
     let files = weight_files(dir)?;
     let mut tensors = HashMap::new();
     for file in &files {
@@ -169,7 +169,7 @@ pub fn load_model(dir: &Path, device: Device) -> Result<Llama, NativeError> {
         tensors.extend(read_safetensors(&bytes, file)?);
     }
     let source = if files.len() == 1 { files[0].clone() } else { dir.to_path_buf() };
-    Llama::from_tensors(cfg, &tensors, device, &source)
+    Model::from_hf(&text, &cfg_path, &tensors, device, &source)
 }
 
 /// Every variable of `vs` by its transformers name, sorted (shared storage, float32).
@@ -177,6 +177,30 @@ pub fn named(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
     let mut v: Vec<_> = vs.variables().into_iter().collect();
     v.sort_by(|a, b| a.0.cmp(&b.0));
     v
+}
+
+/// Fills every variable of `vs` with random values: `fixed(name)` where it gives one, else
+/// uniform with σ = 0.02, drawn from a generator seeded by `seed` and the variable's name
+/// (not libtorch's global one), so the same seed gives the same model even while other
+/// threads draw random numbers.
+pub fn randomize(vs: &tch::nn::VarStore, seed: u64, fixed: impl Fn(&str) -> Option<f32>) {
+    use rand::{Rng, SeedableRng};
+    use sha2::{Digest, Sha256};
+    let _guard = tch::no_grad_guard();
+    for (name, mut var) in named(vs) {
+        if let Some(value) = fixed(&name) {
+            let _ = var.fill_(value as f64);
+            continue;
+        }
+        let mut h = Sha256::new();
+        h.update(seed.to_le_bytes());
+        h.update(name.as_bytes());
+        let mut rng = rand_chacha::ChaCha8Rng::from_seed(h.finalize().into());
+        // uniform on [−a, a] has σ = a/√3
+        let a = 0.02f32 * 3f32.sqrt();
+        let values: Vec<f32> = (0..var.numel()).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * a).collect();
+        var.copy_(&Tensor::from_slice(&values).view(var.size().as_slice()).to_device(var.device()));
+    }
 }
 
 /// Overwrites every variable of `vs` from `tensors` by name (any float kind, copied as

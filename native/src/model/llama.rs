@@ -9,9 +9,6 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-use sha2::{Digest, Sha256};
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::model::config::LlamaConfig;
@@ -76,21 +73,7 @@ impl Llama {
     /// while other threads draw random numbers.
     pub fn new(config: LlamaConfig, device: Device, seed: u64) -> Result<Self, NativeError> {
         let model = Self::zeros(config, device)?;
-        let _guard = tch::no_grad_guard();
-        for (name, mut var) in model.named_tensors() {
-            if name.ends_with("norm.weight") {
-                let _ = var.fill_(1.0);
-                continue;
-            }
-            let mut h = Sha256::new();
-            h.update(seed.to_le_bytes());
-            h.update(name.as_bytes());
-            let mut rng = ChaCha8Rng::from_seed(h.finalize().into());
-            // uniform on [−a, a] has σ = a/√3
-            let a = 0.02f32 * 3f32.sqrt();
-            let values: Vec<f32> = (0..var.numel()).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * a).collect();
-            var.copy_(&Tensor::from_slice(&values).view(var.size().as_slice()).to_device(device));
-        }
+        crate::model::hf::randomize(&model.vs, seed, |name| name.ends_with("norm.weight").then_some(1.0));
         Ok(model)
     }
 

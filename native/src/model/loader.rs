@@ -10,7 +10,7 @@ use crate::model::gguf::unpermute_qk;
 use crate::model::gguf::{GgufFile, Value};
 use crate::model::hf;
 use crate::model::tokenizer::Tokenizer;
-use crate::model::{Llama, LlamaConfig};
+use crate::model::{Llama, LlamaConfig, Model};
 use crate::NativeError;
 
 /// Resolves a model reference: a path (relative ones against `base_dir`), or
@@ -72,8 +72,9 @@ pub fn resolve_model_with(reference: &str, base_dir: &Path, python: &str) -> Res
     }
 }
 
-/// Loads the model and its tokenizer from `path` (GGUF file or HF directory).
-pub fn load(path: &Path, device: Device) -> Result<(Llama, Tokenizer), NativeError> {
+/// Loads the model and its tokenizer from `path` (GGUF file or HF directory of any family
+/// of [`Model::architectures`]).
+pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer), NativeError> {
     if path.is_dir() {
         let model = hf::load_model(path, device)?;
         let tok = Tokenizer::from_hf_dir(path)?;
@@ -82,7 +83,7 @@ pub fn load(path: &Path, device: Device) -> Result<(Llama, Tokenizer), NativeErr
         let f = GgufFile::open(path)?;
         let tok = Tokenizer::from_gguf(&f)?;
         let model = model_from_gguf(&f, device)?;
-        Ok((model, tok))
+        Ok((model.into(), tok))
     } else if !path.exists() {
         Err(NativeError::Io { path: path.into(), error: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory") })
     } else {

@@ -2,9 +2,10 @@
 //!
 //! One file per architecture over the shared [`layers`] and [`config`]: [`llama`] (llama,
 //! qwen2, qwen3) and [`qwen3_5`] (the hybrid of Gated DeltaNet, [`deltanet`], and gated
-//! attention; the learner trains it, the loader and the engine do not take it yet); the tokenizer and the chat template ([`tokenizer`], [`chat`]); the file
-//! formats ([`gguf`] with dequantisation, [`hf`] for safetensors + `config.json`), the
-//! [`loader`] that picks one, and GGUF [`export`].
+//! attention); [`family`]'s [`Model`] holds either, chosen by `config.json`. Then the
+//! tokenizer and the chat template ([`tokenizer`], [`chat`]); the file formats ([`gguf`]
+//! with dequantisation, [`hf`] for safetensors + `config.json`), the [`loader`] that picks
+//! one, and GGUF [`export`].
 //!
 //! The rule of the crate (checked by `tests/rooms.rs`): this room imports only itself and
 //! the crate root (`NativeError`, `device`); [`crate::infer`] and [`crate::train`] stand on
@@ -14,6 +15,7 @@ pub mod chat;
 pub mod config;
 pub mod deltanet;
 pub mod export;
+pub mod family;
 pub mod gguf;
 pub mod hf;
 pub mod layers;
@@ -23,6 +25,7 @@ pub mod qwen3_5;
 pub mod tokenizer;
 
 pub use config::LlamaConfig;
+pub use family::Model;
 pub use hf::Dtype;
 pub use llama::{KvCache, Llama};
 pub use tokenizer::Tokenizer;

@@ -10,13 +10,12 @@
 //!   delta rule; an RMSNorm gated by SiLU(z); `out_proj`.
 //! - Every RMSNorm but the gated one is zero-centred: x̂ · (1 + w).
 //!
-//! Parameters keep transformers' names (`model.layers.0.linear_attn.in_proj_qkv.weight`);
-//! a released `Qwen3_5ForConditionalGeneration` checkpoint's `model.language_model.*` are
-//! read as `model.*`, its vision tower and MTP layer are not read.
-//!
-//! The learner trains it ([`crate::model::CausalLm`]); the loader, the learn job's
-//! checkpoints and the engine run the families of [`crate::model::config::ARCHITECTURES`] and
-//! refuse `qwen3_5` until they take this decoder.
+//! Parameters keep transformers' names in the layout of the folder they came from:
+//! `Qwen3_5ForCausalLM`'s `model.layers.0.linear_attn.in_proj_qkv.weight`, or a released
+//! `Qwen3_5ForConditionalGeneration` checkpoint's `model.language_model.layers.0…` (its
+//! vision tower and MTP layer are not read). [`Qwen35Config::to_hf_json`] gives back the
+//! folder's own `config.json`, so a checkpoint's weights go back where they came from
+//! (transformers, or SGLang's `update_weights_from_disk` on the full model).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -50,6 +49,11 @@ pub struct Qwen35Config {
     pub full_attention: Vec<bool>,
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: i64,
+    /// Whether the parameters are named as in a released checkpoint
+    /// (`model.language_model.*`, the text config under `text_config`).
+    pub language_model: bool,
+    /// The `config.json` read (`Null` for a config built in code).
+    pub hf: serde_json::Value,
 }
 
 impl Qwen35Config {
@@ -126,8 +130,86 @@ impl Qwen35Config {
                 .and_then(|x| x.as_bool())
                 .unwrap_or(false),
             max_position_embeddings: v.get("max_position_embeddings").and_then(|x| x.as_i64()).unwrap_or(32768),
+            language_model: model_type == "qwen3_5",
+            hf: top.clone(),
         };
         cfg.validate().map_err(|e| NativeError::Format { path: path.into(), detail: e.to_string() })?;
+        Ok(cfg)
+    }
+
+    /// The `config.json` of a folder of this model: the one it was read from, or for a
+    /// config built in code a `qwen3_5_text` one (`Qwen3_5ForCausalLM`) of its fields.
+    pub fn to_hf_json(&self) -> serde_json::Value {
+        if !self.hf.is_null() {
+            return self.hf.clone();
+        }
+        let types: Vec<&str> = self.full_attention.iter().map(|&f| if f { "full_attention" } else { "linear_attention" }).collect();
+        serde_json::json!({
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor},
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "layer_types": types,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": false,
+            "torch_dtype": "float32",
+        })
+    }
+
+    /// The text config of a shape: `0.8b`, `4b` and `9b` are the released models' (random
+    /// weights for benchmarks), `tiny` a test size; `vocab_size` overrides the vocabulary.
+    pub fn shape(name: &str, vocab_size: Option<i64>) -> Result<Self, NativeError> {
+        // (hidden, intermediate, layers, heads, kv heads, linear value heads, tied)
+        let (h, i, l, nh, nkv, hv, tied, vocab) = match name {
+            "tiny" => (32, 64, 4, 4, 2, 4, true, 64),
+            "0.8b" => (1024, 3584, 24, 8, 2, 16, true, 248_320),
+            "4b" => (2560, 9216, 32, 16, 4, 32, true, 248_320),
+            "9b" => (4096, 12288, 32, 16, 4, 32, false, 248_320),
+            other => {
+                return Err(NativeError::Config {
+                    field: "shape".into(),
+                    detail: format!("`{other}` is not a Qwen3.5 shape (tiny, 0.8b, 4b, 9b)"),
+                })
+            }
+        };
+        let (hd, dk, hk) = if name == "tiny" { (16, 8, 2) } else { (256, 128, 16) };
+        let cfg = Qwen35Config {
+            vocab_size: vocab_size.unwrap_or(vocab),
+            hidden_size: h,
+            intermediate_size: i,
+            num_hidden_layers: l,
+            num_attention_heads: nh,
+            num_key_value_heads: nkv,
+            head_dim: hd,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10_000_000.0,
+            partial_rotary_factor: 0.25,
+            linear_num_key_heads: hk,
+            linear_num_value_heads: hv,
+            linear_key_head_dim: dk,
+            linear_value_head_dim: dk,
+            linear_conv_kernel_dim: 4,
+            full_attention: (0..l).map(|i| (i + 1) % 4 == 0).collect(),
+            tie_word_embeddings: tied,
+            max_position_embeddings: if name == "tiny" { 4096 } else { 262_144 },
+            language_model: false,
+            hf: serde_json::Value::Null,
+        };
+        cfg.validate()?;
         Ok(cfg)
     }
 
@@ -208,6 +290,35 @@ impl Qwen35Cache {
         self.len == 0
     }
 
+    /// The recurrent part of the state (each GDN layer's convolution inputs and delta-rule
+    /// state; nothing of the attention layers): what a cache at this length needs besides
+    /// the keys and values. Shares the tensors (no layer writes a state in place).
+    pub fn recurrent_state(&self) -> RecurrentState {
+        RecurrentState(
+            self.layers.iter().map(|l| l.as_ref().filter(|p| recurrent(p)).map(|(x, y)| (x.shallow_clone(), y.shallow_clone()))).collect(),
+        )
+    }
+
+    /// The cache of the first `len` positions of this one, given the recurrent state at
+    /// `len` (taken by [`Qwen35Cache::recurrent_state`] when the cache held `len` positions):
+    /// the attention layers' keys and values are narrowed, the GDN layers take `state`.
+    pub fn at(&self, len: i64, state: &RecurrentState) -> Qwen35Cache {
+        assert!(len <= self.len, "a cache of {} positions has no state at {len}", self.len);
+        let layers = self
+            .layers
+            .iter()
+            .zip(state.0.iter().chain(std::iter::repeat(&None)))
+            .map(|(l, s)| match (l, s) {
+                (_, Some((x, y))) => Some((x.shallow_clone(), y.shallow_clone())),
+                (Some((k, v)), None) if !recurrent(&(k.shallow_clone(), v.shallow_clone())) => {
+                    Some((k.narrow(2, 0, len), v.narrow(2, 0, len)))
+                }
+                _ => None,
+            })
+            .collect();
+        Qwen35Cache { layers, len }
+    }
+
     /// The state of one sequence as the start of `b` (a shared prefix continued by `b` rows).
     fn expand(&mut self, b: i64) {
         for (x, y) in self.layers.iter_mut().flatten() {
@@ -218,6 +329,23 @@ impl Qwen35Cache {
             };
             (*x, *y) = (grow(x), grow(y));
         }
+    }
+}
+
+/// Whether a cache slot is a GDN layer's (convolution inputs `[B, C, K − 1]`, state) rather
+/// than an attention layer's (keys `[B, H, T, D]`, values).
+fn recurrent((x, _): &(Tensor, Tensor)) -> bool {
+    x.dim() == 3
+}
+
+/// [`Qwen35Cache::recurrent_state`]: the GDN layers' states at one length.
+#[derive(Default)]
+pub struct RecurrentState(Vec<Option<(Tensor, Tensor)>>);
+
+impl Clone for RecurrentState {
+    /// Shares the tensors (states are replaced, never written in place).
+    fn clone(&self) -> Self {
+        RecurrentState(self.0.iter().map(|l| l.as_ref().map(|(x, y)| (x.shallow_clone(), y.shallow_clone()))).collect())
     }
 }
 
@@ -279,7 +407,8 @@ impl Qwen35 {
         let root = vs.root();
         let c = &config;
         let z = nn::Init::Const(0.0);
-        let m = &root / "model";
+        // a released checkpoint's text model sits under `model.language_model`
+        let m = if c.language_model { &root / "model" / "language_model" } else { &root / "model" };
         let embed = (&m / "embed_tokens").var("weight", &[c.vocab_size, c.hidden_size], z);
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (kd, vd) = (c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim);
@@ -336,16 +465,39 @@ impl Qwen35 {
         let mut tensors = HashMap::new();
         for file in crate::model::hf::weight_files(dir)? {
             let bytes = std::fs::read(&file).map_err(|e| NativeError::io(&file, e))?;
-            for (name, t) in crate::model::hf::read_safetensors(&bytes, &file)? {
-                let name = match name.strip_prefix("model.language_model.") {
-                    Some(rest) => format!("model.{rest}"),
-                    None => name,
-                };
-                tensors.insert(name, t);
-            }
+            tensors.extend(crate::model::hf::read_safetensors(&bytes, &file)?);
         }
+        Self::from_tensors(config, &tensors, device, dir)
+    }
+
+    /// Builds the model and copies every parameter from `tensors` (transformers' names in
+    /// the config's layout, any float kind); a missing tensor or a wrong shape is an error
+    /// naming `source` and the tensor.
+    pub fn from_tensors(
+        config: Qwen35Config,
+        tensors: &HashMap<String, Tensor>,
+        device: Device,
+        source: &Path,
+    ) -> Result<Self, NativeError> {
         let model = Self::zeros(config, device)?;
-        crate::model::hf::fill(&model.vs, &tensors, dir)?;
+        crate::model::hf::fill(&model.vs, tensors, source)?;
+        Ok(model)
+    }
+
+    /// The model with random parameters drawn from `seed` (each parameter's values from its
+    /// name, as [`crate::model::Llama::new`] does): matrices with σ = 0.02, the zero-centred
+    /// norms at 0 and the gated norm at 1 (scale 1), the decay at A = 1, dt_bias = 1.
+    pub fn new(config: Qwen35Config, device: Device, seed: u64) -> Result<Self, NativeError> {
+        let model = Self::zeros(config, device)?;
+        crate::model::hf::randomize(&model.vs, seed, |name| {
+            if name.ends_with("linear_attn.norm.weight") || name.ends_with("dt_bias") {
+                Some(1.0)
+            } else if name.ends_with("norm.weight") || name.ends_with("A_log") {
+                Some(0.0)
+            } else {
+                None
+            }
+        });
         Ok(model)
     }
 
@@ -372,12 +524,12 @@ impl Qwen35 {
     }
 
     /// Logits of final-norm hidden states (the LM head).
-    fn logits_of(&self, h: &Tensor) -> Tensor {
+    pub fn logits_of(&self, h: &Tensor) -> Tensor {
         self.mm(h, self.lm_head.as_ref().unwrap_or(&self.embed))
     }
 
     /// Final-norm hidden states `[B, T, hidden]` (see [`Qwen35::forward`]).
-    fn hidden(&self, tokens: &Tensor, mut cache: Option<&mut Qwen35Cache>, chunk: i64) -> Tensor {
+    pub fn hidden(&self, tokens: &Tensor, mut cache: Option<&mut Qwen35Cache>, chunk: i64) -> Tensor {
         let c = &self.config;
         let (b, t) = tokens.size2().expect("tokens must be [B, T]");
         let start = cache.as_ref().map_or(0, |c| c.len);

@@ -22,8 +22,11 @@ use schemas::Role;
 pub enum ChatTemplate {
     /// `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then
     /// `<|im_start|>assistant\n`. `default_system` is inserted when the first message is not
-    /// a system message (SmolLM2's template does this).
-    ChatMl { default_system: Option<String> },
+    /// a system message (SmolLM2's template does this). `no_thinking`: the template has a
+    /// thinking switch (`enable_thinking`, Qwen3 and Qwen3.5), rendered off: the reply opens
+    /// with an empty `<think>\n\n</think>\n\n` block, as the template does with
+    /// `enable_thinking=false`, so that the harness's turns get answers, not reasoning.
+    ChatMl { default_system: Option<String>, no_thinking: bool },
     /// The model's template is not one this backend renders; `--chat` reports it.
     Unsupported(String),
 }
@@ -48,13 +51,14 @@ impl ChatTemplate {
                 }
             }
         }
-        ChatTemplate::ChatMl { default_system }
+        let no_thinking = template.contains("enable_thinking") && template.contains("<think>");
+        ChatTemplate::ChatMl { default_system, no_thinking }
     }
 
     /// Prompt text of `messages`, ending with the assistant turn opener.
     pub fn render(&self, messages: &[Message]) -> Result<String, NativeError> {
-        let default_system = match self {
-            ChatTemplate::ChatMl { default_system } => default_system,
+        let (default_system, no_thinking) = match self {
+            ChatTemplate::ChatMl { default_system, no_thinking } => (default_system, *no_thinking),
             ChatTemplate::Unsupported(head) => {
                 return Err(NativeError::Tokenizer(format!(
                     "the model's chat template is not ChatML (it starts `{head}`); pass a raw prompt instead of chat messages"
@@ -77,6 +81,9 @@ impl ChatTemplate {
             out.push_str(&format!("<|im_start|>{role}\n{}<|im_end|>\n", m.content));
         }
         out.push_str("<|im_start|>assistant\n");
+        if no_thinking {
+            out.push_str("<think>\n\n</think>\n\n");
+        }
         Ok(out)
     }
 }
@@ -158,7 +165,10 @@ impl Tokenizer {
         let eos_id = id("tokenizer.ggml.eos_token_id");
         let add_bos = f.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false);
         let template_text = f.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string);
-        let template = template_text.as_deref().map(ChatTemplate::from_jinja).unwrap_or(ChatTemplate::ChatMl { default_system: None });
+        let template = template_text
+            .as_deref()
+            .map(ChatTemplate::from_jinja)
+            .unwrap_or(ChatTemplate::ChatMl { default_system: None, no_thinking: false });
         let mut stop: Vec<u32> = [eos_id, id("tokenizer.ggml.eot_token_id")].into_iter().flatten().collect();
         if let Some(&im_end) = tokens.iter().position(|t| t == "<|im_end|>").map(|i| i as u32).as_ref() {
             stop.push(im_end);
@@ -193,7 +203,10 @@ impl Tokenizer {
         let eos_id = token_of("eos_token");
         let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
         let template_text = cfg.get("chat_template").and_then(|v| v.as_str()).map(str::to_string);
-        let template = template_text.as_deref().map(ChatTemplate::from_jinja).unwrap_or(ChatTemplate::ChatMl { default_system: None });
+        let template = template_text
+            .as_deref()
+            .map(ChatTemplate::from_jinja)
+            .unwrap_or(ChatTemplate::ChatMl { default_system: None, no_thinking: false });
         let mut stop: Vec<u32> =
             [eos_id, inner.token_to_id("<|im_end|>"), inner.token_to_id("<|endoftext|>")].into_iter().flatten().collect();
         stop.sort();
@@ -294,7 +307,7 @@ pub fn word_level(words: &[&str]) -> Tokenizer {
         bos_id: None,
         eos_id: Some(1),
         add_bos: false,
-        template: ChatTemplate::ChatMl { default_system: None },
+        template: ChatTemplate::ChatMl { default_system: None, no_thinking: false },
         template_text: None,
         stop: vec![1],
     }
@@ -314,11 +327,29 @@ mod tests {
         let t = ChatTemplate::from_jinja(
             "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}",
         );
-        assert_eq!(t, ChatTemplate::ChatMl { default_system: Some("You are SmolLM".into()) });
+        assert_eq!(t, ChatTemplate::ChatMl { default_system: Some("You are SmolLM".into()), no_thinking: false });
         let text = t.render(&[Message::new(Role::User, "hi")]).unwrap();
         assert_eq!(text, "<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
         let text = t.render(&[Message::new(Role::System, "S"), Message::new(Role::User, "q")]).unwrap();
         assert!(text.starts_with("<|im_start|>system\nS<|im_end|>"));
+    }
+
+    /// The Qwen3 and Qwen3.5 templates have a thinking switch: a turn renders as they do
+    /// with `enable_thinking=false` (the expected text is jinja2's render of the template).
+    #[test]
+    fn qwen_templates_open_the_reply_with_an_empty_thinking_block() {
+        let expected = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n<|im_start|>user\nr<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
+        let turns = [
+            Message::new(Role::System, "S"),
+            Message::new(Role::User, "q"),
+            Message::new(Role::Assistant, "a"),
+            Message::new(Role::User, "r"),
+        ];
+        for template in [include_str!("../../tests/data/templates/qwen3.5.jinja"), include_str!("../../tests/data/templates/qwen3.jinja")] {
+            let t = ChatTemplate::from_jinja(template);
+            assert_eq!(t, ChatTemplate::ChatMl { default_system: None, no_thinking: true });
+            assert_eq!(t.render(&turns).unwrap(), expected);
+        }
     }
 
     #[test]

@@ -18,7 +18,7 @@ use tch::{Device, Tensor};
 use crate::model::hf::{read_safetensors, safetensors_parts};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::Dtype;
-use crate::model::{Llama, LlamaConfig};
+use crate::model::{CausalLm, Model};
 use crate::train::learner::{AdamW, AdamWConfig, Learner, LearnerConfig};
 use crate::NativeError;
 use infra::store::ObjectStore;
@@ -148,7 +148,7 @@ pub async fn save(
     for (name, parts) in large {
         entries.push(put_parts(store, &format!("{dir}{name}"), name, parts).await?);
     }
-    let mut small = vec![(CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config.to_hf_json()).expect("serialises"))];
+    let mut small = vec![(CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config_json()).expect("serialises"))];
     if let Some(tok) = tokenizer {
         small.push((TOKENIZER_FILE, tok.to_json()?.into_bytes()));
         small.push(("tokenizer_config.json", serde_json::to_vec_pretty(&tok.hf_config()).expect("serialises")));
@@ -158,7 +158,7 @@ pub async fn save(
         store.put(&format!("{dir}{name}"), Bytes::from(bytes)).await?;
     }
     let bytes: u64 = entries.iter().map(|e| e.size).sum();
-    let key = put_manifest(store, info, learner.model.config.model_type.clone(), entries, learner.rng_state(), Some(info.step)).await?;
+    let key = put_manifest(store, info, learner.model.architecture(), entries, learner.rng_state(), Some(info.step)).await?;
     tracing::info!(key = %key, bytes, seconds = started.elapsed().as_secs_f64(), "checkpoint written");
     Ok(key)
 }
@@ -320,14 +320,14 @@ pub async fn load_model(
     run_id: &str,
     step: u32,
     device: Device,
-) -> Result<(Llama, Option<Tokenizer>, CheckpointManifest), NativeError> {
+) -> Result<(Model, Option<Tokenizer>, CheckpointManifest), NativeError> {
     let parts = load_parts(store, run_id, step, device, false).await?;
     Ok((parts.model, parts.tokenizer, parts.manifest))
 }
 
 struct Parts {
     manifest: CheckpointManifest,
-    model: Llama,
+    model: Model,
     optimizer: Option<AdamW>,
     tokenizer: Option<Tokenizer>,
 }
@@ -353,7 +353,7 @@ async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: De
     let url = |name: &str| store.object_url(&format!("{dir}{name}"));
     let missing = |name: &str| ckpt_err(url(name), format!("listed file `{name}` is missing from the manifest"));
     let cfg_bytes = read_file(store, &dir, &manifest, CONFIG_FILE).await?.ok_or_else(|| missing(CONFIG_FILE))?;
-    let cfg = LlamaConfig::from_hf_json(&PathBuf::from(url(CONFIG_FILE)), &String::from_utf8_lossy(&cfg_bytes))?;
+    let cfg_text = String::from_utf8_lossy(&cfg_bytes).into_owned();
     // the float32 weights where this step kept them, else `model.safetensors` (any dtype)
     let weights = if manifest.files.iter().any(|f| f.name == MASTER_FILE) { MASTER_FILE } else { MODEL_FILE };
     let started = std::time::Instant::now();
@@ -369,7 +369,7 @@ async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: De
     let tensors = read_safetensors(&model_bytes, &model_path)?;
     drop(model_bytes);
     let tensors: HashMap<String, Tensor> = tensors.into_iter().map(|(k, v)| (k, v.to_device(device))).collect();
-    let model = Llama::from_tensors(cfg, &tensors, device, &model_path)?;
+    let model = Model::from_hf(&cfg_text, &PathBuf::from(url(CONFIG_FILE)), &tensors, device, &model_path)?;
     drop(tensors);
     let optimizer = match optimizer_bytes {
         Some(bytes) => Some(restore_optimizer(&bytes, &url(OPTIMIZER_FILE), device)?),
@@ -389,13 +389,14 @@ async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: De
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{Llama, LlamaConfig};
     use crate::train::learner::{Batch, Sample};
     use infra::store::LocalStore;
 
     fn learner(seed: u64) -> Learner {
         let m = Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu, seed).unwrap();
         Learner::new(
-            m,
+            m.into(),
             LearnerConfig {
                 optimizer: AdamWConfig { lr: 1e-2, ..Default::default() },
                 micro_batch_tokens: 8,
@@ -421,7 +422,7 @@ mod tests {
 
     fn logits(l: &Learner) -> Tensor {
         let _g = tch::no_grad_guard();
-        l.model.forward(&Tensor::from_slice(&[1i64, 2, 3, 4, 5]).view([1, 5]), None)
+        l.model.logits_last(&Tensor::from_slice(&[1i64, 2, 3, 4, 5]).view([1, 5]), &mut l.model.new_cache())
     }
 
     #[tokio::test]

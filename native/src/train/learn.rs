@@ -151,8 +151,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
             weights = %weights_step.map(|w| format!("step {w}")).unwrap_or_else(|| "the base model".into()),
             "learn step trained nothing: no retained group has a policy token; the weights stay as they were"
         );
-        let key =
-            checkpoint::save_untrained(store, &info, weights_step, learner.rng_state(), learner.model.config.model_type.clone()).await?;
+        let key = checkpoint::save_untrained(store, &info, weights_step, learner.rng_state(), learner.model.architecture()).await?;
         crate::train::retention::prune(store, &input.run_id, &input.checkpoints, input.best_step).await?;
         return Ok(LearnOutput { manifest_key: key, parent, metrics, already_done: false, trained: false, weights_step });
     }
@@ -172,8 +171,9 @@ pub async fn read_step(store: &dyn ObjectStore, run_id: &str, step: u32) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::qwen3_5::{Qwen35, Qwen35Config};
     use crate::model::tokenizer::word_level;
-    use crate::model::{Llama, LlamaConfig};
+    use crate::model::{CausalLm, Llama, LlamaConfig, Model};
     use infra::store::LocalStore;
     use infra::table::write_records;
     use schemas::{RetainedKind, Role, RolloutKind, Split, Termination, Turn, TurnSource};
@@ -247,16 +247,31 @@ mod tests {
         }
     }
 
+    /// A tiny random llama of `vocab` tokens.
+    fn llama(vocab: i64) -> Model {
+        Llama::new(LlamaConfig::tiny(vocab, 64, 2), Device::Cpu, 4).unwrap().into()
+    }
+
+    /// A tiny random Qwen3.5 (GDN and gated attention layers) of `vocab` tokens.
+    fn qwen3_5(vocab: i64) -> Model {
+        Qwen35::new(Qwen35Config::shape("tiny", Some(vocab)).unwrap(), Device::Cpu, 4).unwrap().into()
+    }
+
     /// A store, the word-level tokenizer and a tiny random llama saved as an HF directory
     /// (the base model).
     fn fixture() -> (tempfile::TempDir, LocalStore, crate::model::tokenizer::Tokenizer, std::path::PathBuf) {
+        fixture_of(llama)
+    }
+
+    /// [`fixture`] with a base model of another family.
+    fn fixture_of(make: fn(i64) -> Model) -> (tempfile::TempDir, LocalStore, crate::model::tokenizer::Tokenizer, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let store = LocalStore::new(dir.path().join("store")).unwrap();
         let tok = word_level(&WORDS);
-        let model = Llama::new(LlamaConfig::tiny(tok.vocab_size() as i64, 64, 2), Device::Cpu, 4).unwrap();
+        let model = make(tok.vocab_size() as i64);
         let base = dir.path().join("base");
         std::fs::create_dir_all(&base).unwrap();
-        std::fs::write(base.join("config.json"), model.config.to_hf_json().to_string()).unwrap();
+        std::fs::write(base.join("config.json"), model.config_json().to_string()).unwrap();
         std::fs::write(base.join("model.safetensors"), crate::model::hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
         std::fs::write(base.join("tokenizer.json"), tok.to_json().unwrap()).unwrap();
         (dir, store, tok, base)
@@ -266,7 +281,27 @@ mod tests {
     /// checkpoint, raises the rewarded answer's probability, and is a no-op when redelivered.
     #[tokio::test]
     async fn learn_job_trains_on_retained_groups_and_checkpoints() {
-        let (dir, store, tok, base) = fixture();
+        learn_job_trains(llama).await;
+    }
+
+    /// The same with a Qwen3.5 base model: its checkpoint keeps transformers' names and the
+    /// base folder's `config.json`, and reloads as the trained model.
+    #[tokio::test]
+    async fn learn_job_trains_qwen3_5() {
+        let dir = learn_job_trains(qwen3_5).await;
+        let ckpt = dir.path().join("store/runs/r/checkpoints/step=1");
+        let config: serde_json::Value = serde_json::from_slice(&std::fs::read(ckpt.join("config.json")).unwrap()).unwrap();
+        let base: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.path().join("base/config.json")).unwrap()).unwrap();
+        assert_eq!(config, base);
+        let names = |m: &Model| m.named_tensors().into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+        let (trained, _) = crate::model::loader::load(&ckpt, Device::Cpu).unwrap();
+        assert!(matches!(trained, Model::Qwen35(_)));
+        assert!(names(&trained).contains(&"model.layers.0.linear_attn.in_proj_qkv.weight".to_string()));
+        assert_eq!(names(&trained), names(&qwen3_5(WORDS.len() as i64 + 3)));
+    }
+
+    async fn learn_job_trains(make: fn(i64) -> Model) -> tempfile::TempDir {
+        let (dir, store, tok, base) = fixture_of(make);
 
         // "yes" (id 10) succeeds, "no" (id 11) fails; a dropped group must be ignored
         let mut trajs = vec![trajectory("a", 1.0, 10), trajectory("b", 0.0, 11), trajectory("c", 0.0, 11), trajectory("d", 0.0, 11)];
@@ -343,6 +378,7 @@ mod tests {
         let again = run(&store, &input).await.unwrap();
         assert!(again.already_done);
         assert_eq!(again.metrics.policy_tokens, 3, "a redelivery reports the recorded metrics");
+        dir
     }
 
     /// A step whose groups have no reward contrast trains nothing: it says so, writes a

@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use native::model::{Llama, LlamaConfig};
+use native::model::qwen3_5::{Qwen35, Qwen35Config};
+use native::model::{CausalLm, Llama, LlamaConfig, Model};
 use native::train::learner::{grpo, AdamWConfig, Batch, Learner, LearnerConfig, Precision, Sample};
 
 #[derive(Debug, Args)]
@@ -20,8 +21,10 @@ pub struct LearnerArgs {
     /// Shape of the random model: `tiny` (--width, --layers, --vocab), `smollm2-135m`
     /// (SmolLM2-135M's: 576 wide, 30 layers, 9 heads, 3 key-value heads, 49152 tokens) or
     /// `qwen3-0.6b` (Qwen3-0.6B's: 1024 wide, 28 layers, 16 heads of 128, 8 key-value heads,
-    /// per-head q/k norms, 151936 tokens).
-    #[arg(long, default_value = "tiny", value_parser = ["tiny", "smollm2-135m", "qwen3-0.6b"])]
+    /// per-head q/k norms, 151936 tokens), `qwen3.5-0.8b` or `qwen3.5-4b` (Qwen3.5's hybrid
+    /// of Gated DeltaNet and gated attention: 1024 wide and 24 layers, 2560 wide and 32
+    /// layers; 248320 tokens).
+    #[arg(long, default_value = "tiny", value_parser = ["tiny", "smollm2-135m", "qwen3-0.6b", "qwen3.5-0.8b", "qwen3.5-4b"])]
     pub shape: String,
     /// Width of the random model.
     #[arg(long, default_value_t = 256)]
@@ -164,14 +167,17 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
     let device = native::device::resolve(&args.device, "--device")?;
     let precision = Precision::parse(&args.precision, "--precision")?;
     native::device::set_cpu_threads(args.threads);
-    let model = match &args.model {
+    let model: Model = match &args.model {
         Some(p) => native::model::loader::load(p, device)?.0,
-        None if args.shape == "smollm2-135m" => Llama::new(smollm2_135m(), device, 0)?,
-        None if args.shape == "qwen3-0.6b" => Llama::new(qwen3_0_6b(), device, 0)?,
-        None => Llama::new(LlamaConfig::tiny(args.vocab, args.width, args.layers), device, 0)?,
+        None if args.shape == "smollm2-135m" => Llama::new(smollm2_135m(), device, 0)?.into(),
+        None if args.shape == "qwen3-0.6b" => Llama::new(qwen3_0_6b(), device, 0)?.into(),
+        None if args.shape.starts_with("qwen3.5-") => {
+            Qwen35::new(Qwen35Config::shape(&args.shape["qwen3.5-".len()..], None)?, device, 0)?.into()
+        }
+        None => Llama::new(LlamaConfig::tiny(args.vocab, args.width, args.layers), device, 0)?.into(),
     };
-    let config = model.config.clone();
-    let vocab = config.vocab_size as u32;
+    let (layers, hidden) = model.shape();
+    let vocab = model.vocab_size() as u32;
     let params: i64 = model.named_tensors().iter().map(|(_, t)| t.numel() as i64).sum();
     let cfg = LearnerConfig {
         optimizer: AdamWConfig { lr: 1e-5, ..Default::default() },
@@ -182,8 +188,8 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
     let mut learner = Learner::new(model, cfg);
     let header = format!(
         "model: {params} parameters ({} layers, {} wide)  device: {}  precision: {}  micro-batch budget: {} tokens  threads: {}",
-        config.num_hidden_layers,
-        config.hidden_size,
+        layers,
+        hidden,
         native::device::name(device),
         precision.name(),
         args.micro_batch_tokens,
@@ -268,18 +274,25 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
         };
         ours.push(Measured { len, group, micro: m.micro_batches, tokens: m.policy_tokens, seconds, peak_bytes });
     }
+    // the peer's model: the same llama-family shape, or transformers' own of the same config
+    let peer_model = match &learner.model {
+        Model::Llama(m) => {
+            let config = &m.config;
+            serde_json::json!({"config": {
+                "vocab": config.vocab_size, "hidden": config.hidden_size, "inter": config.intermediate_size,
+                "layers": config.num_hidden_layers, "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
+                "eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "tie": config.tie_word_embeddings,
+                "head_dim": config.head_dim(), "qk_norm": config.qk_norm(),
+            }})
+        }
+        Model::Qwen35(m) => serde_json::json!({"hf_config": m.config.to_hf_json()}),
+    };
     drop(learner);
 
     let peer = match &args.peer {
         Some(_) => {
             eprintln!("PyTorch step of the same model and batch ...");
-            let spec = serde_json::json!({
-                "config": {
-                    "vocab": config.vocab_size, "hidden": config.hidden_size, "inter": config.intermediate_size,
-                    "layers": config.num_hidden_layers, "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
-                    "eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "tie": config.tie_word_embeddings,
-                    "head_dim": config.head_dim(), "qk_norm": config.qk_norm(),
-                },
+            let mut spec = serde_json::json!({
                 "device": native::device::name(device),
                 "precision": precision.name(),
                 "threads": args.threads,
@@ -287,6 +300,7 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
                 "warmup": args.warmup,
                 "rows": rows,
             });
+            spec.as_object_mut().expect("an object").extend(peer_model.as_object().expect("an object").clone());
             let out = super::reference::run_python(
                 &args.python,
                 "the PyTorch peer",

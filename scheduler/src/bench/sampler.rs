@@ -280,7 +280,7 @@ fn engine_row(
     streams: usize,
     group: bool,
     weights: WeightFormat,
-    model: &native::model::Llama,
+    model: &native::model::Model,
     tok: &native::model::Tokenizer,
     args: &SamplerArgs,
 ) -> anyhow::Result<Row> {
@@ -325,7 +325,7 @@ fn engine_row(
 /// 24-token reply, then a 40-token tool result), with the engine's prefix reuse and with
 /// no cache; and the final context's length.
 fn episode_prefill(
-    model: &native::model::Llama,
+    model: &native::model::Model,
     tok: &native::model::Tokenizer,
     args: &SamplerArgs,
     cache_tokens: usize,

@@ -1,5 +1,7 @@
 # The peer of `harness-s bench learner --peer torch`: a plain PyTorch training step of the
-# same llama (or qwen3: per-head q/k norms, an explicit head width) model shape and the same batch (rows, lengths, micro-batches under the same
+# same llama (or qwen3: per-head q/k norms, an explicit head width) model shape, or for
+# Qwen3.5 transformers' own `Qwen3_5ForCausalLM` of the same config (its PyTorch Gated
+# DeltaNet, as on a machine without the fla kernels), and the same batch (rows, lengths, micro-batches under the same
 # token budget, LM head on the completion positions only, a policy-gradient loss on the
 # completion tokens, global-norm clipping, AdamW). Random weights: speed does not depend on
 # their values. Prints one JSON object per (sequence length, group) row.
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 spec = json.loads(sys.argv[1])
-c = spec["config"]
+c = spec.get("config")
 device = torch.device(spec["device"])
 torch.manual_seed(0)
 if device.type == "cpu":
@@ -77,14 +79,30 @@ class Llama(torch.nn.Module):
         return h @ w.t()
 
 
-model = Llama().to(device)
+class Transformers(torch.nn.Module):
+    """transformers' model of `spec["hf_config"]`, with the LM head on `flat` only."""
+
+    def __init__(self, hf):
+        super().__init__()
+        import transformers
+
+        config = transformers.AutoConfig.for_model(**hf)
+        self.lm = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    def forward(self, ids, flat):
+        h = self.lm.model(input_ids=ids).last_hidden_state
+        h = h.reshape(-1, h.shape[-1]).index_select(0, flat)
+        return self.lm.lm_head(h)
+
+
+model = (Transformers(spec["hf_config"]) if spec.get("hf_config") else Llama()).to(device)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
 autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16")
 
 
 def step(length, group):
     ctx = length // 2
-    vocab = c["vocab"]
+    vocab = c["vocab"] if c else spec["hf_config"]["vocab_size"]
     rows = [[(i * 31 + j) % vocab for i in range(ctx)] + [(i * 17 + j * 7) % vocab for i in range(length - ctx)] for j in range(group)]
     adv = torch.tensor([1.0 if j % 2 else -1.0 for j in range(group)], device=device)
     per = max(1, spec["micro_batch_tokens"] // (length - 1))

@@ -79,7 +79,7 @@ async fn gguf(args: GgufArgs) -> anyhow::Result<u8> {
     let (model, _, manifest) = native::train::checkpoint::load_model(store.as_ref(), &args.run, step, native::device::Device::Cpu)
         .await
         .with_context(|| format!("loading checkpoint step {step} of run `{}`", args.run))?;
-    let bytes = native::model::export::gguf_bytes_as(&base, &model, args.ty.into())?;
+    let bytes = native::model::export::gguf_bytes_as(&base, model.llama("GGUF export")?, args.ty.into())?;
     std::fs::write(&args.out, &bytes).with_context(|| format!("--out {}", args.out.display()))?;
     println!(
         "{}: step {step} of run `{}` (weights of step {}), {} tensors ({:?} matrices), {} bytes",

@@ -62,7 +62,7 @@ fn run_blocking(args: &GenerateArgs) -> anyhow::Result<u8> {
     let started = Instant::now();
     let path = native::model::loader::resolve_model(&args.model, std::path::Path::new("."))?;
     let (model, tok) = native::model::loader::load(&path, device).with_context(|| format!("cannot load the model {}", path.display()))?;
-    tracing::info!(model = %path.display(), layers = model.config.num_hidden_layers, hidden = model.config.hidden_size, seconds = started.elapsed().as_secs_f64(), "model loaded");
+    tracing::info!(model = %path.display(), architecture = %model.architecture(), layers = model.shape().0, hidden = model.shape().1, seconds = started.elapsed().as_secs_f64(), "model loaded");
     let prompt = if args.chat { tok.encode_chat(&[Message::new(Role::User, args.prompt.clone())])? } else { tok.encode(&args.prompt)? };
     let opts = if args.greedy {
         GenerateOptions::greedy(args.max_tokens)

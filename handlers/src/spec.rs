@@ -1334,6 +1334,19 @@ fn check_policy(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, Stri
                 Err(native::NativeError::Config { field, detail }) => bad(&field, detail),
                 Err(e) => bad("policy.device", e.to_string()),
             }
+            // Qwen3.5 decodes on the model's own float32 pass (see the engine's weights)
+            let full = if Path::new(&p.model).is_absolute() { PathBuf::from(&p.model) } else { base_dir.join(&p.model) };
+            if let Some(t) = native::model::hf::model_type_of(&full).filter(|t| native::model::family::QWEN3_5.contains(&t.as_str())) {
+                if weights != native::infer::packed::WeightFormat::F32 {
+                    bad(
+                        "policy.rollout_weights",
+                        format!(
+                            "`{}`: the native engine decodes `{t}` (Qwen3.5) in f32 only; remove the setting or set \"f32\"",
+                            weights.name()
+                        ),
+                    );
+                }
+            }
         }
         Backend::Openai => match p.base_url.as_deref() {
             None => bad("policy.base_url", "required with backend = \"openai\"".into()),
@@ -1932,6 +1945,15 @@ rescue = "h0"
             .unwrap_err()
             .to_string();
         assert!(err.contains("rollout_weights") && err.contains("int4"), "{err}");
+        // a Qwen3.5 folder decodes in f32 only: said at load, not at the first rollout
+        let qwen = tempfile::tempdir().unwrap();
+        std::fs::write(qwen.path().join("config.json"), r#"{"model_type": "qwen3_5"}"#).unwrap();
+        let native_spec = GOOD.replace("backend = \"openai\"", "backend = \"native\"").replace(
+            "model = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"",
+            &format!("model = \"{}\"\nrollout_weights = \"int4\"", qwen.path().display()),
+        );
+        let err = parse(&native_spec, "bad.toml", Path::new("."), "bad").err().unwrap().to_string();
+        assert!(err.contains("policy.rollout_weights") && err.contains("f32 only"), "{err}");
     }
 
     #[test]

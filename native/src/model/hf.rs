@@ -157,6 +157,14 @@ pub(crate) fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, NativeError> {
     Ok(files)
 }
 
+/// `config.json`'s `model_type` of a Hugging Face folder (None: not a folder with a readable
+/// config).
+pub fn model_type_of(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    Some(v.get("model_type")?.as_str()?.to_string())
+}
+
 /// Loads a model of any supported family ([`Model::architectures`]) from a Hugging Face
 /// directory.
 pub fn load_model(dir: &Path, device: Device) -> Result<Model, NativeError> {

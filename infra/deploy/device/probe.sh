@@ -15,6 +15,13 @@
 #   4. a resume on the GPU: update, checkpoint, update; reload and repeat the update;
 #   5. `harness-s serve --device cuda` (bf16 weights) under 1 and 8 clients, on a model of
 #      SmolLM2-135M's shape made here (seeded random weights, the real tokenizer files).
+#
+#   bash infra/deploy/device/probe.sh qwen3.5
+#
+# runs instead the learner bench at Qwen3.5-0.8B's and Qwen3.5-4B's shapes (random weights,
+# bf16 mixed precision) beside transformers' own Qwen3_5ForCausalLM step of the same config
+# and batch (the peer needs `transformers` in the device's Python; without the fla kernels it
+# runs transformers' PyTorch Gated DeltaNet).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-$PWD/probe-out}
@@ -62,6 +69,16 @@ run_step() { # name timeout command...
 
 if ! "$BIN" generate --help > /dev/null 2>> "$LOG"; then
   note "the binary does not start (see probe.log: a missing library?)"; exit 1
+fi
+
+if [ "${1:-}" = qwen3.5 ]; then
+  note "python transformers: $("$PY" -c 'import transformers; print(transformers.__version__)' 2>&1 | tail -1)"
+  QWEN=(bench learner --device cuda --precision bf16 --warmup 1 --peer torch --python "$PY")
+  run_step learner-qwen3.5-0.8b 240 "$BIN" "${QWEN[@]}" --shape qwen3.5-0.8b --seq-lens 512,1024 --groups 8 --micro-batch-tokens 8192
+  run_step learner-qwen3.5-4b 300 "$BIN" "${QWEN[@]}" --shape qwen3.5-4b --seq-lens 512 --groups 8 --micro-batch-tokens 4096
+  note ""
+  note "probe finished in $SECONDS s"
+  exit 0
 fi
 
 COMMON=(bench learner --device cuda --shape smollm2-135m --seq-lens 256,512,1024 --groups 8,16 --micro-batch-tokens 16384 --warmup 2 --peer torch --python "$PY")

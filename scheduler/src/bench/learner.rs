@@ -288,6 +288,14 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
         Model::Qwen35(m) => serde_json::json!({"hf_config": m.config.to_hf_json()}),
     };
     drop(learner);
+    // Give the freed model back to the system before the peer starts beside this process:
+    // glibc keeps freed blocks below its mmap threshold in its heap (GBs at 0.8B parameters),
+    // and the two processes would not fit together.
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 
     let peer = match &args.peer {
         Some(_) => {

@@ -75,16 +75,25 @@ impl AdamW {
             if !g.defined() {
                 continue;
             }
+            // in place, with two temporaries the size of the parameter (PyTorch's single-tensor
+            // AdamW): m ← lerp(m, g, 1 − β1); v ← β2·v + (1 − β2)·g²;
+            // p ← p·(1 − lr·wd) − (lr / bc1)·m / (√v / √bc2 + ε)   (Loshchilov & Hutter, Alg. 2)
             let m = self.exp_avg.entry(name.clone()).or_insert_with(|| Tensor::zeros_like(p));
-            let _ = m.f_mul_scalar_(c.beta1);
-            let _ = m.f_add_(&(&g * (1.0 - c.beta1)));
+            let _ = m.f_lerp_(&g, 1.0 - c.beta1);
             let v = self.exp_avg_sq.entry(name.clone()).or_insert_with(|| Tensor::zeros_like(p));
             let _ = v.f_mul_scalar_(c.beta2);
-            let _ = v.f_add_(&((&g * &g) * (1.0 - c.beta2)));
-            let update = (&*m / bc1) / ((&*v / bc2).sqrt() + c.eps);
+            let _ = v.f_addcmul_(&g, &(&g * (1.0 - c.beta2)));
+            if c.lr == 0.0 {
+                continue;
+            }
+            // the step size rides in the denominator: addcdiv_ has no scale of its own
+            let mut denom = v.sqrt();
+            let _ = denom.f_div_scalar_(bc2.sqrt());
+            let _ = denom.f_add_scalar_(c.eps);
+            let _ = denom.f_mul_scalar_(-bc1 / c.lr);
             let mut p = p.shallow_clone();
             let _ = p.f_mul_scalar_(1.0 - c.lr * c.weight_decay);
-            let _ = p.f_sub_(&(update * c.lr));
+            let _ = p.f_addcdiv_(m, &denom);
         }
     }
 

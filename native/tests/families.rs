@@ -179,6 +179,41 @@ fn qwen3_5_rolls_out_on_the_engine_as_transformers_decodes() {
     assert!(err.contains("engine.weights") && err.contains("f32"), "{err}");
 }
 
+/// A Qwen3.5 checkpoint written by the learn job's own code is the folder it came from: the
+/// fixture's `config.json` unchanged, its tensor names, and it loads back as the same model
+/// (transformers' logits within 1e-4). `HARNESS_S_KEEP_CHECKPOINT=DIR` keeps the store
+/// there (the checkpoint is `DIR/runs/q/checkpoints/step=1`, for loading in transformers).
+#[tokio::test]
+async fn a_qwen3_5_checkpoint_is_a_folder_of_the_same_model() {
+    use native::model::CausalLm;
+    use native::train::checkpoint::{self, SaveInfo};
+    use native::train::learner::{Learner, LearnerConfig};
+    let fixture_dir = fixture("qwen3.5");
+    let learner = Learner::new(hf::load_model(&fixture_dir, Device::Cpu).unwrap(), LearnerConfig::default());
+    let tmp = tempfile::tempdir().unwrap();
+    let root = std::env::var("HARNESS_S_KEEP_CHECKPOINT").map(PathBuf::from).unwrap_or_else(|_| tmp.path().to_path_buf());
+    let store = infra::store::LocalStore::new(&root).unwrap();
+    checkpoint::save(&store, &learner, None, &SaveInfo { run_id: "q".into(), step: 1, ..Default::default() }).await.unwrap();
+    let dir = root.join("runs/q/checkpoints/step=1");
+    let json = |p: PathBuf| serde_json::from_slice::<serde_json::Value>(&std::fs::read(p).unwrap()).unwrap();
+    assert_eq!(json(dir.join("config.json")), json(fixture_dir.join("config.json")));
+    let names = |p: PathBuf| {
+        let mut n: Vec<String> = hf::read_safetensors(&std::fs::read(&p).unwrap(), &p).unwrap().into_keys().collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(dir.join("model.safetensors")), names(fixture_dir.join("model.safetensors")));
+    let (back, _, manifest) = checkpoint::load_model(&store, "q", 1, Device::Cpu).await.unwrap();
+    assert_eq!(manifest.architecture, "qwen3_5_text");
+    let r = reference("qwen3.5");
+    let prompt = ids(&r["prompt_ids"]);
+    let p = prompt.len() as i64;
+    let flat = Tensor::arange(p, (Kind::Int64, Device::Cpu));
+    let logits = back.logits_at(&Tensor::from_slice(&prompt).view([1, p]), &flat);
+    let d = max_diff(&logits, &r["logits"]);
+    assert!(d < 1e-4, "the reloaded checkpoint's logits differ from transformers' by {d}");
+}
+
 #[test]
 fn qwen3_5_gradient_agrees_with_pytorch() {
     let model = Qwen35::load(&fixture("qwen3.5"), Device::Cpu).unwrap();

@@ -728,6 +728,9 @@ async fn a_qwen3_5_folder_trains_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
     let pool = small_pool(dir.path(), 4);
     let folder = tiny_qwen3_5_folder(dir.path());
+    // `generate` runs it as a chat: the guesser's answer
+    let (code, out, err) = harness_s(&["generate", "--model", folder.to_str().unwrap(), "--prompt", "How many?", "--chat", "--greedy"]);
+    assert!(code == 0 && out.contains("Final Answer: ["), "generate: exit {code}\n{out}\n{err}");
     let spec = two_update_spec(dir.path(), "qwen3-5", &pool, 8, 4, 2);
     let text = std::fs::read_to_string(&spec)
         .unwrap()

@@ -438,7 +438,7 @@ impl Worker {
         match outcome {
             Ok(logits) => {
                 for &(i, _, to) in &pass {
-                    if to % c == 0 {
+                    if to.is_multiple_of(c) {
                         self.seqs[i].cache.keep_state();
                     }
                 }
@@ -485,7 +485,7 @@ impl Worker {
                 let real = to - from;
                 let mut seg = [Segment { cache: &mut s.cache, first: 0, rows: c, attend: real }];
                 let h = self.weights.forward(&self.model, &ids, &mut seg);
-                if to % c == 0 {
+                if to.is_multiple_of(c) {
                     s.cache.keep_state();
                 }
                 (to == prompt_len).then(|| self.weights.logits_of(&self.model, &h.narrow(0, real as i64 - 1, 1)).squeeze_dim(0))

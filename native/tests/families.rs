@@ -214,6 +214,40 @@ async fn a_qwen3_5_checkpoint_is_a_folder_of_the_same_model() {
     assert!(d < 1e-4, "the reloaded checkpoint's logits differ from transformers' by {d}");
 }
 
+/// A released Qwen3.5 checkpoint's layout (`Qwen3_5ForConditionalGeneration`: the text
+/// config under `text_config`, the text model's tensors under `model.language_model.`, a
+/// vision tower beside them) loads as the same text model, and keeps its names.
+#[test]
+fn a_released_qwen3_5_layout_loads_as_the_same_text_model() {
+    use native::model::CausalLm;
+    let fixture_dir = fixture("qwen3.5");
+    let text: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture_dir.join("config.json")).unwrap()).unwrap();
+    let released = serde_json::json!({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": true,
+    });
+    let path = fixture_dir.join("model.safetensors");
+    let mut tensors: Vec<(String, Tensor)> = hf::read_safetensors(&std::fs::read(&path).unwrap(), &path)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n.replacen("model.", "model.language_model.", 1), t))
+        .collect();
+    tensors.push(("model.visual.patch_embed.proj.weight".into(), Tensor::zeros([2, 2], (Kind::Float, Device::Cpu))));
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), released.to_string()).unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), hf::write_safetensors(&tensors).unwrap()).unwrap();
+    let model = hf::load_model(dir.path(), Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(model.architecture(), "qwen3_5");
+    assert!(model.named_tensors().iter().all(|(n, _)| n.starts_with("model.language_model.")), "the folder's own names");
+    let r = reference("qwen3.5");
+    let prompt = ids(&r["prompt_ids"]);
+    let p = prompt.len() as i64;
+    let logits = model.logits_at(&Tensor::from_slice(&prompt).view([1, p]), &Tensor::arange(p, (Kind::Int64, Device::Cpu)));
+    let d = max_diff(&logits, &r["logits"]);
+    assert!(d < 1e-4, "logits differ from transformers' by {d}");
+    assert_eq!(model.config_json(), released, "a checkpoint writes the released config back");
+}
+
 #[test]
 fn qwen3_5_gradient_agrees_with_pytorch() {
     let model = Qwen35::load(&fixture("qwen3.5"), Device::Cpu).unwrap();

@@ -185,12 +185,13 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         let s: openai::Sampling = openai::parse(&v)?;
         let sampling = openai::sampling(&s, &state.served_name, 512)?;
         let return_ids = s.return_token_ids.unwrap_or(false);
+        let limit_field = if s.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
         let messages = openai::messages(&req)?;
         let tools = openai::tools(&req)?;
         let top = openai::chat_top_logprobs(&req)?;
-        Ok::<_, BadRequest>((req.logprobs.unwrap_or(false), sampling, return_ids, messages, tools, top))
+        Ok::<_, BadRequest>((req.logprobs.unwrap_or(false), sampling, return_ids, messages, tools, top, limit_field))
     };
-    let (logprobs, sampling, return_ids, messages, tools, top) = match run.await {
+    let (logprobs, sampling, return_ids, messages, tools, top, limit_field) = match run.await {
         Ok(x) => x,
         Err(e) => return error(e),
     };
@@ -200,6 +201,9 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(p) => p,
         Err(e) => return error(BadRequest::field("messages", e.to_string())),
     };
+    if let Err(e) = openai::fits(&prompt, sampling.max_tokens, limit_field, loaded.policy.context_limit(), loaded.policy.vocab_size()) {
+        return error(e);
+    }
     let (gen, text) = match loaded.policy.generate(prompt.clone(), &sampling, top).await {
         Ok(x) => x,
         Err(e) => return policy_error(e),
@@ -232,9 +236,10 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
         if let Some(k) = req.logprobs.filter(|&k| k > 5) {
             return Err(BadRequest::field("logprobs", format!("at most 5, is {k}")));
         }
-        Ok((req, sampling, s.return_token_ids.unwrap_or(false)))
+        let limit_field = if s.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
+        Ok((req, sampling, s.return_token_ids.unwrap_or(false), limit_field))
     })();
-    let (req, sampling, return_ids) = match parsed {
+    let (req, sampling, return_ids, limit_field) = match parsed {
         Ok(x) => x,
         Err(e) => return error(e),
     };
@@ -254,6 +259,9 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
         Ok(p) => p,
         Err(e) => return error(e),
     };
+    if let Err(e) = openai::fits(&prompt, sampling.max_tokens, limit_field, loaded.policy.context_limit(), loaded.policy.vocab_size()) {
+        return error(e);
+    }
     let top = req.logprobs.unwrap_or(0) as usize;
     let (gen, text) = match loaded.policy.generate(prompt.clone(), &sampling, top).await {
         Ok(x) => x,

@@ -16,17 +16,20 @@ pub struct BadRequest {
     pub status: u16,
     pub param: Option<String>,
     pub message: String,
+    /// The OpenAI error code (`context_length_exceeded`); a 404's is `model_not_found`.
+    pub code: Option<&'static str>,
 }
 
 impl BadRequest {
     pub fn field(param: &str, message: impl Into<String>) -> Self {
-        BadRequest { status: 400, param: Some(param.to_string()), message: format!("{param}: {}", message.into()) }
+        BadRequest { status: 400, param: Some(param.to_string()), message: format!("{param}: {}", message.into()), code: None }
     }
 
     /// The OpenAI error body.
     pub fn body(&self) -> Value {
         let kind = if self.status == 404 { "not_found_error" } else { "invalid_request_error" };
-        json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": if self.status == 404 { json!("model_not_found") } else { Value::Null }}})
+        let code = if self.status == 404 { Some("model_not_found") } else { self.code };
+        json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": code}})
     }
 }
 
@@ -34,8 +37,8 @@ impl BadRequest {
 pub fn body(bytes: &[u8]) -> Result<Value, BadRequest> {
     match serde_json::from_slice::<Value>(bytes) {
         Ok(v) if v.is_object() => Ok(v),
-        Ok(_) => Err(BadRequest { status: 400, param: None, message: "the body must be a JSON object".into() }),
-        Err(e) => Err(BadRequest { status: 400, param: None, message: format!("the body is not valid JSON: {e}") }),
+        Ok(_) => Err(BadRequest { status: 400, param: None, message: "the body must be a JSON object".into(), code: None }),
+        Err(e) => Err(BadRequest { status: 400, param: None, message: format!("the body is not valid JSON: {e}"), code: None }),
     }
 }
 
@@ -46,7 +49,7 @@ pub fn parse<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, BadRequest>
         let path = e.path().to_string();
         let inner = e.into_inner();
         if path == "." {
-            BadRequest { status: 400, param: None, message: format!("not a valid request: {inner}") }
+            BadRequest { status: 400, param: None, message: format!("not a valid request: {inner}"), code: None }
         } else {
             BadRequest::field(&path, inner.to_string())
         }
@@ -202,6 +205,7 @@ pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<Sampling
                 status: 404,
                 param: Some("model".into()),
                 message: format!("model: `{m}` is not served here; this server serves `{served}`"),
+                code: None,
             });
         }
     }
@@ -241,6 +245,25 @@ pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<Sampling
         })?),
     };
     Ok(SamplingParams { temperature, top_p, max_tokens, seed: Some(s.seed.unwrap_or_else(rand::random)), stop, constrain })
+}
+
+/// A request fits the model: its prompt ids are in the vocabulary, and prompt and reply fit
+/// the context (`max_tokens` beyond it would decode until the context ends, however long
+/// that takes). `field` names the reply limit the request set.
+pub fn fits(prompt: &[u32], max_tokens: u32, field: &str, context: u64, vocab: u64) -> Result<(), BadRequest> {
+    if let Some(id) = prompt.iter().find(|&&id| id as u64 >= vocab) {
+        return Err(BadRequest::field("prompt", format!("token id {id} is outside the model's vocabulary of {vocab} tokens")));
+    }
+    let total = prompt.len() as u64 + max_tokens as u64;
+    if total > context {
+        // worded and coded as other servers do, so that clients see a context overflow
+        let room = context.saturating_sub(prompt.len() as u64);
+        let message = format!(
+            "the model's maximum context length is {context} tokens; the prompt and this reply ask for {total}: ask for at most {room} reply tokens"
+        );
+        return Err(BadRequest { code: Some("context_length_exceeded"), ..BadRequest::field(field, message) });
+    }
+    Ok(())
 }
 
 fn content_text(c: &Option<Content>, path: &str) -> Result<String, BadRequest> {
@@ -517,6 +540,17 @@ mod tests {
         assert_eq!(chat_top_logprobs(&req(r#", "logprobs": true, "top_logprobs": 3"#)).unwrap(), 3);
         let s = sampling(&samp(r#", "stop": "\n", "seed": 4, "max_completion_tokens": 7"#), "m", 16).unwrap();
         assert_eq!((s.stop, s.seed, s.max_tokens), (vec!["\n".to_string()], Some(4), 7));
+        // a request must fit the model: vocabulary and context
+        assert!(fits(&[1, 2], 6, "max_tokens", 8, 50).is_ok());
+        let e = fits(&[1, 2], 7, "max_tokens", 8, 50).unwrap_err();
+        assert!(
+            e.message.starts_with("max_tokens: the model's maximum context length is 8") && e.message.contains("at most 6"),
+            "{}",
+            e.message
+        );
+        assert_eq!((e.status, e.body()["error"]["code"].as_str()), (400, Some("context_length_exceeded")));
+        let e = fits(&[1, 50], 1, "max_completion_tokens", 8, 50).unwrap_err();
+        assert!(e.message.starts_with("prompt: token id 50") && e.message.contains("vocabulary of 50"), "{}", e.message);
         let s = sampling(&samp(r#", "constrain": "harness_patch""#), "m", 16).unwrap();
         assert_eq!(s.constrain, Some(jobs::policy::Constrain::HarnessPatch));
     }

@@ -163,6 +163,14 @@ def test_a_bad_request_is_a_400_naming_the_field(client):
     assert "stream" in str(e.value)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    # a reply beyond the model's context, and prompt ids beyond its vocabulary
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=1_000_000)
+    assert "max_tokens" in str(e.value) and "maximum context length is 8192" in str(e.value)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2", prompt=[1, 2, 1_000_000], max_tokens=2)
+    assert "prompt: token id 1000000" in str(e.value)
     # the server is still there
     assert client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2).choices
 

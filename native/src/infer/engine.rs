@@ -361,10 +361,12 @@ impl Worker {
                     self.stats.reused_tokens += n as u64;
                     e.cache
                 }
-                // room for the padded last prefill chunk and every reply token
+                // room for the padded last prefill chunk and every reply token the context takes
+                // (a reply ends at the context's end, whatever max_tokens says)
                 _ => SeqKv::new(
                     &self.model,
-                    (req.prompt.len().div_ceil(self.config.chunk) * self.config.chunk).max(req.prompt.len() + req.opts.max_tokens),
+                    (req.prompt.len().div_ceil(self.config.chunk) * self.config.chunk)
+                        .max(req.prompt.len().saturating_add(req.opts.max_tokens).min(self.limit())),
                 ),
             };
             let rng = ChaCha8Rng::seed_from_u64(req.opts.seed);

@@ -25,6 +25,8 @@ pub struct NativePolicy {
     engine: Arc<Engine>,
     tokenizer: Arc<Tokenizer>,
     context_limit: u64,
+    /// Token ids the model has (prompt ids at or beyond it are refused).
+    vocab: u64,
     checkpoint: String,
     /// Each token's text alone, for constrained decoding (built on first use).
     pieces: Arc<OnceLock<Arc<Pieces>>>,
@@ -45,9 +47,9 @@ impl NativePolicy {
     /// [`NativePolicy::new`] with a tokenizer shared with another policy (new weights of
     /// the same model).
     pub fn with_tokenizer(model: Model, tokenizer: Arc<Tokenizer>, checkpoint: String, engine: EngineConfig) -> Result<Self, NativeError> {
-        let context_limit = model.max_positions() as u64;
+        let (context_limit, vocab) = (model.max_positions() as u64, model.vocab_size() as u64);
         let engine = Engine::start(model, engine)?;
-        Ok(NativePolicy { engine, tokenizer, context_limit, checkpoint, pieces: Arc::default() })
+        Ok(NativePolicy { engine, tokenizer, context_limit, vocab, checkpoint, pieces: Arc::default() })
     }
 }
 
@@ -55,6 +57,16 @@ impl NativePolicy {
     /// The tokenizer the engine's prompts are built with.
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
+    }
+
+    /// Positions the model takes, prompt and reply together.
+    pub fn context_limit(&self) -> u64 {
+        self.context_limit
+    }
+
+    /// Token ids the model has.
+    pub fn vocab_size(&self) -> u64 {
+        self.vocab
     }
 
     /// Generates after `prompt` on the engine; returns the generation and its text, cut

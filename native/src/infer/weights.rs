@@ -11,6 +11,7 @@ use crate::infer::cpu::{self, CpuWeights};
 use crate::infer::kv::Segment;
 use crate::infer::packed::{Packed, WeightFormat};
 use crate::model::layers::{head_norm, rms_norm};
+use crate::model::qwen3_5::{Qwen35, CHUNK};
 use crate::model::Model;
 use crate::NativeError;
 
@@ -63,13 +64,10 @@ impl EngineWeights {
             (Kernels::Cpu(c), _) => c.logits(h),
             // one product per row: a row's logits must not depend on how many rows the pass
             // has (libtorch's product picks its blocking by shape)
-            (Kernels::Model, model) => {
-                let row = |r: i64| match model {
-                    Model::Qwen35(m) => m.logits_of(&h.narrow(0, r, 1)),
-                    Model::Llama(m) => m.logits_of(&h.narrow(0, r, 1)),
-                };
-                Tensor::cat(&(0..h.size()[0]).map(row).collect::<Vec<_>>(), 0)
+            (Kernels::Model, Model::Qwen35(m)) => {
+                Tensor::cat(&(0..h.size()[0]).map(|r| m.logits_of(&h.narrow(0, r, 1))).collect::<Vec<_>>(), 0)
             }
+            (Kernels::Model, Model::Llama(_)) => unreachable!("the model kernels run Qwen3.5"),
         }
     }
 }
@@ -125,15 +123,11 @@ impl EngineWeights {
     /// tests), which makes the engine's numerics independent of batch composition.
     /// Attention runs per segment against its own cache.
     pub fn forward(&self, model: &Model, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
-        let model = match (&self.kernels, model) {
-            (Kernels::Model, _) => return hybrid_forward(model, ids, segments),
-            (_, Model::Llama(m)) => m,
-            (_, Model::Qwen35(_)) => unreachable!("Qwen3.5 runs on its own forward pass"),
-        };
-        let layers = match &self.kernels {
-            Kernels::Cpu(c) => return cpu::forward(model, c, ids, segments),
-            Kernels::Torch { layers, .. } => layers,
-            Kernels::Model => unreachable!(),
+        let (model, layers) = match (&self.kernels, model) {
+            (Kernels::Model, Model::Qwen35(m)) => return hybrid_forward(m, ids, segments),
+            (Kernels::Cpu(c), Model::Llama(m)) => return cpu::forward(m, c, ids, segments),
+            (Kernels::Torch { layers, .. }, Model::Llama(m)) => (m, layers),
+            _ => unreachable!("the kernels were built for this model (EngineWeights::new)"),
         };
         let c = &model.config;
         let m = ids.len() as i64;
@@ -201,15 +195,14 @@ impl EngineWeights {
 
 /// [`EngineWeights::forward`] of a hybrid model: each segment runs alone on the model's own
 /// pass, continuing its sequence's cache (so no row depends on another sequence); the
-/// gated delta rule takes prefill chunks in chunks of 64 as the learner does.
-fn hybrid_forward(model: &Model, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
-    let Model::Qwen35(m) = model else { unreachable!("the model kernels run Qwen3.5") };
+/// gated delta rule takes prefill chunks in chunks of [`CHUNK`] as the learner does.
+fn hybrid_forward(m: &Qwen35, ids: &[u32], segments: &mut [Segment<'_>]) -> Tensor {
     let dev = m.device();
     let out = Tensor::zeros([ids.len() as i64, m.config.hidden_size], (Kind::Float, dev));
     for s in segments.iter_mut() {
         let tokens: Vec<i64> = ids[s.first..s.first + s.attend].iter().map(|&t| t as i64).collect();
         let hybrid = s.cache.hybrid.as_mut().expect("a Qwen3.5 sequence has a hybrid cache");
-        let h = m.hidden(&Tensor::from_slice(&tokens).view([1, -1]).to_device(dev), Some(&mut hybrid.cache), 64);
+        let h = m.hidden(&Tensor::from_slice(&tokens).view([1, -1]).to_device(dev), Some(&mut hybrid.cache), CHUNK);
         out.narrow(0, s.first as i64, s.attend as i64).copy_(&h.squeeze_dim(0));
         s.cache.len += s.attend;
     }

@@ -8,9 +8,9 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::model::config::{LlamaConfig, ARCHITECTURES};
+use crate::model::config::LlamaConfig;
 use crate::model::llama::{KvCache, Llama};
-use crate::model::qwen3_5::{Qwen35, Qwen35Cache, Qwen35Config};
+use crate::model::qwen3_5::{Qwen35, Qwen35Cache, Qwen35Config, CHUNK};
 use crate::model::CausalLm;
 use crate::NativeError;
 
@@ -61,11 +61,6 @@ impl Model {
         }
         let cfg = LlamaConfig::from_hf_json(config_path, config_text)?;
         Ok(Model::Llama(Llama::from_tensors(cfg, tensors, device, source)?))
-    }
-
-    /// The families a Hugging Face folder may hold (`model_type`).
-    pub fn architectures() -> Vec<&'static str> {
-        ARCHITECTURES.iter().chain(QWEN3_5.iter()).copied().collect()
     }
 
     /// `config.json`'s `model_type`.
@@ -141,7 +136,7 @@ impl Model {
             (Model::Llama(m), Cache::Llama(c)) => m.logits_last(tokens, Some(c)),
             (Model::Qwen35(m), Cache::Qwen35(c)) => {
                 let t = tokens.size()[1];
-                let h = m.hidden(tokens, Some(c), 64);
+                let h = m.hidden(tokens, Some(c), CHUNK);
                 m.logits_of(&h.narrow(1, t - 1, 1).squeeze_dim(1))
             }
             _ => panic!("a cache of another model family"),

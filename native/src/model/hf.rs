@@ -165,7 +165,7 @@ pub fn model_type_of(dir: &Path) -> Option<String> {
     Some(v.get("model_type")?.as_str()?.to_string())
 }
 
-/// Loads a model of any supported family ([`Model::architectures`]) from a Hugging Face
+/// Loads a model of any supported family ([`Model`]) from a Hugging Face
 /// directory.
 pub fn load_model(dir: &Path, device: Device) -> Result<Model, NativeError> {
     let cfg_path = dir.join("config.json");

@@ -73,7 +73,7 @@ pub fn resolve_model_with(reference: &str, base_dir: &Path, python: &str) -> Res
 }
 
 /// Loads the model and its tokenizer from `path` (GGUF file or HF directory of any family
-/// of [`Model::architectures`]).
+/// of [`Model`]: `config::ARCHITECTURES` and `family::QWEN3_5`).
 pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer), NativeError> {
     if path.is_dir() {
         let model = hf::load_model(path, device)?;

@@ -26,6 +26,9 @@ use crate::model::deltanet;
 use crate::model::layers::{mm as mm_in, rms_norm, rope_angles, rotate_half};
 use crate::NativeError;
 
+/// The gated delta rule's chunk length for passes of more than one token (transformers').
+pub const CHUNK: i64 = 64;
+
 /// The text part of a Qwen3.5 `config.json`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Qwen35Config {
@@ -295,7 +298,10 @@ impl Qwen35Cache {
     /// the keys and values. Shares the tensors (no layer writes a state in place).
     pub fn recurrent_state(&self) -> RecurrentState {
         RecurrentState(
-            self.layers.iter().map(|l| l.as_ref().filter(|p| recurrent(p)).map(|(x, y)| (x.shallow_clone(), y.shallow_clone()))).collect(),
+            self.layers
+                .iter()
+                .map(|l| l.as_ref().filter(|(x, _)| recurrent(x)).map(|(x, y)| (x.shallow_clone(), y.shallow_clone())))
+                .collect(),
         )
     }
 
@@ -310,9 +316,7 @@ impl Qwen35Cache {
             .zip(state.0.iter().chain(std::iter::repeat(&None)))
             .map(|(l, s)| match (l, s) {
                 (_, Some((x, y))) => Some((x.shallow_clone(), y.shallow_clone())),
-                (Some((k, v)), None) if !recurrent(&(k.shallow_clone(), v.shallow_clone())) => {
-                    Some((k.narrow(2, 0, len), v.narrow(2, 0, len)))
-                }
+                (Some((k, v)), None) if !recurrent(k) => Some((k.narrow(2, 0, len), v.narrow(2, 0, len))),
                 _ => None,
             })
             .collect();
@@ -332,9 +336,9 @@ impl Qwen35Cache {
     }
 }
 
-/// Whether a cache slot is a GDN layer's (convolution inputs `[B, C, K − 1]`, state) rather
-/// than an attention layer's (keys `[B, H, T, D]`, values).
-fn recurrent((x, _): &(Tensor, Tensor)) -> bool {
+/// Whether a cache slot whose first tensor is `x` is a GDN layer's (convolution inputs
+/// `[B, C, K − 1]`, then the state) rather than an attention layer's (keys `[B, H, T, D]`).
+fn recurrent(x: &Tensor) -> bool {
     x.dim() == 3
 }
 
@@ -349,7 +353,7 @@ impl Clone for RecurrentState {
     }
 }
 
-/// The learner's passes: the gated delta rule in chunks of 64 (transformers' length); a
+/// The learner's passes: the gated delta rule in chunks of [`CHUNK`]; a
 /// shared prefix runs once and its state (keys and values, convolution inputs, recurrent
 /// state) starts every row.
 impl crate::model::CausalLm for Qwen35 {
@@ -366,16 +370,16 @@ impl crate::model::CausalLm for Qwen35 {
     }
 
     fn logits_at(&self, tokens: &Tensor, flat: &Tensor) -> Tensor {
-        let h = self.hidden(tokens, None, 64);
+        let h = self.hidden(tokens, None, CHUNK);
         let hidden = h.size()[2];
         self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
     }
 
     fn logits_at_shared(&self, prefix: &Tensor, rows: &Tensor, flat: &Tensor) -> Tensor {
         let mut cache = Qwen35Cache::default();
-        let _ = self.hidden(&prefix.unsqueeze(0), Some(&mut cache), 64);
+        let _ = self.hidden(&prefix.unsqueeze(0), Some(&mut cache), CHUNK);
         cache.expand(rows.size()[0]);
-        let h = self.hidden(rows, Some(&mut cache), 64);
+        let h = self.hidden(rows, Some(&mut cache), CHUNK);
         let hidden = h.size()[2];
         self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
     }
@@ -459,15 +463,10 @@ impl Qwen35 {
     /// Loads a Hugging Face folder (`config.json` and safetensors, any float dtype):
     /// `Qwen3_5ForCausalLM`'s names, or a released checkpoint's `model.language_model.*`.
     pub fn load(dir: &Path, device: Device) -> Result<Self, NativeError> {
-        let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| NativeError::io(&cfg_path, e))?;
-        let config = Qwen35Config::from_hf_json(&cfg_path, &text)?;
-        let mut tensors = HashMap::new();
-        for file in crate::model::hf::weight_files(dir)? {
-            let bytes = std::fs::read(&file).map_err(|e| NativeError::io(&file, e))?;
-            tensors.extend(crate::model::hf::read_safetensors(&bytes, &file)?);
+        match crate::model::hf::load_model(dir, device)? {
+            crate::model::Model::Qwen35(m) => Ok(m),
+            other => Err(NativeError::UnsupportedArchitecture { path: dir.join("config.json"), arch: other.architecture() }),
         }
-        Self::from_tensors(config, &tensors, device, dir)
     }
 
     /// Builds the model and copies every parameter from `tensors` (transformers' names in

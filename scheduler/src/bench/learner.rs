@@ -275,17 +275,18 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
         ours.push(Measured { len, group, micro: m.micro_batches, tokens: m.policy_tokens, seconds, peak_bytes });
     }
     // the peer's model: the same llama-family shape, or transformers' own of the same config
-    let peer_model = match &learner.model {
+    let (peer_key, peer_model) = match &learner.model {
         Model::Llama(m) => {
             let config = &m.config;
-            serde_json::json!({"config": {
+            let shape = serde_json::json!({
                 "vocab": config.vocab_size, "hidden": config.hidden_size, "inter": config.intermediate_size,
                 "layers": config.num_hidden_layers, "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
                 "eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "tie": config.tie_word_embeddings,
                 "head_dim": config.head_dim(), "qk_norm": config.qk_norm(),
-            }})
+            });
+            ("config", shape)
         }
-        Model::Qwen35(m) => serde_json::json!({"hf_config": m.config.to_hf_json()}),
+        Model::Qwen35(m) => ("hf_config", m.config.to_hf_json()),
     };
     drop(learner);
     // Give the freed model back to the system before the peer starts beside this process:
@@ -308,7 +309,7 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
                 "warmup": args.warmup,
                 "rows": rows,
             });
-            spec.as_object_mut().expect("an object").extend(peer_model.as_object().expect("an object").clone());
+            spec[peer_key] = peer_model.clone();
             let out = super::reference::run_python(
                 &args.python,
                 "the PyTorch peer",

@@ -73,7 +73,28 @@ impl Target {
         match tokio::time::timeout(limit, Connection::connect(&self.uri, props)).await {
             Ok(Ok(conn)) => Ok(conn),
             Ok(Err(e)) => Err(self.classify(&e, None)),
-            Err(_) => Err(QueueError::Unreachable { url: self.shown.clone(), detail: format!("no answer within {} s", limit.as_secs()) }),
+            // Nothing at all, or a server that took the connection and never answered in
+            // AMQP: a second, plain TCP connection tells them apart. The first may pass (a
+            // broker starting up); the second is a wrong port and is not retried.
+            Err(_) => match self.tcp_reachable(Duration::from_secs(3)).await {
+                Ok(()) => Err(QueueError::NoHandshake { url: self.shown.clone(), secs: limit.as_secs() }),
+                Err(detail) => Err(QueueError::Unreachable {
+                    url: self.shown.clone(),
+                    detail: format!("no AMQP connection within {} s ({detail})", limit.as_secs()),
+                }),
+            },
+        }
+    }
+
+    /// Whether a TCP connection to the broker's host and port opens within `within`.
+    async fn tcp_reachable(&self, within: Duration) -> std::result::Result<(), String> {
+        let parsed = url::Url::parse(&self.uri).map_err(|e| e.to_string())?;
+        let host = parsed.host_str().unwrap_or("localhost").trim_start_matches('[').trim_end_matches(']').to_string();
+        let port = parsed.port().unwrap_or(if parsed.scheme() == "amqps" { 5671 } else { 5672 });
+        match tokio::time::timeout(within, tokio::net::TcpStream::connect((host.as_str(), port))).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(format!("TCP connect to {host}:{port}: {e}")),
+            Err(_) => Err(format!("no TCP connection to {host}:{port} within {} s", within.as_secs())),
         }
     }
 
@@ -88,7 +109,15 @@ impl Target {
             .with_total_delay(Some(within));
         (|| self.connect_once(role))
             .retry(backoff)
-            .when(|e| !matches!(e, QueueError::AccessRefused { .. } | QueueError::InvalidUrl { .. } | QueueError::NotAmqp { .. }))
+            .when(|e| {
+                !matches!(
+                    e,
+                    QueueError::AccessRefused { .. }
+                        | QueueError::InvalidUrl { .. }
+                        | QueueError::NotAmqp { .. }
+                        | QueueError::NoHandshake { .. }
+                )
+            })
             .notify(|e, wait| tracing::warn!(broker = %self.shown, role, error = %e, "broker not reachable; retrying in {wait:?}"))
             .await
     }

@@ -89,6 +89,9 @@ impl Default for QueueOptions {
     }
 }
 
+/// The longest queue name AMQP allows (a short string: at most 255 bytes).
+pub const MAX_QUEUE_NAME: usize = 255;
+
 /// Query parameters of every queue URL.
 const QUEUE_OPTIONS: &[&str] = &["prefix", "max_attempts", "retry_base_ms", "retry_max_ms", "connect_timeout_s", "reconnect_timeout_s"];
 /// Query parameters an `amqp://` URI passes to the AMQP client.
@@ -99,15 +102,33 @@ impl QueueOptions {
     /// parameters (what the backend itself should see).
     pub fn from_url(raw: &str) -> Result<(QueueOptions, url::Url)> {
         let mut url = url::Url::parse(raw).map_err(|e| QueueError::InvalidUrl { url: crate::redact_url(raw), reason: e.to_string() })?;
+        let invalid = |reason: String| QueueError::InvalidUrl { url: crate::redact_url(raw), reason };
+        if url.fragment().is_some() {
+            return Err(invalid(
+                "a `#fragment` is not part of a queue URL; put options in the query (`?prefix=run42&max_attempts=5`)".into(),
+            ));
+        }
         let mut opts = QueueOptions::default();
         let mut rest: Vec<(String, String)> = Vec::new();
-        let bad = |key: &str, value: &str, want: &str| QueueError::InvalidUrl {
-            url: crate::redact_url(raw),
-            reason: format!("query parameter `{key}={value}`: expected {want}"),
+        let mut seen: Vec<String> = Vec::new();
+        let bad = |key: &str, value: &str, want: &str| {
+            let shown = if value.chars().count() > 40 {
+                format!("{}… ({} characters)", value.chars().take(40).collect::<String>(), value.chars().count())
+            } else {
+                value.to_string()
+            };
+            invalid(format!("query parameter `{key}={shown}`: expected {want}"))
         };
         for (k, v) in url.query_pairs() {
             let (k, v) = (k.into_owned(), v.into_owned());
+            if QUEUE_OPTIONS.contains(&k.as_str()) {
+                if seen.contains(&k) {
+                    return Err(invalid(format!("query parameter `{k}` is given twice; give it once")));
+                }
+                seen.push(k.clone());
+            }
             let num = |want: &str| v.parse::<u64>().map_err(|_| bad(&k, &v, want));
+            let positive = |want: &str| num(want).and_then(|n| if n == 0 { Err(bad(&k, &v, want)) } else { Ok(n) });
             match k.as_str() {
                 "prefix" => {
                     if v.is_empty() || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
@@ -122,9 +143,9 @@ impl QueueOptions {
                     }
                     opts.max_attempts = n as u32;
                 }
-                "retry_base_ms" => opts.retry_base = Duration::from_millis(num("milliseconds")?.max(1)),
-                "retry_max_ms" => opts.retry_max = Duration::from_millis(num("milliseconds")?.max(1)),
-                "connect_timeout_s" => opts.connect_timeout = Duration::from_secs(num("seconds")?),
+                "retry_base_ms" => opts.retry_base = Duration::from_millis(positive("milliseconds, at least 1")?),
+                "retry_max_ms" => opts.retry_max = Duration::from_millis(positive("milliseconds, at least 1")?),
+                "connect_timeout_s" => opts.connect_timeout = Duration::from_secs(positive("seconds, at least 1")?),
                 "reconnect_timeout_s" => opts.reconnect_timeout = Duration::from_secs(num("seconds")?),
                 other => {
                     // The broker's own URI options pass through; anything else is a typo.
@@ -132,17 +153,30 @@ impl QueueOptions {
                     if !passed.contains(&other) {
                         let mut known: Vec<&str> = QUEUE_OPTIONS.to_vec();
                         known.extend(passed);
-                        return Err(QueueError::InvalidUrl {
-                            url: crate::redact_url(raw),
-                            reason: format!("unknown query parameter `{other}`; known: {}", known.join(", ")),
-                        });
+                        return Err(invalid(format!("unknown query parameter `{other}`; known: {}", known.join(", "))));
                     }
                     rest.push((k, v))
                 }
             }
         }
         if opts.retry_max < opts.retry_base {
-            opts.retry_max = opts.retry_base;
+            return Err(invalid(format!(
+                "retry_base_ms = {} is above retry_max_ms = {}{}: the first retry delay cannot exceed the longest one; raise retry_max_ms or lower retry_base_ms",
+                opts.retry_base.as_millis(),
+                opts.retry_max.as_millis(),
+                if seen.iter().any(|k| k == "retry_max_ms") { "" } else { " (the default)" }
+            )));
+        }
+        let longest = opts.longest_queue_name();
+        if longest > MAX_QUEUE_NAME {
+            let room = opts.prefix.len() - (longest - MAX_QUEUE_NAME);
+            return Err(bad(
+                "prefix",
+                &opts.prefix,
+                &format!(
+                    "at most {room} characters: queue names (`<prefix>.<kind>.retry.<ms>ms`) are AMQP short strings of at most {MAX_QUEUE_NAME} bytes"
+                ),
+            ));
         }
         if rest.is_empty() {
             url.set_query(None);
@@ -150,6 +184,18 @@ impl QueueOptions {
             url.query_pairs_mut().clear().extend_pairs(rest);
         }
         Ok((opts, url))
+    }
+
+    /// Length in bytes of the longest queue name these options make (a delay queue of the
+    /// longest kind name at the longest delay).
+    pub fn longest_queue_name(&self) -> usize {
+        let kind = JobKind::ALL.iter().map(|k| k.as_str().len()).max().unwrap_or(0);
+        let delay = self.retry_max.as_millis().to_string().len();
+        self.dead_queue_len(kind).max(self.prefix.len() + 1 + kind + ".retry.".len() + delay + "ms".len())
+    }
+
+    fn dead_queue_len(&self, kind: usize) -> usize {
+        self.prefix.len() + 1 + kind + ".dead".len()
     }
 
     /// Delay before the run that carries `attempt` (≥ 1): `retry_base · 2^(attempt-1)`,
@@ -193,6 +239,8 @@ pub enum QueueError {
     Unreachable { url: String, detail: String },
     #[error("the server at {url} does not speak AMQP 0-9-1: is this RabbitMQ's AMQP port (usually 5672), not its management port or another service's?")]
     NotAmqp { url: String },
+    #[error("{url} accepted the TCP connection but sent no AMQP handshake within {secs} s: is this RabbitMQ's AMQP port (usually 5672), not another service's? (raise `connect_timeout_s=` for a slow broker)")]
+    NoHandshake { url: String, secs: u64 },
     #[error("the message broker at {url} refused the login: {detail}; check the user name and password in the queue URL (and that the user may use the virtual host)")]
     AccessRefused { url: String, detail: String },
     #[error("queue `{queue}` already exists with different settings: {detail}; delete it (`rabbitmqctl delete_queue {queue}`) or use another `prefix=`")]
@@ -494,6 +542,33 @@ mod tests {
         );
         let e = QueueOptions::from_url("memory://x?heartbeat=10").unwrap_err().to_string();
         assert!(e.contains("unknown query parameter `heartbeat`"), "{e}");
+    }
+
+    #[test]
+    fn options_that_mean_nothing_are_refused_by_name() {
+        let err = |url: &str| QueueOptions::from_url(url).unwrap_err().to_string();
+        let long = "a".repeat(300);
+        let e = err(&format!("amqp://u:secret@h/%2f?prefix={long}"));
+        assert!(e.contains("prefix") && e.contains("255") && e.contains("300 characters") && !e.contains("secret"), "{e}");
+        // the longest name that fits is accepted
+        let (o, _) = QueueOptions::from_url("memory://x?prefix=p").unwrap();
+        let room = MAX_QUEUE_NAME - (o.longest_queue_name() - 1);
+        let (o, _) = QueueOptions::from_url(&format!("memory://x?prefix={}", "a".repeat(room))).unwrap();
+        assert_eq!(o.longest_queue_name(), MAX_QUEUE_NAME);
+        assert!(err(&format!("memory://x?prefix={}", "a".repeat(room + 1))).contains(&format!("at most {room} characters")));
+        for (url, want) in [
+            ("amqp://h/%2f?retry_max_ms=0", "retry_max_ms=0"),
+            ("amqp://h/%2f?retry_base_ms=0", "retry_base_ms=0"),
+            ("amqp://h/%2f?connect_timeout_s=0", "connect_timeout_s=0"),
+            ("amqp://h/%2f?retry_base_ms=500&retry_max_ms=100", "retry_base_ms = 500 is above retry_max_ms = 100"),
+            ("amqp://h/%2f?retry_base_ms=120000", "(the default)"),
+            ("amqp://h/%2f?prefix=a&prefix=b", "`prefix` is given twice"),
+            ("amqp://h/%2f?prefix=a#frag", "#fragment"),
+            ("memory://x#frag", "#fragment"),
+        ] {
+            let e = err(url);
+            assert!(e.contains(want), "{url}: {e}");
+        }
     }
 
     #[test]

@@ -50,6 +50,20 @@ impl S3Options {
     /// Parses `s3://bucket/prefix?endpoint=..&region=..&path_style=true`.
     pub fn parse(url: &str) -> Result<Self> {
         let invalid = |reason: String| StoreError::InvalidUrl { url: crate::redact_url(url), reason };
+        // The URL parser resolves `..` (`s3://b/../../x` would become `s3://b/x`): a path
+        // that climbs is refused as written.
+        let path = url.split(['?', '#']).next().unwrap_or("");
+        if let Some(rest) = path.strip_prefix("s3://") {
+            let climbs = rest.split('/').skip(1).any(|seg| {
+                let seg = seg.to_ascii_lowercase().replace("%2e", ".");
+                seg == ".." || seg == "."
+            });
+            if climbs {
+                return Err(invalid(
+                    "`.` and `..` segments are not allowed in the prefix; write the key prefix itself (s3://bucket/runs/team)".into(),
+                ));
+            }
+        }
         let parsed = url::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
         if parsed.scheme() != "s3" {
             return Err(invalid("expected an s3:// URL".into()));
@@ -98,7 +112,7 @@ impl S3Options {
         let mut query = url::form_urlencoded::Serializer::new(String::new());
         if let Some(e) = &self.endpoint {
             // As given, unless it carries credentials (which never leave in a URL).
-            let e = if e.contains('@') { crate::redact_url(e) } else { e.clone() };
+            let e = crate::redact_url(e);
             query.append_pair("endpoint", &e);
         }
         if let Some(r) = &self.region {
@@ -173,7 +187,9 @@ impl S3Store {
         let sdk = loader.load().await;
         let path_style = opts.path_style.unwrap_or(endpoint.is_some());
         let config = aws_sdk_s3::config::Builder::from(&sdk).force_path_style(path_style).build();
-        Ok(S3Store { client: Client::from_conf(config), endpoint: endpoint.unwrap_or_else(|| "the AWS S3 endpoint".into()), opts })
+        // Printed in errors: an endpoint's credentials (from the URL or AWS_ENDPOINT_URL) never are.
+        let shown = endpoint.as_deref().map(crate::redact_url).unwrap_or_else(|| "the AWS S3 endpoint".into());
+        Ok(S3Store { client: Client::from_conf(config), endpoint: shown, opts })
     }
 
     fn full_key(&self, key: &str) -> Result<String> {
@@ -229,7 +245,7 @@ where
                 SdkError::TimeoutError(_) => "timed out".to_string(),
                 _ => innermost_cause(&err),
             };
-            StoreError::Unreachable { endpoint: endpoint.to_string(), detail }
+            StoreError::Unreachable { endpoint: endpoint.to_string(), detail: crate::redact_text(&detail) }
         }
         _ => {
             let status = err.raw_response().map(|r| r.status().as_u16());
@@ -533,6 +549,17 @@ mod tests {
         let bare = S3Options::parse("s3://b").unwrap();
         assert_eq!(bare.url_at("x/y"), "s3://b/x/y");
         assert_eq!(bare.url_at(""), "s3://b");
+    }
+
+    #[test]
+    fn a_prefix_that_climbs_is_refused_as_written() {
+        for url in ["s3://bucket/../../x", "s3://bucket/a/./b", "s3://bucket/a/%2E%2E/b?region=r"] {
+            let e = S3Options::parse(url).unwrap_err().to_string();
+            assert!(e.contains("`..` segments"), "{url}: {e}");
+        }
+        assert_eq!(S3Options::parse("s3://bucket/a..b/c").unwrap().prefix, "a..b/c");
+        let o = S3Options::parse("s3://b/p?endpoint=http://u:hunter2@127.0.0.1:1").unwrap();
+        assert!(!o.url_at("x").contains("hunter2"), "{}", o.url_at("x"));
     }
 
     #[test]

@@ -66,18 +66,22 @@ pub struct AppState {
     current: RwLock<Arc<Loaded>>,
     device: native::device::Device,
     engine: EngineConfig,
+    /// The most reply tokens one request may ask for (`harness-s serve --max-tokens`).
+    max_tokens: u32,
     /// One weight update at a time.
     updating: tokio::sync::Mutex<()>,
     counter: AtomicU64,
 }
 
 impl AppState {
-    /// Loads `model` (a GGUF file or a safetensors folder) and starts its engine.
+    /// Loads `model` (a GGUF file or a safetensors folder) and starts its engine; a request
+    /// may ask for at most `max_tokens` reply tokens (and never beyond the model's context).
     pub fn load(
         model: &Path,
         served_name: String,
         device: native::device::Device,
         engine: EngineConfig,
+        max_tokens: u32,
     ) -> Result<Arc<AppState>, ServeError> {
         let policy = NativePolicy::load(model, device, engine.clone())?;
         let loaded = Loaded { policy, checkpoint: model.display().to_string() };
@@ -86,6 +90,7 @@ impl AppState {
             current: RwLock::new(Arc::new(loaded)),
             device,
             engine,
+            max_tokens: max_tokens.max(1),
             updating: Default::default(),
             counter: AtomicU64::new(0),
         }))
@@ -98,6 +103,11 @@ impl AppState {
     /// The checkpoint the server samples from now.
     pub fn checkpoint(&self) -> String {
         self.current().checkpoint.clone()
+    }
+
+    /// What a request may ask of the loaded model and this server.
+    fn limits(&self, loaded: &Loaded) -> openai::Limits {
+        openai::Limits { context: loaded.policy.context_limit(), vocab: loaded.policy.vocab_size(), max_tokens: self.max_tokens }
     }
 
     fn next_id(&self, prefix: &str) -> String {
@@ -159,8 +169,14 @@ fn with_checkpoint(body: Value, checkpoint: &str) -> Response {
     (headers, Json(body)).into_response()
 }
 
+/// Liveness, the loaded checkpoint, and the engine's counters (requests, tokens decoded,
+/// requests cancelled because their client went away).
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    Json(json!({"status": "ok", "checkpoint": state.checkpoint()})).into_response()
+    let loaded = state.current();
+    // the engine answers between steps: off the async workers
+    let policy = loaded.policy.clone();
+    let engine = tokio::task::spawn_blocking(move || policy.stats()).await.unwrap_or_default();
+    Json(json!({"status": "ok", "checkpoint": loaded.checkpoint, "max_tokens": state.max_tokens, "engine": engine})).into_response()
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
@@ -181,9 +197,10 @@ fn pieces(tok: &Tokenizer) -> impl Fn(u32) -> String + '_ {
 async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let run = async {
         let v = openai::body(&body)?;
+        openai::only_known(&v, &[openai::SAMPLING_FIELDS, openai::CHAT_FIELDS])?;
         let req: openai::ChatRequest = openai::parse(&v)?;
         let s: openai::Sampling = openai::parse(&v)?;
-        let sampling = openai::sampling(&s, &state.served_name, 512)?;
+        let sampling = openai::sampling(&s, &state.served_name, 512.min(state.max_tokens))?;
         let return_ids = s.return_token_ids.unwrap_or(false);
         let limit_field = if s.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
         let messages = openai::messages(&req)?;
@@ -201,7 +218,7 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(p) => p,
         Err(e) => return error(BadRequest::field("messages", e.to_string())),
     };
-    if let Err(e) = openai::fits(&prompt, sampling.max_tokens, limit_field, loaded.policy.context_limit(), loaded.policy.vocab_size()) {
+    if let Err(e) = openai::fits(&prompt, sampling.max_tokens, limit_field, state.limits(&loaded)) {
         return error(e);
     }
     let (gen, text) = match loaded.policy.generate(prompt.clone(), &sampling, top).await {
@@ -227,9 +244,10 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
 async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let parsed = (|| {
         let v = openai::body(&body)?;
+        openai::only_known(&v, &[openai::SAMPLING_FIELDS, openai::COMPLETION_FIELDS])?;
         let req: openai::CompletionRequest = openai::parse(&v)?;
         let s: openai::Sampling = openai::parse(&v)?;
-        let sampling = openai::sampling(&s, &state.served_name, 16)?;
+        let sampling = openai::sampling(&s, &state.served_name, 16.min(state.max_tokens))?;
         if req.echo == Some(true) {
             return Err(BadRequest::field("echo", "is not supported"));
         }
@@ -259,7 +277,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
         Ok(p) => p,
         Err(e) => return error(e),
     };
-    if let Err(e) = openai::fits(&prompt, sampling.max_tokens, limit_field, loaded.policy.context_limit(), loaded.policy.vocab_size()) {
+    if let Err(e) = openai::fits(&prompt, sampling.max_tokens, limit_field, state.limits(&loaded)) {
         return error(e);
     }
     let top = req.logprobs.unwrap_or(0) as usize;

@@ -42,8 +42,55 @@ pub fn body(bytes: &[u8]) -> Result<Value, BadRequest> {
     }
 }
 
-/// Deserialises a request object into `T` (fields `T` does not know are ignored, as
-/// OpenAI-compatible servers do); errors name the field's path.
+/// The top-level fields each endpoint honours (besides `user`, an end-user tag that changes
+/// nothing in the reply).
+pub const SAMPLING_FIELDS: &[&str] = &[
+    "model",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "return_token_ids",
+    "constrain",
+    "user",
+];
+pub const CHAT_FIELDS: &[&str] = &["messages", "tools", "tool_choice", "logprobs", "top_logprobs"];
+pub const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "echo"];
+
+/// Fields other servers take that this one does not honour, accepted only at the value that
+/// changes nothing (the API's default).
+fn is_default(field: &str, v: &Value) -> bool {
+    match field {
+        "presence_penalty" | "frequency_penalty" | "repetition_penalty" => v.as_f64() == Some(0.0),
+        "logit_bias" => v.as_object().is_some_and(|m| m.is_empty()),
+        "best_of" => v.as_u64() == Some(1),
+        "suffix" => v.as_str() == Some(""),
+        "response_format" => v.get("type").and_then(Value::as_str) == Some("text") && v.as_object().is_some_and(|m| m.len() == 1),
+        "parallel_tool_calls" => v.as_bool() == Some(true),
+        _ => false,
+    }
+}
+
+/// Refuses every field of `v` that `known` does not list (a field a server ignores changes
+/// the reply the client expects without a word): 400 naming it, unless it is null or holds
+/// the value that changes nothing.
+pub fn only_known(v: &Value, known: &[&[&str]]) -> Result<(), BadRequest> {
+    let Some(obj) = v.as_object() else { return Ok(()) };
+    for (k, val) in obj {
+        if val.is_null() || known.iter().any(|set| set.contains(&k.as_str())) || is_default(k, val) {
+            continue;
+        }
+        return Err(BadRequest::field(k, "is not supported by this server (it would be ignored); leave it out"));
+    }
+    Ok(())
+}
+
+/// Deserialises a request object into `T` ([`only_known`] refuses the fields no request type
+/// of the endpoint reads); errors name the field's path.
 pub fn parse<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, BadRequest> {
     serde_path_to_error::deserialize(v).map_err(|e| {
         let path = e.path().to_string();
@@ -199,7 +246,10 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// endpoint's default `max_tokens`; a missing seed draws one (so that two requests
 /// without a seed do not sample the same tokens).
 pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<SamplingParams, BadRequest> {
-    if let Some(m) = &s.model {
+    let Some(m) = &s.model else {
+        return Err(BadRequest::field("model", format!("is required; this server serves `{served}`")));
+    };
+    {
         if m != served {
             return Err(BadRequest {
                 status: 404,
@@ -247,12 +297,31 @@ pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<Sampling
     Ok(SamplingParams { temperature, top_p, max_tokens, seed: Some(s.seed.unwrap_or_else(rand::random)), stop, constrain })
 }
 
-/// A request fits the model: its prompt ids are in the vocabulary, and prompt and reply fit
-/// the context (`max_tokens` beyond it would decode until the context ends, however long
-/// that takes). `field` names the reply limit the request set.
-pub fn fits(prompt: &[u32], max_tokens: u32, field: &str, context: u64, vocab: u64) -> Result<(), BadRequest> {
+/// What a request may ask of this server: the model's context and vocabulary, and the
+/// server's own cap on reply tokens (`harness-s serve --max-tokens`).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub context: u64,
+    pub vocab: u64,
+    pub max_tokens: u32,
+}
+
+/// A request fits the model and the server: its prompt ids are in the vocabulary, its reply
+/// is within the server's cap, and prompt and reply fit the context (`max_tokens` beyond it
+/// would decode until the context ends, however long that takes). `field` names the reply
+/// limit the request set.
+pub fn fits(prompt: &[u32], max_tokens: u32, field: &str, limits: Limits) -> Result<(), BadRequest> {
+    let Limits { context, vocab, max_tokens: cap } = limits;
     if let Some(id) = prompt.iter().find(|&&id| id as u64 >= vocab) {
         return Err(BadRequest::field("prompt", format!("token id {id} is outside the model's vocabulary of {vocab} tokens")));
+    }
+    if max_tokens > cap {
+        return Err(BadRequest::field(
+            field,
+            format!(
+                "{max_tokens} is above this server's limit of {cap} reply tokens per request (`harness-s serve --max-tokens`; the model's context is {context} tokens)"
+            ),
+        ));
     }
     let total = prompt.len() as u64 + max_tokens as u64;
     if total > context {
@@ -266,9 +335,10 @@ pub fn fits(prompt: &[u32], max_tokens: u32, field: &str, context: u64, vocab: u
     Ok(())
 }
 
-fn content_text(c: &Option<Content>, path: &str) -> Result<String, BadRequest> {
+fn content_text(c: &Option<Content>, path: &str, may_be_empty: bool) -> Result<String, BadRequest> {
     match c {
-        None => Ok(String::new()),
+        None if may_be_empty => Ok(String::new()),
+        None => Err(BadRequest::field(path, "is required (a string or a list of text parts)")),
         Some(Content::Text(t)) => Ok(t.clone()),
         Some(Content::Parts(parts)) => {
             let mut out = String::new();
@@ -305,7 +375,15 @@ pub fn messages(req: &ChatRequest) -> Result<Vec<Message>, BadRequest> {
                 return Err(BadRequest::field(&format!("messages[{i}].role"), format!("`{other}` is not system, user, assistant or tool")))
             }
         };
-        let content = content_text(&m.content, &format!("messages[{i}].content"))?;
+        // only an assistant message that calls tools may come without text
+        let calls_tools = role == Role::Assistant && m.tool_calls.as_ref().is_some_and(|c| !c.is_empty());
+        let content = content_text(&m.content, &format!("messages[{i}].content"), calls_tools)?;
+        if role == Role::Tool && m.tool_call_id.as_deref().is_none_or(|id| id.trim().is_empty()) {
+            return Err(BadRequest::field(
+                &format!("messages[{i}].tool_call_id"),
+                "is required in a tool message: the id of the call it answers",
+            ));
+        }
         let mut msg = Message::new(role, content);
         if let Some(calls) = &m.tool_calls {
             if role != Role::Assistant {
@@ -330,14 +408,31 @@ pub fn messages(req: &ChatRequest) -> Result<Vec<Message>, BadRequest> {
     Ok(out)
 }
 
-/// The offered tools (none with `tool_choice: "none"`).
+/// The offered tools (none with `tool_choice: "none"`). The model calls tools through the
+/// text protocol and may answer without a call, so a choice that forces one (`"required"`, a
+/// named function) is refused rather than quietly not enforced.
 pub fn tools(req: &ChatRequest) -> Result<Vec<ToolSpec>, BadRequest> {
     if let Some(choice) = &req.tool_choice {
         match choice.as_str() {
             Some("none") => return Ok(vec![]),
-            Some("auto") | Some("required") => {}
-            _ if choice.is_object() => {}
-            _ => return Err(BadRequest::field("tool_choice", "must be \"none\", \"auto\", \"required\" or a named function")),
+            Some("auto") => {}
+            Some("required") => {
+                return Err(BadRequest::field(
+                    "tool_choice",
+                    "\"required\" is not supported: the model calls tools through the text protocol and cannot be forced to; send \"auto\" or \"none\"",
+                ))
+            }
+            _ if choice.is_object() => {
+                let name = choice.pointer("/function/name").and_then(Value::as_str).unwrap_or("");
+                let offered = req.tools.iter().flatten().any(|t| t.function.name == name);
+                let why = if offered {
+                    format!("forcing `{name}` is not supported: the model calls tools through the text protocol and cannot be forced to; send \"auto\" or \"none\"")
+                } else {
+                    format!("names `{name}`, which is not among the request's tools")
+                };
+                return Err(BadRequest::field("tool_choice", why));
+            }
+            _ => return Err(BadRequest::field("tool_choice", "must be \"none\" or \"auto\"")),
         }
     }
     let mut out = vec![];
@@ -519,7 +614,9 @@ mod tests {
 
     #[test]
     fn settings_out_of_range_are_refused_by_name() {
-        let v = |extra: &str| body(format!(r#"{{"messages": [{{"role": "user", "content": "hi"}}]{extra}}}"#).as_bytes()).unwrap();
+        let v = |extra: &str| {
+            body(format!(r#"{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}]{extra}}}"#).as_bytes()).unwrap()
+        };
         let req = |extra: &str| parse::<ChatRequest>(&v(extra)).unwrap();
         let samp = |extra: &str| parse::<Sampling>(&v(extra)).unwrap();
         for (extra, field) in [
@@ -533,26 +630,88 @@ mod tests {
             let e = sampling(&samp(extra), "m", 16).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{extra}: {e:?}");
         }
-        let e = sampling(&samp(r#", "model": "other""#), "m", 16).unwrap_err();
-        assert_eq!(e.status, 404);
+        let other = parse::<Sampling>(&body(br#"{"model": "other"}"#).unwrap()).unwrap();
+        assert_eq!(sampling(&other, "m", 16).unwrap_err().status, 404);
+        let none = parse::<Sampling>(&body(br#"{"messages": []}"#).unwrap()).unwrap();
+        let e = sampling(&none, "m", 16).unwrap_err();
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("model")), "{e:?}");
         let e = chat_top_logprobs(&req(r#", "top_logprobs": 3"#)).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("top_logprobs"));
         assert_eq!(chat_top_logprobs(&req(r#", "logprobs": true, "top_logprobs": 3"#)).unwrap(), 3);
         let s = sampling(&samp(r#", "stop": "\n", "seed": 4, "max_completion_tokens": 7"#), "m", 16).unwrap();
         assert_eq!((s.stop, s.seed, s.max_tokens), (vec!["\n".to_string()], Some(4), 7));
-        // a request must fit the model: vocabulary and context
-        assert!(fits(&[1, 2], 6, "max_tokens", 8, 50).is_ok());
-        let e = fits(&[1, 2], 7, "max_tokens", 8, 50).unwrap_err();
+        // a request must fit the model and the server: vocabulary, context, reply cap
+        let limits = Limits { context: 8, vocab: 50, max_tokens: 6 };
+        assert!(fits(&[1, 2], 6, "max_tokens", limits).is_ok());
+        let e = fits(&[1, 2], 7, "max_tokens", Limits { max_tokens: 100, ..limits }).unwrap_err();
         assert!(
             e.message.starts_with("max_tokens: the model's maximum context length is 8") && e.message.contains("at most 6"),
             "{}",
             e.message
         );
         assert_eq!((e.status, e.body()["error"]["code"].as_str()), (400, Some("context_length_exceeded")));
-        let e = fits(&[1, 50], 1, "max_completion_tokens", 8, 50).unwrap_err();
+        let e = fits(&[1], 7, "max_completion_tokens", limits).unwrap_err();
+        assert!(
+            e.message.starts_with("max_completion_tokens: 7 is above this server's limit of 6")
+                && e.message.contains("--max-tokens")
+                && e.message.contains("context is 8"),
+            "{}",
+            e.message
+        );
+        let e = fits(&[1, 50], 1, "max_completion_tokens", limits).unwrap_err();
         assert!(e.message.starts_with("prompt: token id 50") && e.message.contains("vocabulary of 50"), "{}", e.message);
         let s = sampling(&samp(r#", "constrain": "harness_patch""#), "m", 16).unwrap();
         assert_eq!(s.constrain, Some(jobs::policy::Constrain::HarnessPatch));
+    }
+
+    /// A field the server would ignore is a 400 naming it, unless it holds the value that
+    /// changes nothing; malformed messages are a 400 naming the message's field.
+    #[test]
+    fn what_the_server_would_ignore_is_refused_by_name() {
+        let known: &[&[&str]] = &[SAMPLING_FIELDS, CHAT_FIELDS];
+        for (extra, field) in [
+            (r#""response_format": {"type": "json_object"}"#, "response_format"),
+            (r#""logit_bias": {"5": 100}"#, "logit_bias"),
+            (r#""best_of": 3"#, "best_of"),
+            (r#""suffix": "end""#, "suffix"),
+            (r#""presence_penalty": 0.5"#, "presence_penalty"),
+            (r#""frequency_penalty": 1"#, "frequency_penalty"),
+            (r#""colour": "blue""#, "colour"),
+        ] {
+            let v = body(format!(r#"{{"model": "m", "messages": [], {extra}}}"#).as_bytes()).unwrap();
+            let e = only_known(&v, known).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(field)), "{extra}: {e:?}");
+        }
+        for extra in [
+            r#""presence_penalty": 0"#,
+            r#""logit_bias": {}"#,
+            r#""best_of": 1"#,
+            r#""response_format": {"type": "text"}"#,
+            r#""suffix": null"#,
+            r#""user": "u1""#,
+        ] {
+            let v = body(format!(r#"{{"model": "m", "messages": [], {extra}}}"#).as_bytes()).unwrap();
+            assert!(only_known(&v, known).is_ok(), "{extra}");
+        }
+        let chat = |json: &str| parse::<ChatRequest>(&body(json.as_bytes()).unwrap()).unwrap();
+        let e = messages(&chat(r#"{"messages": [{"role": "user", "content": null}]}"#)).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"), "{e:?}");
+        let e = messages(&chat(r#"{"messages": [{"role": "user"}]}"#)).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"), "{e:?}");
+        let e = messages(&chat(r#"{"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "r"}]}"#)).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[1].tool_call_id"), "{e:?}");
+        let tools_json = r#""tools": [{"type": "function", "function": {"name": "execute_sql"}}]"#;
+        for (choice, says) in [
+            (r#""required""#, "cannot be forced"),
+            (r#"{"type": "function", "function": {"name": "execute_sql"}}"#, "cannot be forced"),
+            (r#"{"type": "function", "function": {"name": "rm_rf"}}"#, "`rm_rf`, which is not among"),
+            (r#""sometimes""#, "none"),
+        ] {
+            let req = chat(&format!(r#"{{"messages": [], {tools_json}, "tool_choice": {choice}}}"#));
+            let e = tools(&req).unwrap_err();
+            assert!(e.param.as_deref() == Some("tool_choice") && e.message.contains(says), "{choice}: {e:?}");
+        }
+        assert_eq!(tools(&chat(&format!(r#"{{"messages": [], {tools_json}, "tool_choice": "auto"}}"#))).unwrap().len(), 1);
     }
 
     #[test]

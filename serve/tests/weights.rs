@@ -32,7 +32,7 @@ async fn post(addr: &str, path: &str, body: Value) -> (u16, Value, Option<String
 /// The log-probabilities of a greedy completion (they differ between any two weights).
 async fn greedy_logprobs(addr: &str) -> (Vec<f64>, Option<String>) {
     let (status, body, header) =
-        post(addr, "/v1/completions", json!({"prompt": [2, 3], "max_tokens": 8, "temperature": 0, "logprobs": 0})).await;
+        post(addr, "/v1/completions", json!({"model": "tiny", "prompt": [2, 3], "max_tokens": 8, "temperature": 0, "logprobs": 0})).await;
     assert_eq!(status, 200, "{body}");
     let lps = body["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
     (lps, header)
@@ -49,7 +49,7 @@ async fn a_checkpoint_in_a_store_replaces_the_served_weights() {
     write_model(&step1, 2, None);
     std::fs::write(step1.join(OPTIMIZER_FILE), b"not needed by the server").unwrap();
 
-    let state = serve::AppState::load(&base, "tiny".into(), Device::Cpu, Default::default()).unwrap();
+    let state = serve::AppState::load(&base, "tiny".into(), Device::Cpu, Default::default(), 4096).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let served = Arc::clone(&state);

@@ -109,6 +109,10 @@ pub struct EngineStats {
     pub decode_rows: u64,
     pub decode_seconds: f64,
     pub evicted_prefixes: u64,
+    /// Requests dropped because their caller went away (a client that disconnected): they
+    /// stop decoding at the next step.
+    #[serde(default)]
+    pub cancelled: u64,
 }
 
 impl EngineStats {
@@ -125,6 +129,7 @@ impl EngineStats {
             decode_rows: self.decode_rows - before.decode_rows,
             decode_seconds: self.decode_seconds - before.decode_seconds,
             evicted_prefixes: self.evicted_prefixes - before.evicted_prefixes,
+            cancelled: self.cancelled - before.cancelled,
         }
     }
 }
@@ -310,6 +315,7 @@ impl Worker {
             while let Ok(m) = rx.try_recv() {
                 self.handle(m);
             }
+            self.cancel_abandoned();
             self.admit();
             self.prefill();
             self.decode();
@@ -322,6 +328,21 @@ impl Worker {
             Msg::Generate(req, reply) => self.waiting.push_back((req, reply)),
             Msg::Stats(tx) => {
                 let _ = tx.send(self.stats.clone());
+            }
+        }
+    }
+
+    /// Drops the requests whose caller no longer waits for the reply (its receiver is gone:
+    /// an HTTP client that disconnected, a rollout that was cancelled): nothing decodes for
+    /// nobody. A dropped sequence's computed prefix stays as an idle prefix.
+    fn cancel_abandoned(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|(_, reply)| !reply.is_closed());
+        self.stats.cancelled += (before - self.waiting.len()) as u64;
+        for i in (0..self.seqs.len()).rev() {
+            if self.seqs[i].reply.is_closed() {
+                self.stats.cancelled += 1;
+                self.finish(i, Err(NativeError::Config { field: "engine".into(), detail: "cancelled: the caller went away".into() }));
             }
         }
     }
@@ -1014,6 +1035,26 @@ mod tests {
         assert_eq!(good.blocking_recv().unwrap().unwrap().tokens, alone(req(prompt(7, 1), 1, 10), &small()).tokens);
         let after = engine.generate(req(prompt(5, 4), 4, 4)).unwrap();
         assert_eq!(after.tokens.len(), 4);
+    }
+
+    /// A request whose caller goes away stops decoding at the next step; the engine serves
+    /// the next request as before.
+    #[test]
+    fn an_abandoned_request_stops_decoding() {
+        let engine = Engine::start(model(), small()).unwrap();
+        let limit = model().max_positions();
+        let long = engine.submit(req(prompt(5, 1), 1, limit - 5));
+        while engine.stats().decode_tokens == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        drop(long);
+        // and one dropped before the engine saw it
+        drop(engine.submit(req(prompt(6, 2), 2, limit - 6)));
+        let after = engine.generate(req(prompt(5, 4), 4, 4)).unwrap();
+        assert_eq!(after.tokens, alone(req(prompt(5, 4), 4, 4), &small()).tokens);
+        let stats = engine.stats();
+        assert_eq!(stats.cancelled, 2, "{stats:?}");
+        assert!(stats.decode_tokens < (limit - 5) as u64, "the abandoned request decoded to its end: {stats:?}");
     }
 
     /// Tokens a constraint allows: only even ids here, and no stop until 6 tokens.

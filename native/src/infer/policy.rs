@@ -69,6 +69,11 @@ impl NativePolicy {
         self.vocab
     }
 
+    /// The engine's counters since it started.
+    pub fn stats(&self) -> crate::infer::engine::EngineStats {
+        self.engine.stats()
+    }
+
     /// Generates after `prompt` on the engine; returns the generation and its text, cut
     /// before the first of `sampling.stop`. `top_logprobs` most likely tokens are recorded
     /// per position when it is not 0.

@@ -165,15 +165,77 @@ pub fn model_type_of(dir: &Path) -> Option<String> {
     Some(v.get("model_type")?.as_str()?.to_string())
 }
 
-/// Loads a model of any supported family ([`Model`]) from a Hugging Face
-/// directory.
+/// The files a checkpoint folder's `manifest.json` lists (the learner writes one, last, with
+/// each file's size and SHA-256; a folder from elsewhere has none): what a folder's loader
+/// holds the files it reads to.
+pub struct FolderManifest {
+    dir: PathBuf,
+    files: Option<HashMap<String, schemas::FileEntry>>,
+}
+
+/// Files a checkpoint lists that loading weights for sampling does not read (and that a
+/// copy made for serving may leave out).
+const NOT_READ_TO_SAMPLE: [&str; 2] = ["optimizer.safetensors", "master.safetensors"];
+
+impl FolderManifest {
+    /// Reads `dir/manifest.json` if there is one; a manifest that does not parse is an error
+    /// naming it (a damaged folder is not loaded as if it had none).
+    pub fn read(dir: &Path) -> Result<Self, NativeError> {
+        let path = dir.join("manifest.json");
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(FolderManifest { dir: dir.into(), files: None }),
+            Err(e) => return Err(NativeError::io(&path, e)),
+        };
+        let m: schemas::CheckpointManifest = schemas::decode_document(&path.display().to_string(), &bytes)
+            .map_err(|e| NativeError::Checkpoint { location: path.display().to_string(), detail: e.to_string() })?;
+        let manifest = FolderManifest { dir: dir.into(), files: Some(m.files.into_iter().map(|f| (f.name.clone(), f)).collect()) };
+        // a file the manifest lists must be there (weights deleted from a checkpoint are
+        // not replaced by a stale copy or a different file)
+        for name in manifest.files.iter().flat_map(|f| f.keys()) {
+            if !NOT_READ_TO_SAMPLE.contains(&name.as_str()) && !dir.join(name).exists() {
+                return Err(manifest.damaged(name, "listed in manifest.json but missing"));
+            }
+        }
+        Ok(manifest)
+    }
+
+    /// Checks `bytes`, read from `file` in the folder, against the manifest's entry for it
+    /// (nothing to check without a manifest, or for a file it does not list).
+    pub fn check(&self, file: &Path, bytes: &[u8]) -> Result<(), NativeError> {
+        use sha2::{Digest, Sha256};
+        let Some(name) = file.file_name().and_then(|n| n.to_str()) else { return Ok(()) };
+        let Some(entry) = self.files.as_ref().and_then(|f| f.get(name)) else { return Ok(()) };
+        if bytes.len() as u64 != entry.size {
+            return Err(self.damaged(name, &format!("{} bytes, manifest.json says {}", bytes.len(), entry.size)));
+        }
+        let sha = hex::encode(Sha256::digest(bytes));
+        if sha != entry.sha256 {
+            return Err(self.damaged(name, &format!("SHA-256 {sha}, manifest.json says {} (a corrupt or overwritten file)", entry.sha256)));
+        }
+        Ok(())
+    }
+
+    fn damaged(&self, name: &str, problem: &str) -> NativeError {
+        NativeError::Checkpoint {
+            location: self.dir.join(name).display().to_string(),
+            detail: format!("{problem}; the checkpoint is damaged and is not loaded (`harness-s verify RUN` checks a run's checkpoints)"),
+        }
+    }
+}
+
+/// Loads a model of any supported family ([`Model`]) from a Hugging Face directory; a
+/// checkpoint folder's files are checked against its `manifest.json` first.
 pub fn load_model(dir: &Path, device: Device) -> Result<Model, NativeError> {
+    let manifest = FolderManifest::read(dir)?;
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| NativeError::io(&cfg_path, e))?;
+    manifest.check(&cfg_path, text.as_bytes())?;
     let files = weight_files(dir)?;
     let mut tensors = HashMap::new();
     for file in &files {
         let bytes = std::fs::read(file).map_err(|e| NativeError::io(file, e))?;
+        manifest.check(file, &bytes)?;
         tensors.extend(read_safetensors(&bytes, file)?);
     }
     let source = if files.len() == 1 { files[0].clone() } else { dir.to_path_buf() };

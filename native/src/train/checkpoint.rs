@@ -208,57 +208,60 @@ pub async fn save_untrained(
     Ok(key)
 }
 
-/// Whether every file `manifest` lists (or, for an untrained step, the checkpoint its
-/// weights live in lists) is present with its recorded size.
-async fn is_complete(store: &dyn ObjectStore, run_id: &str, manifest: &CheckpointManifest) -> Result<bool, NativeError> {
+/// Checks that every file `manifest` lists (or, for an untrained step, the checkpoint its
+/// weights live in lists) is present with its recorded size. A committed manifest (it is
+/// written last; retention rewrites it before deleting files) whose files are gone is a
+/// damaged checkpoint: an error naming the file, never a reason to fall back silently to an
+/// older step.
+async fn check_complete(store: &dyn ObjectStore, run_id: &str, manifest: &CheckpointManifest) -> Result<(), NativeError> {
+    let here = manifest_key(run_id, manifest.step);
     let (files_of, step) = match manifest.weights_step {
-        Some(w) if w != manifest.step => match read_manifest(store, &manifest_key(run_id, w)).await {
-            Ok(m) if m.weights_step == Some(w) => (m, w),
-            _ => return Ok(false),
-        },
+        Some(w) if w != manifest.step => {
+            let m = read_manifest(store, &manifest_key(run_id, w)).await?;
+            if m.weights_step != Some(w) {
+                return Err(ckpt_err(
+                    store.object_url(&here),
+                    format!("names step {w} as holding its weights, but step {w}'s manifest says it does not; the checkpoint is damaged (`harness-s verify {run_id}`)"),
+                ));
+            }
+            (m, w)
+        }
         // The base model: nothing stored to check.
-        None => return Ok(true),
+        None => return Ok(()),
         Some(_) => (manifest.clone(), manifest.step),
     };
     let dir = keys::checkpoint_dir(run_id, step);
     for f in &files_of.files {
-        match store.head(&format!("{dir}{}", f.name)).await? {
-            Some(meta) if meta.size == f.size => {}
-            _ => {
-                tracing::warn!(key = %manifest_key(run_id, manifest.step), file = %f.name, "skipping a checkpoint whose files do not match its manifest");
-                return Ok(false);
-            }
-        }
+        let key = format!("{dir}{}", f.name);
+        let problem = match store.head(&key).await? {
+            Some(meta) if meta.size == f.size => continue,
+            Some(meta) => format!("{} bytes, its manifest says {}", meta.size, f.size),
+            None => "listed by its manifest but missing".to_string(),
+        };
+        return Err(ckpt_err(
+            store.object_url(&key),
+            format!("{problem}: checkpoint step {step} is damaged and is not used (`harness-s verify {run_id}` lists the damage)"),
+        ));
     }
-    Ok(true)
+    Ok(())
 }
 
-/// The newest complete checkpoint of a run: the highest step whose manifest exists, parses
-/// and lists files that are all present with their recorded sizes.
+/// The newest checkpoint of a run: the highest step whose manifest exists (the commit
+/// point), checked to parse and to list files that are all present with their recorded
+/// sizes. A damaged newest checkpoint is an error naming the file, not a reason to fall back
+/// to an older step.
 pub async fn latest(store: &dyn ObjectStore, run_id: &str) -> Result<Option<CheckpointManifest>, NativeError> {
     let prefix = keys::checkpoints_prefix(run_id);
-    let mut steps: Vec<u32> = store
+    let newest: Option<u32> = store
         .list(&prefix)
         .await?
         .iter()
         .filter_map(|m| m.key.strip_prefix(&prefix)?.strip_suffix(&format!("/{MANIFEST_FILE}"))?.strip_prefix("step=")?.parse().ok())
-        .collect();
-    steps.sort_unstable_by(|a, b| b.cmp(a));
-    for step in steps {
-        let key = manifest_key(run_id, step);
-        let manifest = match read_manifest(store, &key).await {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(key = %key, error = %e, "skipping an unreadable checkpoint manifest");
-                continue;
-            }
-        };
-        let complete = is_complete(store, run_id, &manifest).await?;
-        if complete {
-            return Ok(Some(manifest));
-        }
-    }
-    Ok(None)
+        .max();
+    let Some(step) = newest else { return Ok(None) };
+    let manifest = read_manifest(store, &manifest_key(run_id, step)).await?;
+    check_complete(store, run_id, &manifest).await?;
+    Ok(Some(manifest))
 }
 
 pub(crate) async fn read_manifest(store: &dyn ObjectStore, key: &str) -> Result<CheckpointManifest, NativeError> {
@@ -497,6 +500,39 @@ mod tests {
         assert_eq!(prune(&store, "r", &policy, Some(1)).await.unwrap(), crate::train::retention::Pruned::default());
     }
 
+    /// A checkpoint folder loaded as a folder (`generate --model`, `serve`'s weight updates,
+    /// a spec's `policy.model`) is held to its manifest: a flipped bit or a missing file is
+    /// an error naming the file, and the intact folder loads.
+    #[tokio::test]
+    async fn a_damaged_checkpoint_folder_is_refused_by_every_folder_loader() {
+        let (dir, store) = store();
+        let a = learner(2);
+        let tok = crate::model::tokenizer::word_level(&["a", "b"]);
+        save(&store, &a, Some(&tok), &SaveInfo { run_id: "r".into(), step: 1, ..Default::default() }).await.unwrap();
+        let folder = dir.path().join("runs/r/checkpoints/step=1");
+        crate::model::loader::load(&folder, Device::Cpu).unwrap();
+        // one bit of the weights
+        let weights = folder.join(MODEL_FILE);
+        let mut bytes = std::fs::read(&weights).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&weights, &bytes).unwrap();
+        let err = crate::model::hf::load_model(&folder, Device::Cpu).err().unwrap().to_string();
+        assert!(err.contains("step=1/model.safetensors") && err.contains("SHA-256") && err.contains("manifest.json"), "{err}");
+        // the tokenizer's files too
+        bytes[last] ^= 1;
+        std::fs::write(&weights, &bytes).unwrap();
+        std::fs::write(folder.join(TOKENIZER_FILE), tok.to_json().unwrap().replace("\"a\"", "\"z\"")).unwrap();
+        let err = crate::model::loader::load(&folder, Device::Cpu).err().unwrap().to_string();
+        assert!(err.contains("tokenizer.json") && err.contains("SHA-256"), "{err}");
+        // a listed file that is gone
+        std::fs::remove_file(&weights).unwrap();
+        let err = crate::model::hf::load_model(&folder, Device::Cpu).err().unwrap().to_string();
+        assert!(err.contains("model.safetensors") && err.contains("listed in manifest.json but missing"), "{err}");
+    }
+
+    /// A half-written checkpoint (no manifest) is skipped; a committed one whose files are
+    /// gone is an error naming the file, never a silent fall back to an older step.
     #[tokio::test]
     async fn a_half_written_checkpoint_is_never_the_latest() {
         let (_d, store) = store();
@@ -508,6 +544,9 @@ mod tests {
         // step 3: manifest present but the model file was lost
         save(&store, &a, None, &SaveInfo { run_id: "r".into(), step: 3, ..Default::default() }).await.unwrap();
         store.delete("runs/r/checkpoints/step=3/model.safetensors").await.unwrap();
+        let err = latest(&store, "r").await.unwrap_err().to_string();
+        assert!(err.contains("step=3/model.safetensors") && err.contains("missing") && err.contains("verify"), "{err}");
+        store.delete(&manifest_key("r", 3)).await.unwrap();
         assert_eq!(latest(&store, "r").await.unwrap().map(|m| m.step), Some(1));
         let err = load(&store, "r", 2, Device::Cpu, LearnerConfig::default()).await.err().unwrap().to_string();
         assert!(err.contains("step=2/manifest.json") && err.contains("manifest.json is absent"), "{err}");

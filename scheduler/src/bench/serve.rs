@@ -115,7 +115,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
     eprintln!("harness-s serve ({}) ...", weights.name());
     let engine = EngineConfig { max_batch: most, weights, threads: Some(args.threads as usize), ..Default::default() };
     let path = model.clone();
-    let state = tokio::task::spawn_blocking(move || serve::AppState::load(&path, "bench".into(), device, engine)).await??;
+    let state = tokio::task::spawn_blocking(move || serve::AppState::load(&path, "bench".into(), device, engine, u32::MAX)).await??;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let ours = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

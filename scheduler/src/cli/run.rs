@@ -240,16 +240,30 @@ pub async fn report(args: RunRefArgs) -> anyhow::Result<u8> {
 pub async fn verify(args: RunRefArgs) -> anyhow::Result<u8> {
     let store = args.store.open().await?;
     run::inputs::load_stored(store.as_ref(), &args.run).await?;
-    let (damage, markers) = run::verify::verify_run(store.as_ref(), &args.run).await?;
+    eprintln!("verifying run `{}`: every done-marker's outputs and every checkpoint's files, hashed ...", args.run);
+    let (damage, markers, checkpoints) = run::verify::verify_run(store.as_ref(), &args.run).await?;
     if damage.is_empty() {
-        println!("run `{}`: {markers} done-markers and the files they list are intact", args.run);
+        println!(
+            "run `{}`: {markers} done-markers, {checkpoints} checkpoints and the files they list are intact (sizes and SHA-256)",
+            args.run
+        );
         return Ok(crate::exit::OK);
     }
-    println!("run `{}`: {} damaged of {markers} done-markers checked:", args.run, damage.len());
+    println!("run `{}`: {} damaged file(s) ({markers} done-markers and {checkpoints} checkpoints checked):", args.run, damage.len());
     for d in &damage {
         println!("  {d}");
     }
-    println!("`harness-s resume {}` re-runs the jobs whose done-marker or outputs are damaged (a damaged metrics part is reported, not rewritten)", args.run);
+    let finished = state::load(store.as_ref(), &args.run).await?.is_some_and(|st| st.status.is_finished());
+    if finished {
+        println!(
+            "the run is finished, and no command rewrites a finished run's outputs yet: restore the files above from a copy of the store, or submit the spec again as a new run. Loading a damaged checkpoint is refused with the file named."
+        );
+    } else {
+        println!(
+            "`harness-s resume {}` re-runs the jobs of the stage it continues whose outputs are damaged; a damaged checkpoint or an output of a finished stage is refused with the file named when a later stage reads it (restore it from a copy of the store)",
+            args.run
+        );
+    }
     Ok(crate::exit::FAILED)
 }
 

@@ -31,6 +31,10 @@ pub struct ServeArgs {
     /// Sequences decoded at once; further requests wait.
     #[arg(long, default_value_t = 16, value_parser = super::at_least_one)]
     pub max_concurrent_sequences: usize,
+    /// The most reply tokens one request may ask for (`max_tokens`); a request above it, or
+    /// whose prompt and reply exceed the model's context, gets a 400 naming both limits.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tokens: u32,
     /// Weight format the engine decodes with: f32, bf16 or int4 (CPU).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "int4"])]
     pub weights: String,
@@ -53,11 +57,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<u8> {
         ..Default::default()
     };
     native::device::set_cpu_threads(args.threads as i32);
+    let max_tokens = args.max_tokens;
     let addr = SocketAddr::new(args.host, args.port);
     // Bind before loading, so that a taken port fails at once.
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
     let bound = listener.local_addr()?;
-    let state = tokio::task::spawn_blocking(move || serve::AppState::load(&path, name, device, engine)).await??;
+    let state = tokio::task::spawn_blocking(move || serve::AppState::load(&path, name, device, engine, max_tokens)).await??;
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let shutdown = async move {

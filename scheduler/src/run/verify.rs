@@ -3,7 +3,8 @@
 //! marker parsed and every output matched; a damaged marker or output is a [`Damage`],
 //! and the executor deletes the marker so that the job — whose id is deterministic — runs
 //! again and rewrites its files (the ordinary retry path). `harness-s verify RUN` runs the
-//! same checks over a whole run.
+//! same checks over a whole run, hashing every file whatever its size, and holds every
+//! checkpoint's files to its `manifest.json` (size and SHA-256).
 
 use anyhow::Context;
 use sha2::{Digest, Sha256};
@@ -28,9 +29,33 @@ impl std::fmt::Display for Damage {
     }
 }
 
-/// Reads the done-marker at `key` and checks every output it lists. `Err(Damage)` names
-/// the first damaged file; store failures are errors of their own (`Ok(Err(..))` is damage).
+/// The SHA-256 of an object, read in ranges (a checkpoint's files are gigabytes).
+async fn sha256_of(store: &dyn ObjectStore, key: &str, size: u64) -> anyhow::Result<String> {
+    const CHUNK: u64 = 64 << 20;
+    let mut hasher = Sha256::new();
+    let mut at = 0;
+    while at < size {
+        let end = (at + CHUNK).min(size);
+        let bytes = store.get_range(key, at..end).await.with_context(|| format!("reading {}", store.object_url(key)))?;
+        hasher = tokio::task::spawn_blocking(move || {
+            hasher.update(&bytes);
+            hasher
+        })
+        .await?;
+        at = end;
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// Reads the done-marker at `key` and checks every output it lists (outputs above
+/// [`HASH_LIMIT`] by size only). `Err(Damage)` names the first damaged file; store failures
+/// are errors of their own (`Ok(Err(..))` is damage).
 pub async fn check_marker(store: &dyn ObjectStore, key: &str) -> anyhow::Result<Result<DoneMarker, Damage>> {
+    check_marker_up_to(store, key, HASH_LIMIT).await
+}
+
+/// [`check_marker`] hashing the outputs up to `hash_limit` bytes.
+async fn check_marker_up_to(store: &dyn ObjectStore, key: &str, hash_limit: u64) -> anyhow::Result<Result<DoneMarker, Damage>> {
     let url = store.object_url(key);
     let bytes = store.get(key).await.with_context(|| format!("reading {url}"))?;
     let marker: DoneMarker = match schemas::decode_document(&url, &bytes) {
@@ -45,9 +70,8 @@ pub async fn check_marker(store: &dyn ObjectStore, key: &str) -> anyhow::Result<
         if meta.size != out.size {
             return Ok(Err(Damage { file, problem: format!("{} bytes, its done-marker says {}", meta.size, out.size) }));
         }
-        if out.size <= HASH_LIMIT {
-            let body = store.get(&out.key).await.with_context(|| format!("reading {file}"))?;
-            let sha = hex::encode(Sha256::digest(&body));
+        if out.size <= hash_limit {
+            let sha = sha256_of(store, &out.key, out.size).await?;
             if sha != out.sha256 {
                 return Ok(Err(Damage { file, problem: format!("SHA-256 {sha}, its done-marker says {}", out.sha256) }));
             }
@@ -56,10 +80,48 @@ pub async fn check_marker(store: &dyn ObjectStore, key: &str) -> anyhow::Result<
     Ok(Ok(marker))
 }
 
-/// Checks every done-marker of `run_id` and the files they list, that the run's state and
-/// spec parse, and that its metrics parts read. Returns the damage found (empty: the run is intact) and the number of
-/// markers checked.
-pub async fn verify_run(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<(Vec<Damage>, usize)> {
+/// Every file of every checkpoint of `run_id` against its manifest: present, its size, its
+/// SHA-256 (a manifest that does not parse is damage too). Returns the damage and the
+/// number of checkpoints checked.
+pub async fn verify_checkpoints(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<(Vec<Damage>, usize)> {
+    let prefix = keys::checkpoints_prefix(run_id);
+    let manifests: Vec<String> = store.list(&prefix).await?.into_iter().map(|o| o.key).filter(|k| k.ends_with("/manifest.json")).collect();
+    let mut damage = vec![];
+    for key in &manifests {
+        let url = store.object_url(key);
+        let bytes = store.get(key).await.with_context(|| format!("reading {url}"))?;
+        let manifest: schemas::CheckpointManifest = match schemas::decode_document(&url, &bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                damage.push(Damage { file: url, problem: format!("the checkpoint manifest does not parse ({e})") });
+                continue;
+            }
+        };
+        let dir = key.trim_end_matches("manifest.json");
+        for f in &manifest.files {
+            let file_key = format!("{dir}{}", f.name);
+            let file = store.object_url(&file_key);
+            let problem = match store.head(&file_key).await.with_context(|| format!("checking {file}"))? {
+                None => Some("listed by its checkpoint manifest but missing".to_string()),
+                Some(meta) if meta.size != f.size => Some(format!("{} bytes, its checkpoint manifest says {}", meta.size, f.size)),
+                Some(_) => {
+                    let sha = sha256_of(store, &file_key, f.size).await?;
+                    (sha != f.sha256).then(|| format!("SHA-256 {sha}, its checkpoint manifest says {}", f.sha256))
+                }
+            };
+            if let Some(problem) = problem {
+                damage.push(Damage { file, problem });
+            }
+        }
+    }
+    Ok((damage, manifests.len()))
+}
+
+/// Checks every done-marker of `run_id` and the files they list (every one hashed), every
+/// checkpoint against its manifest, that the run's state and spec parse, and that its
+/// metrics parts read. Returns the damage found (empty: the run is intact), the number of
+/// markers and the number of checkpoints checked.
+pub async fn verify_run(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<(Vec<Damage>, usize, usize)> {
     let mut damage = vec![];
     for key in [super::inputs::run_json_key(run_id), keys::state(run_id)] {
         let url = store.object_url(&key);
@@ -76,7 +138,13 @@ pub async fn verify_run(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result
     let markers: Vec<String> =
         store.list(&keys::jobs_prefix(run_id)).await?.into_iter().map(|o| o.key).filter(|k| keys::job_of_marker(k).is_some()).collect();
     for key in &markers {
-        if let Err(d) = check_marker(store, key).await? {
+        if let Err(d) = check_marker_up_to(store, key, u64::MAX).await? {
+            damage.push(d);
+        }
+    }
+    let (checkpoint_damage, checkpoints) = verify_checkpoints(store, run_id).await?;
+    for d in checkpoint_damage {
+        if !damage.iter().any(|x| x.file == d.file) {
             damage.push(d);
         }
     }
@@ -87,5 +155,5 @@ pub async fn verify_run(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result
             damage.push(Damage { file: store.object_url(key), problem: format!("metrics do not read ({e})") });
         }
     }
-    Ok((damage, markers.len()))
+    Ok((damage, markers.len(), checkpoints))
 }

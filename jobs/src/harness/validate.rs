@@ -347,6 +347,7 @@ impl Validator<'_> {
         const FIELDS: &[&str] =
             &["id", "parent", "generation", "direction", "prompt_rules", "skills", "context", "memory", "examples", "tool_view", "hooks"];
         let Some(map) = self.object("", v, FIELDS, &["id"]) else { return };
+        let own_id = map.get("id").and_then(Value::as_str).map(str::to_string);
         if let Some(id) = map.get("id") {
             if self.ident("id", id).as_deref() == Some(schemas::H0_ID) && !self.opts.base {
                 let edits: Vec<&str> = EDIT_FIELDS
@@ -368,7 +369,14 @@ impl Validator<'_> {
         match map.get("parent") {
             None | Some(Value::Null) => {}
             Some(p) => {
-                self.ident("parent", p);
+                if let Some(parent) = self.ident("parent", p) {
+                    if own_id.as_deref() == Some(parent.as_str()) {
+                        self.problem(
+                            "parent",
+                            format!("`{parent}` is this harness's own id: a harness cannot be its own parent; name the harness it edits (e.g. `h0`)"),
+                        );
+                    }
+                }
             }
         }
         if let Some(g) = map.get("generation") {
@@ -875,6 +883,13 @@ mod tests {
             json!({"id": "x", "examples": [{"name": "ok", "turns": [{"role": "user", "text": "q"}, {"role": "assistant", "text": "a"}]}]})
         )
         .is_empty());
+    }
+
+    #[test]
+    fn a_harness_is_not_its_own_parent() {
+        let p = problems(json!({"id": "s1", "parent": "s1"}));
+        assert!(p.iter().any(|m| m.starts_with("parent:") && m.contains("own parent")), "{p:?}");
+        assert!(problems(json!({"id": "s1", "parent": "h0"})).is_empty());
     }
 
     #[test]

@@ -111,10 +111,10 @@ pub enum PolicyError {
     #[error("policy server answered HTTP {status}: {detail}")]
     Http { status: u16, detail: String },
     /// The server could not be reached.
-    #[error("cannot reach the policy server {endpoint}: {detail}")]
+    #[error("cannot reach the policy server {}: {}", infra::redact_url(.endpoint), infra::redact_text(.detail))]
     Unreachable { endpoint: String, detail: String },
     /// Bad configuration (missing model file, missing API key variable, ...).
-    #[error("policy configuration: {0}")]
+    #[error("policy configuration: {}", infra::redact_text(.0))]
     Config(String),
     /// The native backend failed.
     #[error("native policy: {0}")]

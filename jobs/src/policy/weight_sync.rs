@@ -34,13 +34,13 @@ pub enum WeightSync {
 /// Why an endpoint could not be brought to the wanted weights.
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
-    #[error("cannot reach the policy endpoint {endpoint}: {detail}")]
+    #[error("cannot reach the policy endpoint {}: {}", infra::redact_url(.endpoint), infra::redact_text(.detail))]
     Unreachable { endpoint: String, detail: String },
-    #[error("the policy endpoint {endpoint} refused to load {model_path}: {message}")]
+    #[error("the policy endpoint {} refused to load {}: {message}", infra::redact_url(.endpoint), infra::redact_url(.model_path))]
     Refused { endpoint: String, model_path: String, message: String },
-    #[error("the policy endpoint {endpoint} serves {serving} after loading {model_path}; it did not take the new weights")]
+    #[error("the policy endpoint {} serves {} after loading {}; it did not take the new weights", infra::redact_url(.endpoint), infra::redact_url(.serving), infra::redact_url(.model_path))]
     NotLoaded { endpoint: String, model_path: String, serving: String },
-    #[error("the policy endpoint {endpoint} does not speak the weight-update protocol ({detail}); weight_sync = \"sglang\" needs /update_weights_from_disk and /get_model_info (SGLang, harness-s serve)")]
+    #[error("the policy endpoint {} does not speak the weight-update protocol ({}); weight_sync = \"sglang\" needs /update_weights_from_disk and /get_model_info (SGLang, harness-s serve)", infra::redact_url(.endpoint), infra::redact_text(.detail))]
     Protocol { endpoint: String, detail: String },
 }
 

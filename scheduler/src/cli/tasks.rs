@@ -21,7 +21,7 @@ use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use jobs::env::dbbench::check::check_tasks;
-use jobs::env::dbbench::generate::{generate, Difficulty, GenerateOptions};
+use jobs::env::dbbench::generate::{for_each_task, Difficulty, GenerateOptions};
 use jobs::env::dbbench::{DbBenchConfig, TaskSet};
 
 use crate::exit;
@@ -59,7 +59,7 @@ pub struct GenerateArgs {
     /// Random seed; the same seed gives the same file.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Number of tasks.
+    /// Number of tasks, at most 1000000 (written to --out as they are generated).
     #[arg(long = "n", value_name = "N")]
     pub n: usize,
     /// Output JSONL file (overwritten).
@@ -115,22 +115,37 @@ async fn check(args: CheckArgs) -> anyhow::Result<u8> {
 }
 
 fn generate_file(args: GenerateArgs) -> anyhow::Result<u8> {
+    use std::io::Write;
     let difficulty = match args.difficulty.as_str() {
         "mixed" => None,
         d => Some(d.parse::<Difficulty>()?),
     };
-    let tasks = generate(&GenerateOptions { seed: args.seed, n: args.n, difficulty, kinds: args.kinds.clone() })?;
-    let mut text = String::new();
+    let opts = GenerateOptions { seed: args.seed, n: args.n, difficulty, kinds: args.kinds.clone() };
+    opts.check()?;
+    // Written as generated, into a file beside --out that replaces it once complete: a
+    // failure or an interruption leaves no half-written --out.
+    let cannot = |e: &dyn std::fmt::Display| anyhow::anyhow!("cannot write --out {}: {e}", args.out.display());
+    let mut partial = args.out.clone().into_os_string();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    let file = std::fs::File::create(&partial).map_err(|e| cannot(&e))?;
+    let mut writer = std::io::BufWriter::new(file);
     let mut counts: BTreeMap<(String, String), usize> = BTreeMap::new();
-    for t in &tasks {
-        text.push_str(&t.to_string());
-        text.push('\n');
+    let written = for_each_task(&opts, |t| {
         let ty = t["type"][0].as_str().unwrap_or("?").to_string();
         let level = t["difficulty"].as_str().unwrap_or("?").to_string();
         *counts.entry((ty, level)).or_default() += 1;
-    }
-    std::fs::write(&args.out, text).with_context(|| format!("cannot write --out {}", args.out.display()))?;
-    println!("wrote {} tasks to {} (seed {})", tasks.len(), args.out.display(), args.seed);
+        writeln!(writer, "{t}").map_err(|e| cannot(&e))
+    })
+    .and_then(|n| writer.flush().map(|()| n).map_err(|e| cannot(&e)));
+    let written = match written.and_then(|n| std::fs::rename(&partial, &args.out).map(|()| n).map_err(|e| cannot(&e))) {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = std::fs::remove_file(&partial);
+            return Err(e);
+        }
+    };
+    println!("wrote {written} tasks to {} (seed {})", args.out.display(), args.seed);
     println!("{:<18}  {:>4}  {:>6}  {:>4}", "task type", "easy", "medium", "hard");
     let types: Vec<String> = {
         let mut t: Vec<String> = counts.keys().map(|(ty, _)| ty.clone()).collect();

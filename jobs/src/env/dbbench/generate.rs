@@ -72,6 +72,8 @@ pub enum GenerateError {
     UnknownDifficulty(String),
     #[error("--n must be at least 1")]
     NoTasks,
+    #[error("--n {0} is more than {MAX_TASKS} tasks, the most one call generates; generate several files with different seeds")]
+    TooMany(usize),
     #[error("unknown task kind `{0}`: use counting, aggregation, ranking, comparison, INSERT or UPDATE")]
     UnknownKind(String),
     /// A generated gold statement failed on SQLite: a bug in the generator.
@@ -547,25 +549,49 @@ fn finish(index: usize, seed: u64, t: &Table, d: Draft, difficulty: Difficulty) 
     Ok(task)
 }
 
-/// Generates `n` tasks from `seed` (see the module docs).
-pub fn generate(opts: &GenerateOptions) -> Result<Vec<Value>, GenerateError> {
-    if opts.n == 0 {
-        return Err(GenerateError::NoTasks);
-    }
-    let chosen: Vec<&str> = if opts.kinds.is_empty() {
-        KINDS.to_vec()
-    } else {
-        opts.kinds
+/// The most tasks one call generates (`tasks generate --n`, `env serve --generate`).
+pub const MAX_TASKS: usize = 1_000_000;
+
+impl GenerateOptions {
+    /// Checks the count and the kinds; returns the kinds to generate.
+    pub fn check(&self) -> Result<Vec<&'static str>, GenerateError> {
+        if self.n == 0 {
+            return Err(GenerateError::NoTasks);
+        }
+        if self.n > MAX_TASKS {
+            return Err(GenerateError::TooMany(self.n));
+        }
+        if self.kinds.is_empty() {
+            return Ok(KINDS.to_vec());
+        }
+        self.kinds
             .iter()
             .map(|k| KINDS.iter().copied().find(|known| known == k).ok_or_else(|| GenerateError::UnknownKind(k.clone())))
-            .collect::<Result<_, _>>()?
-    };
+            .collect()
+    }
+}
+
+/// Generates `n` tasks from `seed` (see the module docs).
+pub fn generate(opts: &GenerateOptions) -> Result<Vec<Value>, GenerateError> {
+    let mut tasks = Vec::new();
+    for_each_task(opts, |t| {
+        tasks.push(t);
+        Ok::<(), GenerateError>(())
+    })?;
+    Ok(tasks)
+}
+
+/// Generates the tasks of [`generate`] one after another, handing each to `each` as it
+/// is made (a file of a million tasks is written as it grows, never held in memory).
+/// Returns how many were made.
+pub fn for_each_task<E: From<GenerateError>>(opts: &GenerateOptions, mut each: impl FnMut(Value) -> Result<(), E>) -> Result<usize, E> {
+    let chosen = opts.check()?;
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
-    // Balanced kinds, in a seeded order.
-    let mut kinds: Vec<&str> = (0..opts.n).map(|i| chosen[i % chosen.len()]).collect();
+    // Balanced kinds, in a seeded order (one byte per task: the kind's index).
+    let mut kinds: Vec<u8> = (0..opts.n).map(|i| (i % chosen.len()) as u8).collect();
     kinds.shuffle(&mut rng);
-    let mut tasks = Vec::with_capacity(opts.n);
     for (index, kind) in kinds.into_iter().enumerate() {
+        let kind = chosen[usize::from(kind)];
         let difficulty = opts.difficulty.unwrap_or_else(|| match rng.random_range(0..5) {
             0 | 1 => Difficulty::Easy,
             2 | 3 => Difficulty::Medium,
@@ -573,9 +599,9 @@ pub fn generate(opts: &GenerateOptions) -> Result<Vec<Value>, GenerateError> {
         });
         let table = build_table(&mut rng, difficulty);
         let d = draft(&mut rng, &table, kind, difficulty);
-        tasks.push(finish(index, opts.seed, &table, d, difficulty)?);
+        each(finish(index, opts.seed, &table, d, difficulty)?)?;
     }
-    Ok(tasks)
+    Ok(opts.n)
 }
 
 /// [`generate`] as JSONL text (one task per line).
@@ -611,6 +637,17 @@ mod tests {
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert_eq!(generate(&GenerateOptions { seed: 1, n: 0, difficulty: None, kinds: vec![] }), Err(GenerateError::NoTasks));
+        let too_many = GenerateOptions { seed: 1, n: MAX_TASKS + 1, difficulty: None, kinds: vec![] };
+        assert_eq!(generate(&too_many), Err(GenerateError::TooMany(MAX_TASKS + 1)));
+        assert!(GenerateError::TooMany(MAX_TASKS + 1).to_string().starts_with("--n "));
+        // streaming gives the same tasks as the whole list
+        let mut streamed = String::new();
+        for_each_task(&GenerateOptions { seed: 7, n: 30, difficulty: None, kinds: vec![] }, |t| {
+            streamed.push_str(&format!("{t}\n"));
+            Ok::<(), GenerateError>(())
+        })
+        .unwrap();
+        assert_eq!(streamed, a);
     }
 
     #[test]

@@ -76,14 +76,32 @@ fn quote_str(s: &str) -> String {
     format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
 }
 
-/// The URL without its password, for messages.
+/// The URL without its password, for messages ([`infra::redact_url`]).
 pub fn redact(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
+    infra::redact_url(url)
+}
+
+/// How long opening a connection may take: the TCP connect and the server's handshake.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Opens a connection within [`CONNECT_TIMEOUT`]. On a timeout the error says what was
+/// awaited: a TCP connection (nothing there, or a firewall), or the MySQL handshake from a
+/// server that took the connection and never spoke (another service's port).
+async fn connect(opts: Opts) -> Result<Conn, String> {
+    let (host, port) = (opts.ip_or_hostname().to_string(), opts.tcp_port());
+    match tokio::time::timeout(CONNECT_TIMEOUT, Conn::new(opts)).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => {
+            let secs = CONNECT_TIMEOUT.as_secs();
+            match tokio::time::timeout(Duration::from_secs(3), tokio::net::TcpStream::connect((host.as_str(), port))).await {
+                Ok(Ok(_)) => Err(format!(
+                    "{host}:{port} accepted the TCP connection but sent no MySQL handshake within {secs} s: is this a MySQL/MariaDB port (usually 3306), not another service's?"
+                )),
+                Ok(Err(e)) => Err(format!("no MySQL connection within {secs} s (TCP connect to {host}:{port}: {e})")),
+                Err(_) => Err(format!("no TCP connection to {host}:{port} within {secs} s (a firewall, or no host there?)")),
+            }
         }
-        _ => url.to_string(),
     }
 }
 
@@ -99,14 +117,18 @@ pub fn parse_url(url: &str) -> Result<Opts, String> {
 pub async fn check_server(url: &str, timeout: Duration) -> Result<(), EnvError> {
     let opts = server_opts(url)?;
     let probe = async {
-        let mut conn = Conn::new(opts).await?;
-        conn.query_drop("SELECT 1").await?;
-        conn.disconnect().await
+        let mut conn = connect(opts).await?;
+        conn.query_drop("SELECT 1").await.map_err(|e| e.to_string())?;
+        conn.disconnect().await.map_err(|e| e.to_string())
     };
     match tokio::time::timeout(timeout, probe).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(backend("cannot connect to the MySQL/MariaDB server", url, e)),
-        Err(_) => Err(backend("cannot connect to the MySQL/MariaDB server", url, format!("no answer within {} s", timeout.as_secs()))),
+        Err(_) => Err(backend(
+            "cannot connect to the MySQL/MariaDB server",
+            url,
+            format!("no answer within {} s (waiting for the connection, the handshake and `SELECT 1`)", timeout.as_secs()),
+        )),
     }
 }
 
@@ -127,7 +149,7 @@ impl MysqlDb {
     pub async fn create(url: &str, name: &str, tables: &[TableSpec]) -> Result<MysqlDb, EnvError> {
         let base = server_opts(url)?;
         let admin: Opts = OptsBuilder::from_opts(base.clone()).db_name(None::<String>).into();
-        let mut conn = Conn::new(admin.clone()).await.map_err(|e| {
+        let mut conn = connect(admin.clone()).await.map_err(|e| {
             backend("cannot connect to the MySQL/MariaDB server (is it running? start it or pass another --db-url)", url, e)
         })?;
         conn.query_drop(format!("CREATE DATABASE {} CHARACTER SET utf8mb4", quote_ident(name)))
@@ -154,7 +176,7 @@ impl MysqlDb {
                 })?;
             }
             let _ = admin_conn.disconnect().await;
-            let mut agent = Conn::new(db.opts.clone()).await.map_err(|e| backend("cannot connect as the episode's user", url, e))?;
+            let mut agent = connect(db.opts.clone()).await.map_err(|e| backend("cannot connect as the episode's user", url, e))?;
             setup_session(&mut agent).await;
             db.conn = Some(agent);
             Ok::<(), EnvError>(())
@@ -212,7 +234,7 @@ impl MysqlDb {
     /// Replaces a connection left mid-query (after a timeout): kill it, open a new one.
     async fn reconnect(&mut self, stale_id: Option<u32>) -> Result<(), EnvError> {
         self.conn = None;
-        let mut conn = Conn::new(self.opts.clone()).await.map_err(|e| backend("cannot reconnect", &self.url(), e))?;
+        let mut conn = connect(self.opts.clone()).await.map_err(|e| backend("cannot reconnect", &self.url(), e))?;
         if let Some(id) = stale_id {
             let _ = conn.query_drop(format!("KILL {id}")).await;
         }
@@ -273,7 +295,7 @@ impl MysqlDb {
         if let Some(conn) = self.conn.take() {
             let _ = conn.disconnect().await;
         }
-        let mut conn = Conn::new(self.admin.clone()).await.map_err(|e| backend("cannot reconnect to drop the database", &url, e))?;
+        let mut conn = connect(self.admin.clone()).await.map_err(|e| backend("cannot reconnect to drop the database", &url, e))?;
         for sql in drop_statements(&self.database, &self.account) {
             conn.query_drop(&sql).await.map_err(|e| backend(&format!("cannot drop database `{}` and its user", self.database), &url, e))?;
         }
@@ -304,7 +326,7 @@ impl Drop for MysqlDb {
                     if let Some(conn) = conn {
                         let _ = conn.disconnect().await;
                     }
-                    if let Ok(mut conn) = Conn::new(admin).await {
+                    if let Ok(mut conn) = connect(admin).await {
                         for sql in &statements {
                             let _ = conn.query_drop(sql).await;
                         }

@@ -336,6 +336,9 @@ pub const TASK_TYPES: [&str; 11] = [
     "DELETE",
 ];
 
+/// The levels a task's optional `difficulty` may name (those `tasks generate` writes).
+pub const DIFFICULTIES: [&str; 3] = ["easy", "medium", "hard"];
+
 fn parse_task(value: serde_json::Value, stem: &str, line: usize) -> Result<DbTask, String> {
     if !value.is_object() {
         return Err("a task must be a JSON object".into());
@@ -399,6 +402,14 @@ fn parse_task(value: serde_json::Value, stem: &str, line: usize) -> Result<DbTas
                     columns.len()
                 ));
             }
+            if let Some((ci, cell)) = row.iter().enumerate().find(|(_, v)| v.is_array() || v.is_object()) {
+                return Err(format!(
+                    "table `{}`: row {ri}, column `{}` holds {}; a cell is a string, a number, true/false or null",
+                    t.table_name,
+                    columns[ci],
+                    crate::harness::validate::type_name(cell)
+                ));
+            }
             // AgentBench inserts `str(value)` of every JSON value.
             rows.push(row.iter().map(|v| PyValue::from_json(v).to_py_str()).collect());
         }
@@ -406,6 +417,9 @@ fn parse_task(value: serde_json::Value, stem: &str, line: usize) -> Result<DbTas
     }
     if tables.is_empty() {
         return Err("field `table` holds no table".into());
+    }
+    if let Some(d) = raw.difficulty.as_deref().filter(|d| !DIFFICULTIES.contains(d)) {
+        return Err(format!("field `difficulty`: `{d}` is not one of {} (or leave it out)", DIFFICULTIES.join(", ")));
     }
     let sql_query = match raw.sql {
         Some(serde_json::Value::Object(m)) => m.get("query").and_then(|q| q.as_str()).map(str::to_string),
@@ -481,6 +495,12 @@ mod tests {
                     .replace("\"label\": [\"2\"], ", "")
                     .replace(", \"sql\": {\"query\": \"SELECT count(*) FROM t\"}", ""),
                 "neither `answer_md5` nor gold SQL",
+            ),
+            (GOOD.replace("[\"x\", 1]", "[\"x\", [1, 2]]"), "row 0, column `b` holds an array"),
+            (GOOD.replace("[\"y\", null]", "[{\"a\": 1}, null]"), "row 1, column `a` holds an object"),
+            (
+                GOOD.replace("\"source\": \"test\"", "\"source\": \"test\", \"difficulty\": \"impossible\""),
+                "field `difficulty`: `impossible`",
             ),
         ];
         for (line, want) in cases {

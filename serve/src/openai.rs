@@ -315,6 +315,16 @@ pub fn fits(prompt: &[u32], max_tokens: u32, field: &str, limits: Limits) -> Res
     if let Some(id) = prompt.iter().find(|&&id| id as u64 >= vocab) {
         return Err(BadRequest::field("prompt", format!("token id {id} is outside the model's vocabulary of {vocab} tokens")));
     }
+    let total = prompt.len() as u64 + max_tokens as u64;
+    if total > context {
+        // worded and coded as other servers do, so that clients see a context overflow
+        let room = context.saturating_sub(prompt.len() as u64);
+        let message = format!(
+            "the model's maximum context length is {context} tokens; the prompt and this reply ask for {total}: ask for at most {} reply tokens (this server's limit is {cap} per request, `harness-s serve --max-tokens`)",
+            room.min(cap as u64)
+        );
+        return Err(BadRequest { code: Some("context_length_exceeded"), ..BadRequest::field(field, message) });
+    }
     if max_tokens > cap {
         return Err(BadRequest::field(
             field,
@@ -322,15 +332,6 @@ pub fn fits(prompt: &[u32], max_tokens: u32, field: &str, limits: Limits) -> Res
                 "{max_tokens} is above this server's limit of {cap} reply tokens per request (`harness-s serve --max-tokens`; the model's context is {context} tokens)"
             ),
         ));
-    }
-    let total = prompt.len() as u64 + max_tokens as u64;
-    if total > context {
-        // worded and coded as other servers do, so that clients see a context overflow
-        let room = context.saturating_sub(prompt.len() as u64);
-        let message = format!(
-            "the model's maximum context length is {context} tokens; the prompt and this reply ask for {total}: ask for at most {room} reply tokens"
-        );
-        return Err(BadRequest { code: Some("context_length_exceeded"), ..BadRequest::field(field, message) });
     }
     Ok(())
 }

@@ -56,9 +56,14 @@ pub enum Command {
     Cancel(run::RunRefArgs),
     /// Write a run's Markdown report and PNG plots into the store.
     Report(run::RunRefArgs),
-    /// Check a whole run: every done-marker parses and every file it lists has its size and
-    /// SHA-256; exits 1 on damage (a resume re-runs the damaged jobs).
+    /// Check a whole run: every done-marker parses and every file it lists, and every
+    /// checkpoint's files, have their size and SHA-256; exits 1 on damage (`repair` re-runs
+    /// the damaged jobs).
     Verify(run::RunRefArgs),
+    /// Re-run the jobs whose done-marker or outputs `verify` finds damaged, finished runs
+    /// included: the run walks its stages again from its submitted state, re-runs only the
+    /// damaged jobs, and ends as it did.
+    Repair(run::ResumeArgs),
     /// Export a run's metrics: wide CSV, one Parquet file or a TensorBoard event file.
     Metrics(metrics::MetricsArgs),
     /// Compare runs side by side (e.g. Harness-S against plain GRPO, or several seeds): Markdown and plots in the store.
@@ -165,6 +170,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Cancel(args) => run::cancel(args).await,
         Command::Report(args) => run::report(args).await,
         Command::Verify(args) => run::verify(args).await,
+        Command::Repair(args) => run::repair(args).await,
         Command::Compare(args) => run::compare(args).await,
         Command::Metrics(args) => metrics::run(args).await,
         Command::Store(cmd) => store::run(cmd).await,

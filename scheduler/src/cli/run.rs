@@ -193,6 +193,41 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
     finish(&url, &args.run, result).await
 }
 
+/// `harness-s repair RUN`: verify, put the run back at its submitted state, drive it again
+/// (only the damaged jobs run), verify again.
+pub async fn repair(args: ResumeArgs) -> anyhow::Result<u8> {
+    let url = args.store.url();
+    let store = open_store(&url).await?;
+    run::inputs::load_stored(store.as_ref(), &args.run).await?;
+    eprintln!("verifying run `{}` ...", args.run);
+    let (damage, markers, checkpoints) = run::verify::verify_run(store.as_ref(), &args.run).await?;
+    if damage.is_empty() {
+        println!("run `{}`: {markers} done-markers and {checkpoints} checkpoints are intact; nothing to repair", args.run);
+        return Ok(crate::exit::OK);
+    }
+    for d in &damage {
+        eprintln!("damaged: {d}");
+    }
+    run::rewind_for_repair(store.as_ref(), &args.run, &damage).await?;
+    eprintln!("run `{}`: walking its stages again from the submitted state; only the damaged jobs run", args.run);
+    let metrics = worker::Metrics::new();
+    let _server = super::serve_metrics(&metrics, args.metrics_addr).await?;
+    let result = match &args.queue.url {
+        Some(q) => run::drive(store.clone(), infra::queue::open_queue(q).await?, &args.run, false, metrics).await,
+        None => run::drive_embedded(store.clone(), &args.run, args.workers, std::io::stderr().is_terminal(), metrics).await,
+    };
+    let code = finish(&url, &args.run, result).await?;
+    let (left, _, _) = run::verify::verify_run(store.as_ref(), &args.run).await?;
+    if !left.is_empty() {
+        for d in &left {
+            eprintln!("still damaged: {d}");
+        }
+        anyhow::bail!("run `{}`: {} file(s) are still damaged after the repair", args.run, left.len());
+    }
+    println!("run `{}` repaired: {} damaged file(s) rewritten; it verifies intact", args.run, damage.len());
+    Ok(code)
+}
+
 pub async fn status(args: RunRefArgs) -> anyhow::Result<u8> {
     let store = args.store.open().await?;
     let st = state::load(store.as_ref(), &args.run).await?.with_context(|| format!("no run `{}` in {}", args.run, store.url()))?;
@@ -253,17 +288,10 @@ pub async fn verify(args: RunRefArgs) -> anyhow::Result<u8> {
     for d in &damage {
         println!("  {d}");
     }
-    let finished = state::load(store.as_ref(), &args.run).await?.is_some_and(|st| st.status.is_finished());
-    if finished {
-        println!(
-            "the run is finished, and no command rewrites a finished run's outputs yet: restore the files above from a copy of the store, or submit the spec again as a new run. Loading a damaged checkpoint is refused with the file named."
-        );
-    } else {
-        println!(
-            "`harness-s resume {}` re-runs the jobs of the stage it continues whose outputs are damaged; a damaged checkpoint or an output of a finished stage is refused with the file named when a later stage reads it (restore it from a copy of the store)",
-            args.run
-        );
+    if damage.iter().any(|d| d.file.starts_with(&store.object_url(&schemas::keys::checkpoints_prefix(&args.run)))) {
+        println!("a damaged checkpoint is refused wherever it would be loaded; restore its files from a copy of the store (re-running its learn job would need the previous step's optimizer state, which retention keeps for the newest step only)");
     }
+    println!("`harness-s repair {}` re-runs the jobs whose done-marker or outputs are damaged (finished runs included)", args.run);
     Ok(crate::exit::FAILED)
 }
 

@@ -61,13 +61,37 @@ pub async fn submit(store: &dyn ObjectStore, loaded: &spec::LoadedSpec) -> anyho
     if stored.spec.evolution.is_none() {
         check_pool_size(&stored.spec, stored.pool.len())?;
     }
-    let pool_version = {
-        let joined = stored.pool.join(",");
-        schemas::job_id(&schemas::JobIdParts { run_id: &joined, ..Default::default() })[..12].to_string()
-    };
-    let mut st = RunState::new(&loaded.run_id, pool_version);
+    let mut st = initial_state(&loaded.run_id, &stored.pool);
     state::save(store, &mut st).await?;
     Ok(st)
+}
+
+/// The state a run starts from: submitted, nothing done, the submitted pool's version.
+fn initial_state(run_id: &str, pool: &[String]) -> RunState {
+    let joined = pool.join(",");
+    let pool_version = schemas::job_id(&schemas::JobIdParts { run_id: &joined, ..Default::default() })[..12].to_string();
+    RunState::new(run_id, pool_version)
+}
+
+/// Puts a run (finished or not) back at its submitted state, so that the next drive walks
+/// every stage again: each finds its jobs' done-markers, checks them, and re-runs only the
+/// jobs whose marker or outputs are damaged (jobs are deterministic, so they rewrite the same
+/// files), and the stages recount what the run did from the markers. Refuses a damaged
+/// checkpoint: it is the learner's state after its step, and re-running that learn job needs
+/// the step before's optimizer state, which `[checkpoints]` retention keeps for the newest
+/// step only.
+pub async fn rewind_for_repair(store: &dyn ObjectStore, run_id: &str, damage: &[verify::Damage]) -> anyhow::Result<()> {
+    let checkpoints = store.object_url(&schemas::keys::checkpoints_prefix(run_id));
+    if let Some(d) = damage.iter().find(|d| d.file.starts_with(&checkpoints)) {
+        bail!(
+            "{d}\na damaged checkpoint cannot be rebuilt by re-running jobs: its learn job would need the previous step's optimizer state, which `[checkpoints]` retention keeps for the newest step only; restore the checkpoint's files from a copy of the store (loading it is refused until then)"
+        );
+    }
+    let old = state::load(store, run_id).await?.with_context(|| format!("no run `{run_id}` in {} (submit it first)", store.url()))?;
+    let stored = inputs::load_stored(store, run_id).await?;
+    let mut st = initial_state(run_id, &stored.pool);
+    st.started_at_ms = old.started_at_ms;
+    state::save(store, &mut st).await
 }
 
 /// Rescue by the router needs K distinct siblings (K/2 for `llm_4x2`).

@@ -157,3 +157,51 @@ pub async fn verify_run(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result
     }
     Ok((damage, markers.len(), checkpoints))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use infra::store::LocalStore;
+
+    /// `verify` holds a checkpoint's files to its manifest: a deleted file and a flipped bit
+    /// (same size) are each named; the intact checkpoint is not.
+    #[tokio::test]
+    async fn a_checkpoint_with_a_missing_or_flipped_file_is_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(dir.path()).unwrap();
+        for step in [1, 2] {
+            let ckpt = keys::checkpoint_dir("r", step);
+            let mut files = vec![];
+            for (name, body) in [("model.safetensors", vec![7u8; 1000]), ("config.json", b"{}".to_vec())] {
+                store.put(&format!("{ckpt}{name}"), Bytes::from(body.clone())).await.unwrap();
+                files.push(schemas::FileEntry { name: name.into(), size: body.len() as u64, sha256: hex::encode(Sha256::digest(&body)) });
+            }
+            let manifest = schemas::CheckpointManifest {
+                schema_version: <schemas::CheckpointManifest as schemas::Document>::VERSION,
+                run_id: "r".into(),
+                step,
+                parent: None,
+                architecture: "llama".into(),
+                files,
+                data_cursor: 0,
+                rng_state: String::new(),
+                metrics: Default::default(),
+                created_at_ms: 0,
+                trained: true,
+                weights_step: Some(step),
+            };
+            store.put(&format!("{ckpt}manifest.json"), Bytes::from(schemas::encode_document(&manifest))).await.unwrap();
+        }
+        assert_eq!(verify_checkpoints(&store, "r").await.unwrap(), (vec![], 2));
+        store.delete("runs/r/checkpoints/step=2/model.safetensors").await.unwrap();
+        let mut flipped = vec![7u8; 1000];
+        flipped[500] ^= 1;
+        store.put("runs/r/checkpoints/step=1/model.safetensors", Bytes::from(flipped)).await.unwrap();
+        let (damage, n) = verify_checkpoints(&store, "r").await.unwrap();
+        assert_eq!(n, 2);
+        assert_eq!(damage.len(), 2, "{damage:?}");
+        assert!(damage[0].file.ends_with("step=1/model.safetensors") && damage[0].problem.contains("SHA-256"), "{damage:?}");
+        assert!(damage[1].file.ends_with("step=2/model.safetensors") && damage[1].problem.contains("missing"), "{damage:?}");
+    }
+}

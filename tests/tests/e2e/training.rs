@@ -470,6 +470,29 @@ async fn damaged_outputs_are_found_and_healed_by_re_running_their_jobs() {
     a.sort();
     b.sort();
     assert_eq!(a, b, "the re-run jobs wrote the same rows");
+
+    // the run is finished now: `resume` refuses it, `repair` re-runs the damaged job and the
+    // run ends as it did (same rows, same counts, finished)
+    let finished: serde_json::Value = serde_json::from_slice(&std::fs::read(&state_path).unwrap()).unwrap();
+    std::fs::write(store_dir.join(&part), &bytes).unwrap();
+    let (code, _, err) = harness_s(&["resume", "damaged", "--store", &store_url]);
+    assert_ne!(code, 0, "a finished run does not resume: {err}");
+    let (code, out, _) = harness_s(&["verify", "damaged", "--store", &store_url]);
+    assert!(code == 1 && out.contains("harness-s repair damaged"), "{out}");
+    let (code, out, err) = harness_s(&["repair", "damaged", "--store", &store_url]);
+    assert!(code == 0 || code == 3, "{out}{err}");
+    assert!(out.contains("repaired") && err.contains(&part), "{out}{err}");
+    let (code, out, _) = harness_s(&["verify", "damaged", "--store", &store_url]);
+    assert_eq!(code, 0, "{out}");
+    let repaired: serde_json::Value = serde_json::from_slice(&std::fs::read(&state_path).unwrap()).unwrap();
+    for field in
+        ["status", "step", "completed", "rollouts_base", "rollouts_rescue", "rollouts_other", "tokens", "failures", "started_at_ms"]
+    {
+        assert_eq!(repaired[field], finished[field], "state.{field} after the repair");
+    }
+    let mut c: Vec<_> = read_prefix::<Trajectory>(store.as_ref(), "runs/damaged/trajectories/").await.unwrap().iter().map(key).collect();
+    c.sort();
+    assert_eq!(a, c, "the repaired run holds the same rows");
 }
 
 #[test]

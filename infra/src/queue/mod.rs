@@ -102,7 +102,7 @@ impl QueueOptions {
     /// parameters (what the backend itself should see).
     pub fn from_url(raw: &str) -> Result<(QueueOptions, url::Url)> {
         let mut url = url::Url::parse(raw).map_err(|e| QueueError::InvalidUrl { url: crate::redact_url(raw), reason: e.to_string() })?;
-        let invalid = |reason: String| QueueError::InvalidUrl { url: crate::redact_url(raw), reason };
+        let invalid = |reason: String| QueueError::InvalidUrl { url: shorten(&crate::redact_url(raw), 120), reason };
         if url.fragment().is_some() {
             return Err(invalid(
                 "a `#fragment` is not part of a queue URL; put options in the query (`?prefix=run42&max_attempts=5`)".into(),
@@ -111,14 +111,7 @@ impl QueueOptions {
         let mut opts = QueueOptions::default();
         let mut rest: Vec<(String, String)> = Vec::new();
         let mut seen: Vec<String> = Vec::new();
-        let bad = |key: &str, value: &str, want: &str| {
-            let shown = if value.chars().count() > 40 {
-                format!("{}… ({} characters)", value.chars().take(40).collect::<String>(), value.chars().count())
-            } else {
-                value.to_string()
-            };
-            invalid(format!("query parameter `{key}={shown}`: expected {want}"))
-        };
+        let bad = |key: &str, value: &str, want: &str| invalid(format!("query parameter `{key}={}`: expected {want}", shorten(value, 40)));
         for (k, v) in url.query_pairs() {
             let (k, v) = (k.into_owned(), v.into_owned());
             if QUEUE_OPTIONS.contains(&k.as_str()) {
@@ -227,6 +220,16 @@ impl QueueOptions {
         v.dedup();
         v
     }
+}
+
+/// `s` cut to `max` characters, saying how long it was (a 300-character prefix is named,
+/// not printed whole).
+pub fn shorten(s: &str, max: usize) -> String {
+    let n = s.chars().count();
+    if n <= max {
+        return s.to_string();
+    }
+    format!("{}… ({n} characters)", s.chars().take(max).collect::<String>())
 }
 
 /// Errors of queues. Messages name the broker (password redacted), queue or message and

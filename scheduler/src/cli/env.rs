@@ -62,7 +62,7 @@ pub struct EnvServeArgs {
     #[arg(long, default_value = "hs_envserve")]
     pub db_prefix: String,
     /// The task set name clients send (`[environment] task_set`).
-    #[arg(long, default_value = "dbbench")]
+    #[arg(long, default_value = "dbbench", value_parser = super::non_empty)]
     pub name: String,
     /// Environment actions per episode.
     #[arg(long, default_value_t = jobs::env::dbbench::DEFAULT_MAX_ROUNDS, value_parser = super::at_least_one_u32)]

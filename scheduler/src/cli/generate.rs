@@ -23,17 +23,17 @@ pub struct GenerateArgs {
     /// Send the prompt as a user message through the model's chat template (ChatML).
     #[arg(long)]
     pub chat: bool,
-    /// Most tokens to generate.
-    #[arg(long, default_value_t = 128)]
+    /// Most tokens to generate (at least 1).
+    #[arg(long, default_value_t = 128, value_parser = super::at_least_one)]
     pub max_tokens: usize,
     /// Greedy (arg-max) decoding instead of sampling.
     #[arg(long)]
     pub greedy: bool,
     /// Sampling temperature (ignored with --greedy).
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, value_parser = |s: &str| super::temperature(s).map(f64::from))]
     pub temperature: f64,
     /// Nucleus sampling mass (ignored with --greedy).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, value_parser = |s: &str| super::top_p(s).map(f64::from))]
     pub top_p: f64,
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]

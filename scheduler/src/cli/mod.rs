@@ -36,7 +36,7 @@ pub struct GlobalArgs {
     #[arg(long, global = true, default_value = "human", value_parser = ["human", "json"])]
     pub log_format: String,
     /// Log filter (tracing's EnvFilter syntax); also read from RUST_LOG.
-    #[arg(long, global = true, env = "RUST_LOG", hide_env_values = true, default_value = "info")]
+    #[arg(long, global = true, env = "RUST_LOG", hide_env_values = true, default_value = "info", value_parser = log_filter)]
     pub log: String,
 }
 
@@ -272,4 +272,59 @@ pub fn at_least_one_u32(s: &str) -> Result<u32, String> {
 /// Parses a count that must be at least 1, as a u64.
 pub fn at_least_one_u64(s: &str) -> Result<u64, String> {
     at_least_one(s).map(|n| n as u64)
+}
+
+/// Parses a sampling temperature: a finite number from 0 to 2 (`nan` would sample nothing
+/// and be stored as null).
+pub fn temperature(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(t) if t.is_finite() && (0.0..=2.0).contains(&t) => Ok(t),
+        _ => Err(format!("`{s}` is not a temperature; use a number from 0 to 2")),
+    }
+}
+
+/// Parses a nucleus-sampling mass: a number in (0, 1].
+pub fn top_p(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("`{s}` is not a top-p mass; use a number above 0 and at most 1")),
+    }
+}
+
+/// Parses a name that must not be empty (or only spaces).
+pub fn non_empty(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("is empty; give a name".into());
+    }
+    Ok(s.to_string())
+}
+
+/// Parses a run id (it names store folders: letters, digits, `-` and `_`).
+pub fn run_id(s: &str) -> Result<String, String> {
+    handlers::spec::check_run_id(s).map(|()| s.to_string()).map_err(|why| format!("`{s}` is not a run id: {why}"))
+}
+
+/// Parses a log filter in tracing's EnvFilter syntax (`info`, `harness_s=debug,lapin=warn`).
+pub fn log_filter(s: &str) -> Result<String, String> {
+    tracing_subscriber::EnvFilter::try_new(s).map(|_| s.to_string()).map_err(|e| {
+        format!(
+            "`{s}` is not a log filter ({e}); use a level (error, warn, info, debug, trace) or target=level pairs, e.g. info,lapin=warn"
+        )
+    })
+}
+
+#[cfg(test)]
+mod parse_tests {
+    #[test]
+    fn values_that_mean_nothing_are_refused_by_the_parsers() {
+        assert!(super::temperature("nan").unwrap_err().contains("`nan` is not a temperature"));
+        assert!(super::temperature("-1").is_err() && super::temperature("inf").is_err());
+        assert_eq!(super::temperature("0.7"), Ok(0.7));
+        assert!(super::top_p("0").is_err() && super::top_p("1.5").is_err() && super::top_p("NaN").is_err());
+        assert!(super::non_empty("").is_err() && super::non_empty("  ").is_err());
+        assert!(super::run_id("../x").unwrap_err().contains("not a run id"));
+        assert_eq!(super::run_id("r-1_a"), Ok("r-1_a".to_string()));
+        assert!(super::log_filter("[[").unwrap_err().contains("not a log filter"));
+        assert!(super::log_filter("info,lapin=warn").is_ok());
+    }
 }

@@ -32,7 +32,7 @@ pub struct EnqueueSleepArgs {
     #[command(flatten)]
     pub url: QueueUrl,
     /// Run id the jobs belong to (their outputs go under runs/<run>/).
-    #[arg(long)]
+    #[arg(long, value_parser = super::run_id)]
     pub run: String,
     /// Number of jobs.
     #[arg(long, default_value_t = 1)]
@@ -97,7 +97,7 @@ fn kind(name: &str) -> anyhow::Result<JobKind> {
 }
 
 async fn open(url: &QueueUrl) -> anyhow::Result<std::sync::Arc<dyn Queue>> {
-    open_queue(&url.url).await.with_context(|| format!("opening the queue {}", infra::redact_url(&url.url)))
+    open_queue(&url.url).await.with_context(|| format!("opening the queue {}", infra::queue::shorten(&infra::redact_url(&url.url), 120)))
 }
 
 pub async fn run(cmd: QueueCommand) -> anyhow::Result<u8> {

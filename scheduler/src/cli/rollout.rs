@@ -82,7 +82,7 @@ pub struct RolloutArgs {
     #[command(flatten)]
     pub store: super::StoreArg,
     /// Run id (the outputs go under runs/<run>/); default `rollout-<unix seconds>`.
-    #[arg(long)]
+    #[arg(long, value_parser = super::run_id)]
     pub run: Option<String>,
     /// Only these task ids (comma-separated).
     #[arg(long, value_delimiter = ',', value_name = "ID,...")]
@@ -102,21 +102,23 @@ pub struct RolloutArgs {
     /// Attempt i of every task uses seed + i (environment and sampling).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    #[arg(long, default_value_t = 0.8)]
+    /// Sampling temperature, 0 to 2.
+    #[arg(long, default_value_t = 0.8, value_parser = super::temperature)]
     pub temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    /// Nucleus sampling mass, above 0 and at most 1.
+    #[arg(long, default_value_t = 1.0, value_parser = super::top_p)]
     pub top_p: f32,
     /// Output tokens per model call.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = super::at_least_one_u32)]
     pub max_tokens: u32,
     /// Model calls per episode (default Table 8's 32).
-    #[arg(long)]
+    #[arg(long, value_parser = super::at_least_one_u32)]
     pub max_model_calls: Option<u32>,
     /// Context tokens per episode (default Table 8's 65,532; set it to the server's context size).
-    #[arg(long)]
+    #[arg(long, value_parser = super::at_least_one_u64)]
     pub max_context_tokens: Option<u64>,
     /// Episodes run at the same time.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = super::at_least_one)]
     pub concurrency: usize,
     /// Rollout kind recorded on the rows.
     #[arg(long, value_enum, default_value_t = KindArg::Base)]

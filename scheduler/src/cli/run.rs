@@ -149,6 +149,9 @@ async fn print_summary(store: &dyn infra::store::ObjectStore, run_id: &str) -> a
 
 pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     let loaded = load_spec(&args.spec, &args.set)?;
+    // Every service the spec names answers before anything is stored: a run refused here
+    // leaves the store as it was (the drive checks again, for resumes).
+    run::preflight::check(&loaded.spec).await?;
     let store = args.store.open().await?;
     run::submit(store.as_ref(), &loaded).await?;
     println!("run `{}` → {}", loaded.run_id, store.url());
@@ -171,6 +174,7 @@ pub async fn submit(args: SubmitArgs) -> anyhow::Result<u8> {
 }
 
 pub async fn scheduler(args: SchedulerArgs) -> anyhow::Result<u8> {
+    super::worker::shared_queue(&args.queue.url, "scheduler")?;
     let store = args.store.open().await?;
     let queue = infra::queue::open_queue(&args.queue.url).await?;
     let metrics = worker::Metrics::new();

@@ -13,7 +13,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub model: String,
     /// The name clients send as `model` (default: the model's file or folder name).
-    #[arg(long)]
+    #[arg(long, value_parser = super::non_empty)]
     pub served_model_name: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]

@@ -34,7 +34,11 @@ pub async fn run(cmd: SpecCommand) -> anyhow::Result<u8> {
 
 fn show(args: ShowArgs) -> anyhow::Result<u8> {
     let loaded = super::run::load_spec(&args.spec, &args.set)?;
-    let text = toml::to_string_pretty(&loaded.spec).context("writing the resolved spec as TOML")?;
+    // URLs are shown through infra::redact_url: the resolved spec is printed, its
+    // credentials are not.
+    let mut value = toml::Value::try_from(&loaded.spec).context("writing the resolved spec as TOML")?;
+    redact_urls(&mut value);
+    let text = toml::to_string_pretty(&value).context("writing the resolved spec as TOML")?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "# run `{}`: {} with every default filled in", loaded.run_id, args.spec.display())?;
     writeln!(out, "{text}")?;
@@ -43,6 +47,16 @@ fn show(args: ShowArgs) -> anyhow::Result<u8> {
         writeln!(out, "{line}")?;
     }
     Ok(crate::exit::OK)
+}
+
+/// Every string value holding a URL, redacted in place.
+fn redact_urls(v: &mut toml::Value) {
+    match v {
+        toml::Value::String(s) if s.contains("://") => *s = infra::redact_url(s),
+        toml::Value::Array(items) => items.iter_mut().for_each(redact_urls),
+        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| redact_urls(v)),
+        _ => {}
+    }
 }
 
 /// Tasks of each split: generated counts, or the lines of the task files.

@@ -58,15 +58,28 @@ fn check(args: &WorkerArgs) -> anyhow::Result<Settings> {
     if !(args.grace_secs.is_finite() && args.grace_secs >= 0.0) {
         bail!("--grace-secs: {} is not a number of seconds ≥ 0", args.grace_secs);
     }
-    if args.queue.url.starts_with("memory:") {
-        bail!(
-            "--queue {}: a memory:// queue lives inside one process, so a separate worker process \
-             would never see its jobs; use amqp://user:password@host:5672/%2f (RabbitMQ), \
-             or run in-process workers with `harness-s run`",
-            args.queue.url
-        );
-    }
+    shared_queue(&args.queue.url, "worker")?;
     Ok(Settings { kinds, grace: Duration::from_secs_f64(args.grace_secs) })
+}
+
+/// Refuses a queue that cannot reach other processes (`memory://`) for `command`, which
+/// runs apart from the processes it works with (a scheduler and its workers).
+pub(crate) fn shared_queue(url: &str, command: &str) -> anyhow::Result<()> {
+    if !url.trim_start().starts_with("memory:") {
+        return Ok(());
+    }
+    let (who, fix) = match command {
+        "worker" => ("a separate worker process would never see its jobs", "or run in-process workers with `harness-s run`"),
+        _ => (
+            "the workers (separate processes) would never see the scheduler's jobs and the run would wait forever",
+            "or drive the run with in-process workers: `harness-s resume RUN` without --queue",
+        ),
+    };
+    bail!(
+        "--queue {}: a memory:// queue lives inside one process, so {who}; `harness-s {command}` needs a queue \
+         other processes reach: amqp://user:password@host:5672/%2f (RabbitMQ), {fix}",
+        infra::redact_url(url)
+    )
 }
 
 pub async fn run(args: WorkerArgs) -> anyhow::Result<u8> {

@@ -134,6 +134,19 @@ pub async fn evolved_pool(store: &dyn ObjectStore, from_run: &str) -> anyhow::Re
     Ok(specs.into_iter().filter(|h| h.id != schemas::H0_ID).collect())
 }
 
+/// Rescue by the router needs K distinct siblings (K/2 for `llm_4x2`).
+pub fn check_pool_size(spec: &RunSpec, pool: usize) -> anyhow::Result<()> {
+    let variant = spec.router.variant();
+    let needed = spec.algorithm.k.div_ceil(variant.rollouts_per_harness());
+    if matches!(spec.algorithm.rescue, jobs::rescue::RescueStrategy::Router) && (pool as u32) < needed {
+        bail!(
+            "algorithm.k = {}: router variant `{variant}` needs at least {needed} distinct siblings, the pool has {pool}",
+            spec.algorithm.k
+        );
+    }
+    Ok(())
+}
+
 /// Copies a checked spec and its inputs into the store. Idempotent: the same spec gives
 /// the same objects.
 pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Result<StoredRun> {
@@ -144,6 +157,10 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
         (None, Some(from)) => evolved_pool(store, from).await?,
         (None, None) => vec![],
     };
+    // A refused submission writes nothing: every check comes before the first `put`.
+    if spec.evolution.is_none() {
+        check_pool_size(spec, pool.len())?;
+    }
     if let Some(e) = &spec.editor_training {
         if spec.pool.from_run.is_some() && e.parent != schemas::H0_ID && !pool.iter().any(|h| h.id == e.parent) {
             let ids: Vec<&str> = pool.iter().map(|h| h.id.as_str()).collect();

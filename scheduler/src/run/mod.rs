@@ -57,10 +57,8 @@ pub async fn submit(store: &dyn ObjectStore, loaded: &spec::LoadedSpec) -> anyho
             loaded.run_id
         );
     }
+    // Checks the pool's size (`check_pool_size`) before it writes anything.
     let stored = inputs::upload(store, loaded).await?;
-    if stored.spec.evolution.is_none() {
-        check_pool_size(&stored.spec, stored.pool.len())?;
-    }
     let mut st = initial_state(&loaded.run_id, &stored.pool);
     state::save(store, &mut st).await?;
     Ok(st)
@@ -94,18 +92,7 @@ pub async fn rewind_for_repair(store: &dyn ObjectStore, run_id: &str, damage: &[
     state::save(store, &mut st).await
 }
 
-/// Rescue by the router needs K distinct siblings (K/2 for `llm_4x2`).
-pub fn check_pool_size(spec: &spec::RunSpec, pool: usize) -> anyhow::Result<()> {
-    let variant = spec.router.variant();
-    let needed = spec.algorithm.k.div_ceil(variant.rollouts_per_harness());
-    if matches!(spec.algorithm.rescue, jobs::rescue::RescueStrategy::Router) && (pool as u32) < needed {
-        bail!(
-            "algorithm.k = {}: router variant `{variant}` needs at least {needed} distinct siblings, the pool has {pool}",
-            spec.algorithm.k
-        );
-    }
-    Ok(())
-}
+pub use inputs::check_pool_size;
 
 /// Loads a run's state for driving; refuses finished runs.
 pub async fn state_for_drive(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<RunState> {

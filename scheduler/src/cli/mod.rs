@@ -62,7 +62,8 @@ pub enum Command {
     Verify(run::RunRefArgs),
     /// Re-run the jobs whose done-marker or outputs `verify` finds damaged, finished runs
     /// included: the run walks its stages again from its submitted state, re-runs only the
-    /// damaged jobs, and ends as it did.
+    /// damaged jobs (damaged checkpoints: the learn jobs from the newest intact resume
+    /// state), and ends as it did.
     Repair(run::ResumeArgs),
     /// Export a run's metrics: wide CSV, one Parquet file or a TensorBoard event file.
     Metrics(metrics::MetricsArgs),

@@ -212,7 +212,14 @@ pub async fn repair(args: ResumeArgs) -> anyhow::Result<u8> {
     for d in &damage {
         eprintln!("damaged: {d}");
     }
-    run::rewind_for_repair(store.as_ref(), &args.run, &damage).await?;
+    match run::rewind_for_repair(store.as_ref(), &args.run, &damage).await? {
+        None => {}
+        Some(from) => eprintln!(
+            "run `{}`: damaged checkpoints are rebuilt by running the learn jobs again from {}",
+            args.run,
+            from.map(|s| format!("step {s}'s resume state")).unwrap_or_else(|| "the starting model".into())
+        ),
+    }
     eprintln!("run `{}`: walking its stages again from the submitted state; only the damaged jobs run", args.run);
     let metrics = worker::Metrics::new();
     let _server = super::serve_metrics(&metrics, args.metrics_addr).await?;
@@ -292,10 +299,10 @@ pub async fn verify(args: RunRefArgs) -> anyhow::Result<u8> {
     for d in &damage {
         println!("  {d}");
     }
-    if damage.iter().any(|d| d.file.starts_with(&store.object_url(&schemas::keys::checkpoints_prefix(&args.run)))) {
-        println!("a damaged checkpoint is refused wherever it would be loaded; restore its files from a copy of the store (re-running its learn job would need the previous step's optimizer state, which retention keeps for the newest step only)");
-    }
-    println!("`harness-s repair {}` re-runs the jobs whose done-marker or outputs are damaged (finished runs included)", args.run);
+    println!(
+        "`harness-s repair {}` re-runs the jobs whose done-marker or outputs are damaged and rebuilds damaged checkpoints (finished runs included); until then a damaged checkpoint is refused wherever it would be loaded",
+        args.run
+    );
     Ok(crate::exit::FAILED)
 }
 

@@ -74,22 +74,80 @@ fn initial_state(run_id: &str, pool: &[String]) -> RunState {
 /// Puts a run (finished or not) back at its submitted state, so that the next drive walks
 /// every stage again: each finds its jobs' done-markers, checks them, and re-runs only the
 /// jobs whose marker or outputs are damaged (jobs are deterministic, so they rewrite the same
-/// files), and the stages recount what the run did from the markers. Refuses a damaged
-/// checkpoint: it is the learner's state after its step, and re-running that learn job needs
-/// the step before's optimizer state, which `[checkpoints]` retention keeps for the newest
-/// step only.
-pub async fn rewind_for_repair(store: &dyn ObjectStore, run_id: &str, damage: &[verify::Damage]) -> anyhow::Result<()> {
-    let checkpoints = store.object_url(&schemas::keys::checkpoints_prefix(run_id));
-    if let Some(d) = damage.iter().find(|d| d.file.starts_with(&checkpoints)) {
-        bail!(
-            "{d}\na damaged checkpoint cannot be rebuilt by re-running jobs: its learn job would need the previous step's optimizer state, which `[checkpoints]` retention keeps for the newest step only; restore the checkpoint's files from a copy of the store (loading it is refused until then)"
-        );
-    }
+/// files), and the stages recount what the run did from the markers.
+///
+/// A damaged checkpoint is the learner's state after its step: it is rebuilt by running the
+/// learn jobs again from the newest earlier step whose resume state (optimizer moments and
+/// float32 weights) is intact, or from the starting model (`[checkpoints]` retention keeps
+/// the resume state for the newest step only). The checkpoints after that step are removed
+/// (manifest first, as retention does) and their learn jobs' markers deleted; the rollouts
+/// sampled from them keep their markers, since the rebuilt weights are the same bytes.
+/// Returns the step the learner restarts from (`Some(None)`: the starting model; `None`: no
+/// checkpoint was damaged).
+pub async fn rewind_for_repair(store: &dyn ObjectStore, run_id: &str, damage: &[verify::Damage]) -> anyhow::Result<Option<Option<u32>>> {
     let old = state::load(store, run_id).await?.with_context(|| format!("no run `{run_id}` in {} (submit it first)", store.url()))?;
     let stored = inputs::load_stored(store, run_id).await?;
+    let damaged_steps: std::collections::BTreeSet<u32> = damage
+        .iter()
+        .filter_map(|d| schemas::keys::checkpoint_of(&d.file).ok().flatten().filter(|c| c.run_id == run_id).map(|c| c.step))
+        .collect();
+    let restart = match damaged_steps.first() {
+        None => None,
+        Some(&first) => Some(rebuild_checkpoints_after(store, run_id, first, &damaged_steps).await?),
+    };
     let mut st = initial_state(run_id, &stored.pool);
     st.started_at_ms = old.started_at_ms;
-    state::save(store, &mut st).await
+    state::save(store, &mut st).await?;
+    Ok(restart)
+}
+
+/// Removes the checkpoints from the newest intact resume state before `first` onwards and
+/// the done-markers of the learn jobs that wrote them; returns that resume state's step.
+async fn rebuild_checkpoints_after(
+    store: &dyn ObjectStore,
+    run_id: &str,
+    first: u32,
+    damaged: &std::collections::BTreeSet<u32>,
+) -> anyhow::Result<Option<u32>> {
+    use native::train::checkpoint::{MANIFEST_FILE, OPTIMIZER_FILE};
+    let prefix = schemas::keys::checkpoints_prefix(run_id);
+    let objects = store.list(&prefix).await?;
+    let step_of = |key: &str| -> Option<u32> { key.strip_prefix(&prefix)?.strip_prefix("step=")?.split('/').next()?.parse().ok() };
+    let steps: std::collections::BTreeSet<u32> = objects.iter().filter_map(|o| step_of(&o.key)).collect();
+    let mut from = None;
+    for &s in steps.iter().filter(|&&s| s < first && !damaged.contains(&s)).rev() {
+        let key = format!("{}{MANIFEST_FILE}", schemas::keys::checkpoint_dir(run_id, s));
+        let Ok(bytes) = store.get(&key).await else { continue };
+        let Ok(m) = schemas::decode_document::<schemas::CheckpointManifest>(&key, &bytes) else { continue };
+        if m.weights_step == Some(s) && m.files.iter().any(|f| f.name == OPTIMIZER_FILE) {
+            from = Some(s);
+            break;
+        }
+    }
+    let after = from.unwrap_or(0);
+    // manifests first (a folder without one is never read), then the files
+    for s in steps.iter().filter(|&&s| s > after) {
+        store.delete(&format!("{}{MANIFEST_FILE}", schemas::keys::checkpoint_dir(run_id, *s))).await?;
+    }
+    for o in objects.iter().filter(|o| step_of(&o.key).is_some_and(|s| s > after)) {
+        store.delete(&o.key).await?;
+    }
+    for o in store.list(&schemas::keys::jobs_prefix(run_id)).await? {
+        if schemas::keys::job_of_marker(&o.key).is_none() {
+            continue;
+        }
+        let Ok(marker) = schemas::decode_document::<schemas::DoneMarker>(&o.key, &store.get(&o.key).await?) else { continue };
+        let step = marker
+            .result
+            .get("manifest_key")
+            .and_then(|k| k.as_str())
+            .and_then(|k| schemas::keys::checkpoint_of(k).ok().flatten())
+            .map(|c| c.step);
+        if marker.kind == JobKind::Learn && step.is_some_and(|s| s > after) {
+            store.delete(&o.key).await?;
+        }
+    }
+    Ok(from)
 }
 
 pub use inputs::check_pool_size;

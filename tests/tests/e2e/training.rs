@@ -991,6 +991,36 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
     }
     let (code, _, err) = harness_s(&["compare", "resume-whole", "--store", &store_url]);
     assert_eq!(code, 2, "compare of one run is a usage error: {err}");
+
+    // One flipped bit in step 1's bfloat16 weights (a weights-only step) of the finished
+    // run: `verify` names the file, exporting that step is refused, and `repair` rebuilds
+    // the checkpoints by running both learn jobs again from the starting model: the same
+    // bytes as before, the same state, and the run verifies intact.
+    let before = [checkpoint_files(store.as_ref(), "resume-whole", 1).await, checkpoint_files(store.as_ref(), "resume-whole", 2).await];
+    let state_before = read_state(&store_dir, "resume-whole").unwrap();
+    let weights = store_dir.join("runs/resume-whole/checkpoints/step=1/model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&weights, &bytes).unwrap();
+    let (code, out, _) = harness_s(&["verify", "resume-whole", "--store", &store_url]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("step=1/model.safetensors") && out.contains("SHA-256") && out.contains("harness-s repair"), "{out}");
+    let gguf = dir.path().join("step1.gguf");
+    let (code, _, err) =
+        harness_s(&["export", "gguf", "resume-whole", "--out", gguf.to_str().unwrap(), "--step", "1", "--store", &store_url]);
+    assert!(code != 0 && err.contains("model.safetensors") && !gguf.exists(), "exporting a damaged step is refused: {err}");
+    let (code, out, err) = harness_s(&["repair", "resume-whole", "--store", &store_url]);
+    assert!(code == 0 || code == 3, "repair: exit {code}\n{out}\n{err}");
+    assert!(err.contains("from the starting model") && out.contains("repaired"), "{out}{err}");
+    let (code, out, _) = harness_s(&["verify", "resume-whole", "--store", &store_url]);
+    assert_eq!(code, 0, "{out}");
+    let after = [checkpoint_files(store.as_ref(), "resume-whole", 1).await, checkpoint_files(store.as_ref(), "resume-whole", 2).await];
+    assert_eq!(before, after, "the rebuilt checkpoints are the same bytes");
+    let state_after = read_state(&store_dir, "resume-whole").unwrap();
+    for field in ["status", "step", "completed", "latest_checkpoint", "rollouts_base", "rollouts_rescue", "tokens"] {
+        assert_eq!(state_after[field], state_before[field], "state.{field} after the repair");
+    }
 }
 
 /// One of two workers is SIGKILLed while rescue rollouts run: the broker redelivers its

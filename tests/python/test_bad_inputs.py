@@ -554,7 +554,7 @@ bad_parquet = STORE / "runs" / "broken.parquet"
 bad_parquet.write_bytes(b"PAR1" + b"\0" * 100)
 case("store URL", "cat a corrupt parquet file", ["store", "cat", f"file://{bad_parquet}"], ["broken.parquet"])
 
-for cmd in (["status"], ["report"], ["verify"], ["resume"], ["cancel"]):
+for cmd in (["status"], ["report"], ["verify"], ["repair"], ["resume"], ["cancel"]):
     case("store URL", f"{cmd[0]} of an unknown run", [*cmd, "no-such-run", "--store", f"file://{STORE}"], ["no-such-run"])
     case("store URL", f"{cmd[0]} in a missing store", [*cmd, "no-such-run", "--store", f"file://{MISSING}"], ["does-not-exist"])
 case("store URL", "compare unknown runs", ["compare", "a", "b", "--store", f"file://{STORE}"], ["`a`"])
@@ -604,6 +604,8 @@ for name, url, expect, timeout in [
     case("queue URL", f"queue stats: {name}", ["queue", "stats", "--queue", url], expect, timeout=timeout)
 case("queue URL", "scheduler with memory://", ["scheduler", "--run", "sweep", "--store", f"file://{STORE}", "--queue", "memory://"], ["memory://", "scheduler"], timeout=30)
 case("queue URL", "worker with memory://", ["worker", "--queue", "memory://", "--store", f"file://{STORE}", "--queues", "rollout"], ["memory://", "worker"], timeout=30)
+case("queue URL", "resume with memory://", ["resume", "sweep", "--store", f"file://{STORE}", "--queue", "memory://"], ["memory://", "resume"], timeout=30)
+case("queue URL", "repair with memory://", ["repair", "sweep", "--store", f"file://{STORE}", "--queue", "memory://"], ["memory://", "repair"], timeout=30)
 case("queue URL", "enqueue-sleep --run ../x", ["queue", "enqueue-sleep", "--queue", f"{AMQP}?prefix=harness-s-bad-inputs", "--run", "../x"], ["--run", "run id"], timeout=30)
 case("queue URL", "publish-raw to an unknown kind", ["queue", "publish-raw", "--queue", "memory://", "--kind", "haircut", "{}"], ["haircut"])
 case("queue URL", "worker with an unknown queue kind", ["worker", "--queue", "amqp://guest:guest@127.0.0.1:5672/%2f", "--store", f"file://{STORE}", "--queues", "haircut"], ["haircut"])

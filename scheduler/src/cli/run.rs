@@ -186,6 +186,9 @@ pub async fn scheduler(args: SchedulerArgs) -> anyhow::Result<u8> {
 pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
     let url = args.store.url();
     let store = open_store(&url).await?;
+    if let Some(q) = &args.queue.url {
+        super::worker::shared_queue(q, "resume")?;
+    }
     // Refuse before starting anything when the run is finished.
     run::state_for_drive(store.as_ref(), &args.run).await?;
     let metrics = worker::Metrics::new();
@@ -202,6 +205,9 @@ pub async fn resume(args: ResumeArgs) -> anyhow::Result<u8> {
 pub async fn repair(args: ResumeArgs) -> anyhow::Result<u8> {
     let url = args.store.url();
     let store = open_store(&url).await?;
+    if let Some(q) = &args.queue.url {
+        super::worker::shared_queue(q, "repair")?;
+    }
     run::inputs::load_stored(store.as_ref(), &args.run).await?;
     eprintln!("verifying run `{}` ...", args.run);
     let (damage, markers, checkpoints) = run::verify::verify_run(store.as_ref(), &args.run).await?;

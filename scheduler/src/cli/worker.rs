@@ -72,7 +72,7 @@ pub(crate) fn shared_queue(url: &str, command: &str) -> anyhow::Result<()> {
         "worker" => ("a separate worker process would never see its jobs", "or run in-process workers with `harness-s run`"),
         _ => (
             "the workers (separate processes) would never see the scheduler's jobs and the run would wait forever",
-            "or drive the run with in-process workers: `harness-s resume RUN` without --queue",
+            "or drive the run with in-process workers: leave --queue out",
         ),
     };
     bail!(

@@ -17,6 +17,7 @@ arguments name), `unclear` (failed, but without naming what is wrong), `clear`.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -44,6 +45,8 @@ SECRET = "hunter2xyz"
 # files of the kinds users get wrong.
 
 WS = Path(tempfile.mkdtemp(prefix="harness-s-bad-inputs."))
+# the workspace (specs, stores, pools) goes when the process ends, however the sweep went
+atexit.register(shutil.rmtree, WS, ignore_errors=True)
 STORE = WS / "store"
 MISSING = WS / "does-not-exist"
 

@@ -89,11 +89,16 @@ fn secret_param(name: &str) -> bool {
 /// `scheme://user:password@host/path` with the password (and an s3 user) hidden.
 fn redact_userinfo(head: &str) -> String {
     let Some(s) = head.find("://") else { return head.to_string() };
-    let authority_end = head[s + 3..].find('/').map(|i| s + 3 + i).unwrap_or(head.len());
-    let authority = &head[s + 3..authority_end];
-    let Some(at) = authority.rfind('@') else { return head.to_string() };
-    let userinfo = &authority[..at];
+    // the last `@` ends the userinfo, even when a password holds an unescaped `/` or `@`
+    // (a path rarely holds an `@`; hiding too much is the safe side)
+    let Some(at) = head[s + 3..].rfind('@') else { return head.to_string() };
+    let userinfo = &head[s + 3..s + 3 + at];
+    if userinfo.contains('/') && !userinfo.contains(':') {
+        // a path that holds an `@` (`file:///home/a@b/x`), not a user and password
+        return head.to_string();
+    }
     let shown = match userinfo.split_once(':') {
+        _ if userinfo.contains('/') => "***".to_string(),
         Some(_) if head[..s].eq_ignore_ascii_case("s3") => "***".to_string(),
         Some((user, _)) => format!("{user}:***"),
         None if head[..s].eq_ignore_ascii_case("s3") => "***".to_string(),
@@ -168,6 +173,8 @@ mod tests {
         let r = super::redact_url("amqp://guest:hunter2xyz@127.0.0.1:99999/%2f");
         assert_eq!(r, "amqp://guest:***@127.0.0.1:99999/%2f");
         assert!(!super::redact_url("s3://k:p@ss@w0rd@bucket:x/p").contains("w0rd"));
+        assert!(!super::redact_url("http://u:pa/ss@host:1/v1").contains("ss@"), "a raw `/` in a password");
+        assert_eq!(super::redact_url("file:///home/a@b/x"), "file:///home/a@b/x");
         assert_eq!(super::redact_url("not a url"), "not a url");
     }
 

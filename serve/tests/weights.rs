@@ -80,4 +80,30 @@ async fn a_checkpoint_in_a_store_replaces_the_served_weights() {
         (200, Some(true), Some(format!("already serving {url}").as_str()))
     );
     assert_eq!(greedy_logprobs(&addr).await.0, after);
+
+    // A checkpoint the learner wrote, with one bit of its weights flipped: refused with the
+    // file named, from its folder and from its store URL, and the served weights stay.
+    let vocab = native::model::tokenizer::word_level(&WORDS).vocab_size() as i64;
+    let learner = native::train::learner::Learner::new(
+        Llama::new(LlamaConfig::tiny(vocab, 32, 2), Device::Cpu, 3).unwrap().into(),
+        Default::default(),
+    );
+    let store_dir = dir.path().join("store2");
+    std::fs::create_dir_all(&store_dir).unwrap();
+    let store = infra::store::LocalStore::new(&store_dir).unwrap();
+    let info = native::train::checkpoint::SaveInfo { run_id: "r".into(), step: 2, ..Default::default() };
+    native::train::checkpoint::save(&store, &learner, None, &info).await.unwrap();
+    let step2 = store_dir.join("runs/r/checkpoints/step=2");
+    let weights = step2.join(MODEL_FILE);
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    std::fs::write(&weights, &bytes).unwrap();
+    for path in [step2.display().to_string(), format!("file://{}", step2.display())] {
+        let (status, body, _) = post(&addr, "/update_weights_from_disk", json!({"model_path": path})).await;
+        let message = body["message"].as_str().unwrap_or_default();
+        assert_eq!((status, &body["success"]), (400, &json!(false)), "{body}");
+        assert!(message.contains("model.safetensors") && message.contains("SHA-256"), "{message}");
+        assert_eq!(greedy_logprobs(&addr).await.0, after, "a refused update leaves the served weights");
+    }
 }

@@ -202,7 +202,7 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         let s: openai::Sampling = openai::parse(&v)?;
         let sampling = openai::sampling(&s, &state.served_name, 512.min(state.max_tokens))?;
         let return_ids = s.return_token_ids.unwrap_or(false);
-        let limit_field = if s.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
+        let limit_field = s.limit_field();
         let messages = openai::messages(&req)?;
         let tools = openai::tools(&req)?;
         let top = openai::chat_top_logprobs(&req)?;
@@ -254,7 +254,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
         if let Some(k) = req.logprobs.filter(|&k| k > 5) {
             return Err(BadRequest::field("logprobs", format!("at most 5, is {k}")));
         }
-        let limit_field = if s.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" };
+        let limit_field = s.limit_field();
         Ok((req, sampling, s.return_token_ids.unwrap_or(false), limit_field))
     })();
     let (req, sampling, return_ids, limit_field) = match parsed {

@@ -207,6 +207,17 @@ pub struct Sampling {
     pub constrain: Option<String>,
 }
 
+impl Sampling {
+    /// The field that set the reply's limit, for errors about it.
+    pub fn limit_field(&self) -> &'static str {
+        if self.max_completion_tokens.is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
@@ -275,10 +286,7 @@ pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<Sampling
     }
     let max_tokens = s.max_completion_tokens.or(s.max_tokens).unwrap_or(default_max);
     if max_tokens == 0 {
-        return Err(BadRequest::field(
-            if s.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" },
-            "must be at least 1",
-        ));
+        return Err(BadRequest::field(s.limit_field(), "must be at least 1"));
     }
     let stop = match &s.stop {
         None => vec![],

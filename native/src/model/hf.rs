@@ -173,15 +173,28 @@ pub struct FolderManifest {
     files: Option<HashMap<String, schemas::FileEntry>>,
 }
 
+/// A checkpoint folder's manifest: the files and their SHA-256, written last.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// Float32 weights beside a `model.safetensors` of lower precision.
+pub const MASTER_FILE: &str = "master.safetensors";
+/// AdamW moments of a checkpoint.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+
 /// Files a checkpoint lists that loading weights for sampling does not read (and that a
 /// copy made for serving may leave out).
-const NOT_READ_TO_SAMPLE: [&str; 2] = ["optimizer.safetensors", "master.safetensors"];
+const NOT_READ_TO_SAMPLE: [&str; 2] = [OPTIMIZER_FILE, MASTER_FILE];
+
+/// The hex SHA-256 of `bytes`, as manifests record it.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(bytes))
+}
 
 impl FolderManifest {
     /// Reads `dir/manifest.json` if there is one; a manifest that does not parse is an error
     /// naming it (a damaged folder is not loaded as if it had none).
     pub fn read(dir: &Path) -> Result<Self, NativeError> {
-        let path = dir.join("manifest.json");
+        let path = dir.join(MANIFEST_FILE);
         let bytes = match std::fs::read(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(FolderManifest { dir: dir.into(), files: None }),
@@ -203,13 +216,12 @@ impl FolderManifest {
     /// Checks `bytes`, read from `file` in the folder, against the manifest's entry for it
     /// (nothing to check without a manifest, or for a file it does not list).
     pub fn check(&self, file: &Path, bytes: &[u8]) -> Result<(), NativeError> {
-        use sha2::{Digest, Sha256};
         let Some(name) = file.file_name().and_then(|n| n.to_str()) else { return Ok(()) };
         let Some(entry) = self.files.as_ref().and_then(|f| f.get(name)) else { return Ok(()) };
         if bytes.len() as u64 != entry.size {
             return Err(self.damaged(name, &format!("{} bytes, manifest.json says {}", bytes.len(), entry.size)));
         }
-        let sha = hex::encode(Sha256::digest(bytes));
+        let sha = sha256_hex(bytes);
         if sha != entry.sha256 {
             return Err(self.damaged(name, &format!("SHA-256 {sha}, manifest.json says {} (a corrupt or overwritten file)", entry.sha256)));
         }

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
 
-use crate::model::hf::{read_safetensors, safetensors_parts};
+use crate::model::hf::{read_safetensors, safetensors_parts, sha256_hex as sha256};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::Dtype;
 use crate::model::{CausalLm, Model};
@@ -24,13 +24,10 @@ use crate::NativeError;
 use infra::store::ObjectStore;
 use schemas::{decode_document, encode_document, keys, CheckpointManifest, Document, FileEntry};
 
+pub use crate::model::hf::{MANIFEST_FILE, MASTER_FILE, OPTIMIZER_FILE};
 pub const MODEL_FILE: &str = "model.safetensors";
-/// Float32 weights beside a `model.safetensors` of lower precision.
-pub const MASTER_FILE: &str = "master.safetensors";
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
-pub const MANIFEST_FILE: &str = "manifest.json";
 
 /// What a checkpoint records besides the weights.
 #[derive(Debug, Clone, Default)]
@@ -48,10 +45,6 @@ pub struct SaveInfo {
 /// Key of a checkpoint's manifest.
 pub fn manifest_key(run_id: &str, step: u32) -> String {
     format!("{}{MANIFEST_FILE}", keys::checkpoint_dir(run_id, step))
-}
-
-fn sha256(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
 }
 
 fn ckpt_err(location: impl Into<String>, detail: impl Into<String>) -> NativeError {
@@ -251,17 +244,59 @@ async fn check_complete(store: &dyn ObjectStore, run_id: &str, manifest: &Checkp
 /// sizes. A damaged newest checkpoint is an error naming the file, not a reason to fall back
 /// to an older step.
 pub async fn latest(store: &dyn ObjectStore, run_id: &str) -> Result<Option<CheckpointManifest>, NativeError> {
-    let prefix = keys::checkpoints_prefix(run_id);
-    let newest: Option<u32> = store
-        .list(&prefix)
-        .await?
-        .iter()
-        .filter_map(|m| m.key.strip_prefix(&prefix)?.strip_suffix(&format!("/{MANIFEST_FILE}"))?.strip_prefix("step=")?.parse().ok())
-        .max();
+    let newest = committed_steps(store, run_id).await?.into_iter().max();
     let Some(step) = newest else { return Ok(None) };
     let manifest = read_manifest(store, &manifest_key(run_id, step)).await?;
     check_complete(store, run_id, &manifest).await?;
     Ok(Some(manifest))
+}
+
+/// The newest step before `before` (and not in `skip`) whose checkpoint holds its own
+/// resume state (AdamW moments beside its weights), which training can continue from; None
+/// when there is none (retention keeps it for the step of the newest weights only).
+pub async fn newest_resume_state(
+    store: &dyn ObjectStore,
+    run_id: &str,
+    before: u32,
+    skip: &std::collections::BTreeSet<u32>,
+) -> Result<Option<u32>, NativeError> {
+    let mut steps: Vec<u32> = committed_steps(store, run_id).await?.into_iter().filter(|s| *s < before && !skip.contains(s)).collect();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    for step in steps {
+        if let Ok(m) = read_manifest(store, &manifest_key(run_id, step)).await {
+            if m.weights_step == Some(step) && m.files.iter().any(|f| f.name == OPTIMIZER_FILE) {
+                return Ok(Some(step));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Removes every checkpoint of `run_id` after step `after` (0: all of them), the commit
+/// protocol backwards: every manifest first (a folder without one is never read), the
+/// files after. For checkpoints that are made again by training again.
+pub async fn remove_after(store: &dyn ObjectStore, run_id: &str, after: u32) -> Result<(), NativeError> {
+    let objects = store.list(&keys::checkpoints_prefix(run_id)).await?;
+    let step_of = |key: &str| keys::checkpoint_of(key).ok().flatten().map(|c| c.step);
+    let doomed: std::collections::BTreeSet<u32> = objects.iter().filter_map(|o| step_of(&o.key)).filter(|&s| s > after).collect();
+    for &step in &doomed {
+        store.delete(&manifest_key(run_id, step)).await?;
+    }
+    for o in objects.iter().filter(|o| step_of(&o.key).is_some_and(|s| doomed.contains(&s))) {
+        store.delete(&o.key).await?;
+    }
+    Ok(())
+}
+
+/// Steps of `run_id` with a committed checkpoint (a manifest).
+async fn committed_steps(store: &dyn ObjectStore, run_id: &str) -> Result<Vec<u32>, NativeError> {
+    let prefix = keys::checkpoints_prefix(run_id);
+    Ok(store
+        .list(&prefix)
+        .await?
+        .iter()
+        .filter_map(|m| m.key.strip_prefix(&prefix)?.strip_suffix(&format!("/{MANIFEST_FILE}"))?.strip_prefix("step=")?.parse().ok())
+        .collect())
 }
 
 pub(crate) async fn read_manifest(store: &dyn ObjectStore, key: &str) -> Result<CheckpointManifest, NativeError> {

@@ -109,29 +109,10 @@ async fn rebuild_checkpoints_after(
     first: u32,
     damaged: &std::collections::BTreeSet<u32>,
 ) -> anyhow::Result<Option<u32>> {
-    use native::train::checkpoint::{MANIFEST_FILE, OPTIMIZER_FILE};
-    let prefix = schemas::keys::checkpoints_prefix(run_id);
-    let objects = store.list(&prefix).await?;
-    let step_of = |key: &str| -> Option<u32> { key.strip_prefix(&prefix)?.strip_prefix("step=")?.split('/').next()?.parse().ok() };
-    let steps: std::collections::BTreeSet<u32> = objects.iter().filter_map(|o| step_of(&o.key)).collect();
-    let mut from = None;
-    for &s in steps.iter().filter(|&&s| s < first && !damaged.contains(&s)).rev() {
-        let key = format!("{}{MANIFEST_FILE}", schemas::keys::checkpoint_dir(run_id, s));
-        let Ok(bytes) = store.get(&key).await else { continue };
-        let Ok(m) = schemas::decode_document::<schemas::CheckpointManifest>(&key, &bytes) else { continue };
-        if m.weights_step == Some(s) && m.files.iter().any(|f| f.name == OPTIMIZER_FILE) {
-            from = Some(s);
-            break;
-        }
-    }
+    use native::train::checkpoint;
+    let from = checkpoint::newest_resume_state(store, run_id, first, damaged).await?;
     let after = from.unwrap_or(0);
-    // manifests first (a folder without one is never read), then the files
-    for s in steps.iter().filter(|&&s| s > after) {
-        store.delete(&format!("{}{MANIFEST_FILE}", schemas::keys::checkpoint_dir(run_id, *s))).await?;
-    }
-    for o in objects.iter().filter(|o| step_of(&o.key).is_some_and(|s| s > after)) {
-        store.delete(&o.key).await?;
-    }
+    checkpoint::remove_after(store, run_id, after).await?;
     for o in store.list(&schemas::keys::jobs_prefix(run_id)).await? {
         if schemas::keys::job_of_marker(&o.key).is_none() {
             continue;

@@ -47,6 +47,31 @@ async fn sha256_of(store: &dyn ObjectStore, key: &str, size: u64) -> anyhow::Res
     Ok(hex::encode(hasher.finalize()))
 }
 
+/// What is wrong with the object at `key` against the size and SHA-256 that `listed_by`
+/// records (None: nothing); hashed only up to `hash_limit` bytes.
+async fn check_file(
+    store: &dyn ObjectStore,
+    key: &str,
+    size: u64,
+    sha256: &str,
+    hash_limit: u64,
+    listed_by: &str,
+) -> anyhow::Result<Option<String>> {
+    let Some(meta) = store.head(key).await.with_context(|| format!("checking {}", store.object_url(key)))? else {
+        return Ok(Some(format!("listed by {listed_by} but missing")));
+    };
+    if meta.size != size {
+        return Ok(Some(format!("{} bytes, {listed_by} says {size}", meta.size)));
+    }
+    if size <= hash_limit {
+        let sha = sha256_of(store, key, size).await?;
+        if sha != sha256 {
+            return Ok(Some(format!("SHA-256 {sha}, {listed_by} says {sha256}")));
+        }
+    }
+    Ok(None)
+}
+
 /// Reads the done-marker at `key` and checks every output it lists (outputs above
 /// [`HASH_LIMIT`] by size only). `Err(Damage)` names the first damaged file; store failures
 /// are errors of their own (`Ok(Err(..))` is damage).
@@ -63,18 +88,8 @@ async fn check_marker_up_to(store: &dyn ObjectStore, key: &str, hash_limit: u64)
         Err(e) => return Ok(Err(Damage { file: url, problem: format!("the done-marker does not parse ({e})") })),
     };
     for out in &marker.outputs {
-        let file = store.object_url(&out.key);
-        let Some(meta) = store.head(&out.key).await.with_context(|| format!("checking {file}"))? else {
-            return Ok(Err(Damage { file, problem: "listed by its done-marker but missing".into() }));
-        };
-        if meta.size != out.size {
-            return Ok(Err(Damage { file, problem: format!("{} bytes, its done-marker says {}", meta.size, out.size) }));
-        }
-        if out.size <= hash_limit {
-            let sha = sha256_of(store, &out.key, out.size).await?;
-            if sha != out.sha256 {
-                return Ok(Err(Damage { file, problem: format!("SHA-256 {sha}, its done-marker says {}", out.sha256) }));
-            }
+        if let Some(problem) = check_file(store, &out.key, out.size, &out.sha256, hash_limit, "its done-marker").await? {
+            return Ok(Err(Damage { file: store.object_url(&out.key), problem }));
         }
     }
     Ok(Ok(marker))
@@ -100,17 +115,8 @@ pub async fn verify_checkpoints(store: &dyn ObjectStore, run_id: &str) -> anyhow
         let dir = key.trim_end_matches("manifest.json");
         for f in &manifest.files {
             let file_key = format!("{dir}{}", f.name);
-            let file = store.object_url(&file_key);
-            let problem = match store.head(&file_key).await.with_context(|| format!("checking {file}"))? {
-                None => Some("listed by its checkpoint manifest but missing".to_string()),
-                Some(meta) if meta.size != f.size => Some(format!("{} bytes, its checkpoint manifest says {}", meta.size, f.size)),
-                Some(_) => {
-                    let sha = sha256_of(store, &file_key, f.size).await?;
-                    (sha != f.sha256).then(|| format!("SHA-256 {sha}, its checkpoint manifest says {}", f.sha256))
-                }
-            };
-            if let Some(problem) = problem {
-                damage.push(Damage { file, problem });
+            if let Some(problem) = check_file(store, &file_key, f.size, &f.sha256, u64::MAX, "its checkpoint manifest").await? {
+                damage.push(Damage { file: store.object_url(&file_key), problem });
             }
         }
     }

@@ -715,6 +715,13 @@ pub struct LearnerSection {
     /// parameters, gradients and AdamW moments (mixed precision; for GPU learners, where
     /// bf16 pays). π_old is then scored in bf16 too.
     pub precision: native::train::learner::Precision,
+    /// Train a LoRA adapter instead of every weight (`[learner.adapter]`: `rank`, `alpha`,
+    /// `targets` by module name or `all-linear`): the base frozen, AdamW state for the
+    /// adapter only, checkpoints in PEFT's layout.
+    pub adapter: Option<native::model::lora::AdapterConfig>,
+    /// `none`, or `blocks`: keep each decoder layer's input only and run the layer again
+    /// in the backward pass (less activation memory, about one more forward pass of time).
+    pub recompute: native::train::learner::Recompute,
 }
 
 impl Default for LearnerSection {
@@ -730,6 +737,8 @@ impl Default for LearnerSection {
             updates_per_batch: l.updates_per_batch,
             share_prefixes: l.share_prefixes,
             precision: l.precision,
+            adapter: l.adapter,
+            recompute: l.recompute,
         }
     }
 }
@@ -751,6 +760,8 @@ impl LearnerSection {
             seed,
             share_prefixes: self.share_prefixes,
             precision: self.precision,
+            adapter: self.adapter.clone(),
+            recompute: self.recompute,
         }
     }
 }

@@ -10,7 +10,7 @@ use native::infer::engine::{Engine, EngineConfig, Request};
 use native::infer::packed::WeightFormat;
 use native::infer::sampler::GenerateOptions;
 use native::model::qwen3_5::{Qwen35, Qwen35Cache};
-use native::model::{hf, KvCache, Llama, Model};
+use native::model::{hf, CausalLm, KvCache, Llama, Model};
 use tch::{Device, Kind, Tensor};
 
 fn fixture(family: &str) -> PathBuf {

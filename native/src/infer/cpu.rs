@@ -143,16 +143,16 @@ impl CpuWeights {
             };
             layers.push(CpuLayer {
                 input_norm: floats(&l.input_norm, &name("input_layernorm"))?,
-                qkv: matrix(&[&l.q, &l.k, &l.v], bits, &name("self_attn.qkv"))?,
+                qkv: matrix(&[&l.q.weight, &l.k.weight, &l.v.weight], bits, &name("self_attn.qkv"))?,
                 qkv_bias,
                 qk_norm: match (&l.q_norm, &l.k_norm) {
                     (Some(q), Some(k)) => Some((floats(q, &name("self_attn.q_norm"))?, floats(k, &name("self_attn.k_norm"))?)),
                     _ => None,
                 },
-                o: matrix(&[&l.o], bits, &name("self_attn.o_proj"))?,
+                o: matrix(&[&l.o.weight], bits, &name("self_attn.o_proj"))?,
                 post_norm: floats(&l.post_norm, &name("post_attention_layernorm"))?,
-                gate_up: matrix(&[&l.gate, &l.up], bits, &name("mlp.gate_up"))?,
-                down: matrix(&[&l.down], bits, &name("mlp.down_proj"))?,
+                gate_up: matrix(&[&l.gate.weight, &l.up.weight], bits, &name("mlp.gate_up"))?,
+                down: matrix(&[&l.down.weight], bits, &name("mlp.down_proj"))?,
             });
         }
         // (int4) 4-bit logits over a 49k vocabulary cost more quality than the head's share of

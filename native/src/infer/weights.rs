@@ -77,6 +77,12 @@ impl EngineWeights {
     /// fused (q, k and v into one matrix; gate and up into another): fewer, larger products
     /// per layer. `threads`: the CPU kernels' thread count (`int4`, and `f32` on the CPU).
     pub fn new(model: &Model, format: WeightFormat, threads: usize) -> Result<EngineWeights, NativeError> {
+        if crate::model::lora::is_adapted(model) {
+            return Err(NativeError::Config {
+                field: "engine.weights".into(),
+                detail: "the model has an unmerged LoRA adapter: the engine samples merged weights (model::lora::merge)".into(),
+            });
+        }
         let model = match model {
             Model::Llama(m) => m,
             Model::Qwen35(_) if format == WeightFormat::F32 => return Ok(EngineWeights { format, kernels: Kernels::Model }),
@@ -104,11 +110,11 @@ impl EngineWeights {
                 _ => None,
             };
             layers.push(EngineLayer {
-                qkv: Packed::new(&Tensor::cat(&[&l.q, &l.k, &l.v], 0), format),
+                qkv: Packed::new(&Tensor::cat(&[&l.q.weight, &l.k.weight, &l.v.weight], 0), format),
                 qkv_bias,
-                o: Packed::new(&l.o, format),
-                gate_up: Packed::new(&Tensor::cat(&[&l.gate, &l.up], 0), format),
-                down: Packed::new(&l.down, format),
+                o: Packed::new(&l.o.weight, format),
+                gate_up: Packed::new(&Tensor::cat(&[&l.gate.weight, &l.up.weight], 0), format),
+                down: Packed::new(&l.down.weight, format),
             });
         }
         let head = Packed::new(model.lm_head.as_ref().unwrap_or(&model.embed), format);

@@ -144,6 +144,29 @@ impl Model {
     }
 }
 
+impl crate::model::lora::Adaptable for Model {
+    fn linears(&self) -> Vec<(String, &crate::model::layers::Linear)> {
+        match self {
+            Model::Llama(m) => m.linears(),
+            Model::Qwen35(m) => m.linears(),
+        }
+    }
+
+    fn linears_mut(&mut self) -> Vec<(String, &mut crate::model::layers::Linear)> {
+        match self {
+            Model::Llama(m) => m.linears_mut(),
+            Model::Qwen35(m) => m.linears_mut(),
+        }
+    }
+
+    fn base_vars(&self) -> &tch::nn::VarStore {
+        match self {
+            Model::Llama(m) => &m.vs,
+            Model::Qwen35(m) => &m.vs,
+        }
+    }
+}
+
 impl CausalLm for Model {
     fn device(&self) -> Device {
         match self {
@@ -166,17 +189,10 @@ impl CausalLm for Model {
         }
     }
 
-    fn logits_at(&self, tokens: &Tensor, flat: &Tensor) -> Tensor {
+    fn pass<'a>(&'a self, prefix: Option<&'a Tensor>, rows: &'a Tensor, flat: &'a Tensor) -> Box<dyn crate::model::Pass + 'a> {
         match self {
-            Model::Llama(m) => m.logits_at(tokens, flat),
-            Model::Qwen35(m) => CausalLm::logits_at(m, tokens, flat),
-        }
-    }
-
-    fn logits_at_shared(&self, prefix: &Tensor, rows: &Tensor, flat: &Tensor) -> Tensor {
-        match self {
-            Model::Llama(m) => m.logits_at_shared(prefix, rows, flat),
-            Model::Qwen35(m) => CausalLm::logits_at_shared(m, prefix, rows, flat),
+            Model::Llama(m) => CausalLm::pass(m, prefix, rows, flat),
+            Model::Qwen35(m) => CausalLm::pass(m, prefix, rows, flat),
         }
     }
 }

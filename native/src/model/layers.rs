@@ -1,7 +1,9 @@
-//! The layers every architecture shares, as pure functions of tensors: RMSNorm and the
-//! mixed-precision product.
+//! The layers every architecture shares, as pure functions of tensors: RMSNorm, the
+//! mixed-precision product, and the linear layer with its optional LoRA adapter.
 
 use tch::{Kind, Tensor};
+
+use crate::model::lora::Lora;
 
 pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     let var = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
@@ -14,11 +16,34 @@ pub(crate) fn mm(x: &Tensor, w: &Tensor, kind: Kind) -> Tensor {
     x.to_kind(kind).matmul(&w.to_kind(kind).tr()).to_kind(Kind::Float)
 }
 
-pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, kind: Kind) -> Tensor {
-    let y = mm(x, w, kind);
+pub(crate) fn linear(x: &Tensor, w: &Linear, b: Option<&Tensor>, kind: Kind) -> Tensor {
+    let y = w.forward(x, kind);
     match b {
         Some(b) => y + b,
         None => y,
+    }
+}
+
+/// A linear layer's weight `[out, in]` (a variable of the model's store) and, when an adapter
+/// targets it, its LoRA factors ([`crate::model::lora`]).
+pub struct Linear {
+    pub weight: Tensor,
+    pub lora: Option<Lora>,
+}
+
+impl Linear {
+    pub(crate) fn new(weight: Tensor) -> Self {
+        Linear { weight, lora: None }
+    }
+
+    /// x · Wᵀ, plus s · (x · Aᵀ) · Bᵀ when adapted (LoRA, Hu et al. 2021 Eq. 3), in `kind`
+    /// (float32 out): the base weight's gradient is never formed.
+    pub(crate) fn forward(&self, x: &Tensor, kind: Kind) -> Tensor {
+        let y = mm(x, &self.weight, kind);
+        match &self.lora {
+            Some(l) => y + mm(&mm(x, &l.a, kind), &l.b, kind) * l.scale,
+            None => y,
+        }
     }
 }
 

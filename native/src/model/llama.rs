@@ -12,25 +12,25 @@ use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::model::config::LlamaConfig;
-use crate::model::layers::{head_norm, linear, mm, rms_norm, rope_angles, rotate_half};
+use crate::model::layers::{head_norm, linear, mm, rms_norm, rope_angles, rotate_half, Linear};
 use crate::NativeError;
 
 pub(crate) struct Layer {
     pub(crate) input_norm: Tensor,
-    pub(crate) q: Tensor,
-    pub(crate) k: Tensor,
-    pub(crate) v: Tensor,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
     pub(crate) q_bias: Option<Tensor>,
     pub(crate) k_bias: Option<Tensor>,
     pub(crate) v_bias: Option<Tensor>,
     /// Per-head RMSNorm weights `[head_dim]` of the queries and the keys (qwen3).
     pub(crate) q_norm: Option<Tensor>,
     pub(crate) k_norm: Option<Tensor>,
-    pub(crate) o: Tensor,
+    pub(crate) o: Linear,
     pub(crate) post_norm: Tensor,
-    pub(crate) gate: Tensor,
-    pub(crate) up: Tensor,
-    pub(crate) down: Tensor,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
 }
 
 /// Keys and values of past positions, one pair per layer, `[B, kv_heads, T, head_dim]`.
@@ -96,19 +96,19 @@ impl Llama {
             let head_norm = |name: &str| c.qk_norm().then(|| (&a / name).var("weight", &[hd], nn::Init::Const(1.0)));
             layers.push(Layer {
                 input_norm: (&l / "input_layernorm").var("weight", &[c.hidden_size], nn::Init::Const(1.0)),
-                q: (&a / "q_proj").var("weight", &[c.num_attention_heads * hd, c.hidden_size], init),
-                k: (&a / "k_proj").var("weight", &[c.num_key_value_heads * hd, c.hidden_size], init),
-                v: (&a / "v_proj").var("weight", &[c.num_key_value_heads * hd, c.hidden_size], init),
+                q: Linear::new((&a / "q_proj").var("weight", &[c.num_attention_heads * hd, c.hidden_size], init)),
+                k: Linear::new((&a / "k_proj").var("weight", &[c.num_key_value_heads * hd, c.hidden_size], init)),
+                v: Linear::new((&a / "v_proj").var("weight", &[c.num_key_value_heads * hd, c.hidden_size], init)),
                 q_bias: bias("q_proj", c.num_attention_heads * hd),
                 k_bias: bias("k_proj", c.num_key_value_heads * hd),
                 v_bias: bias("v_proj", c.num_key_value_heads * hd),
                 q_norm: head_norm("q_norm"),
                 k_norm: head_norm("k_norm"),
-                o: (&a / "o_proj").var("weight", &[c.hidden_size, c.num_attention_heads * hd], init),
+                o: Linear::new((&a / "o_proj").var("weight", &[c.hidden_size, c.num_attention_heads * hd], init)),
                 post_norm: (&l / "post_attention_layernorm").var("weight", &[c.hidden_size], nn::Init::Const(1.0)),
-                gate: (&mlp / "gate_proj").var("weight", &[c.intermediate_size, c.hidden_size], init),
-                up: (&mlp / "up_proj").var("weight", &[c.intermediate_size, c.hidden_size], init),
-                down: (&mlp / "down_proj").var("weight", &[c.hidden_size, c.intermediate_size], init),
+                gate: Linear::new((&mlp / "gate_proj").var("weight", &[c.intermediate_size, c.hidden_size], init)),
+                up: Linear::new((&mlp / "up_proj").var("weight", &[c.intermediate_size, c.hidden_size], init)),
+                down: Linear::new((&mlp / "down_proj").var("weight", &[c.hidden_size, c.intermediate_size], init)),
             });
         }
         let norm = (&m / "norm").var("weight", &[c.hidden_size], nn::Init::Const(1.0));
@@ -164,56 +164,18 @@ impl Llama {
         self.logits_of(&h.narrow(1, t - 1, 1).squeeze_dim(1))
     }
 
-    /// Logits `[N, vocab]` at `flat` positions `[N]` (row · T + column) of `tokens` `[B, T]`,
-    /// from position 0: the learner's teacher-forced scores of the completion tokens only.
-    pub fn logits_at(&self, tokens: &Tensor, flat: &Tensor) -> Tensor {
-        let h = self.hidden(tokens, None);
-        let hidden = h.size()[2];
-        self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
-    }
-
-    /// [`Llama::logits_at`] for rows that all start with `prefix` `[P]`: `rows` `[B, T]`
-    /// holds what follows the prefix (row tokens from position P on) and `flat` indexes it.
-    /// The prefix is computed once and every row attends to its keys and values, so its
-    /// gradient gathers the contributions of every row. Equal to the unshared pass within
-    /// float rounding.
-    pub fn logits_at_shared(&self, prefix: &Tensor, rows: &Tensor, flat: &Tensor) -> Tensor {
-        let h = self.hidden_shared(prefix, rows);
-        let hidden = h.size()[2];
-        self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
-    }
-
-    /// Final-norm hidden states `[B, T, hidden]` of `rows` `[B, T]` placed after the shared
-    /// `prefix` `[P]`. The linear layers run over the prefix and the rows as one matrix of
-    /// P + B·T tokens; only attention tells them apart (the prefix attends causally to
-    /// itself, each row to the whole prefix and causally to itself).
-    fn hidden_shared(&self, prefix: &Tensor, rows: &Tensor) -> Tensor {
-        let c = &self.config;
-        let p = prefix.size1().expect("prefix must be [P]");
+    /// The learner's teacher-forced pass ([`crate::model::CausalLm::pass`]): logits at `flat`
+    /// positions of `rows` `[B, T]`, from position 0, or after `prefix` `[P]`. With a prefix,
+    /// the linear layers run over the prefix and the rows as one matrix of P + B·T tokens;
+    /// only attention tells them apart (the prefix attends causally to itself, each row to the
+    /// whole prefix and causally to itself), so the prefix is computed once and its gradient
+    /// gathers the contributions of every row.
+    pub fn pass<'a>(&'a self, prefix: Option<&'a Tensor>, rows: &'a Tensor, flat: &'a Tensor) -> LlamaPass<'a> {
         let (b, t) = rows.size2().expect("rows must be [B, T]");
-        let hd = c.head_dim();
-        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let (cos_p, sin_p) = self.rope_tables(0, p);
-        let (cos_r, sin_r) = self.rope_tables(p, t);
-        let (mask_p, mask_r) = (self.causal_mask(0, p), self.causal_mask(p, t));
-        let split = |y: &Tensor, heads: i64| {
-            (y.narrow(0, 0, p).view([1, p, heads, hd]).transpose(1, 2), y.narrow(0, p, b * t).view([b, t, heads, hd]).transpose(1, 2))
-        };
-        let tokens = Tensor::cat(&[prefix.shallow_clone(), rows.reshape([-1])], 0);
-        let mut x = Tensor::embedding(&self.embed, &tokens, -1, false, false);
-        for l in &self.layers {
-            x = self.layer(l, &x, |q, k, v| {
-                let ((q_p, q_r), (k_p, k_r), (v_p, v_r)) = (split(&q, nh), split(&k, nkv), split(&v, nkv));
-                let (q_p, k_p) = (self.rope(&q_p, &cos_p, &sin_p), self.rope(&k_p, &cos_p, &sin_p));
-                let (q_r, k_r) = (self.rope(&q_r, &cos_r, &sin_r), self.rope(&k_r, &cos_r, &sin_r));
-                let att_p = self.attend(&q_p, &k_p, &v_p, Some(&mask_p));
-                let k_all = Tensor::cat(&[k_p.expand([b, nkv, p, hd], false), k_r], 2);
-                let v_all = Tensor::cat(&[v_p.expand([b, nkv, p, hd], false), v_r], 2);
-                let att_r = self.attend(&q_r, &k_all, &v_all, Some(&mask_r));
-                Tensor::cat(&[att_p.transpose(1, 2).reshape([p, nh * hd]), att_r.transpose(1, 2).reshape([b * t, nh * hd])], 0)
-            });
-        }
-        rms_norm(&x.narrow(0, p, b * t), &self.norm, c.rms_norm_eps).view([b, t, -1])
+        let p = prefix.map_or(0, |p| p.size1().expect("prefix must be [P]"));
+        let (rope_p, mask_p) = (self.rope_tables(0, p), (p > 0).then(|| self.causal_mask(0, p)));
+        let (rope_r, mask_r) = (self.rope_tables(p, t), (t > 1 || p > 0).then(|| self.causal_mask(p, t)));
+        LlamaPass { m: self, prefix, rows, flat, b, t, p, rope_p, mask_p, rope_r, mask_r }
     }
 
     /// One decoder layer on the residual stream `x` (`[.., hidden]`): pre-norm, the q, k and
@@ -228,9 +190,9 @@ impl Llama {
         let (q, k) =
             (head_norm(q, l.q_norm.as_ref(), self.config.head_dim(), eps), head_norm(k, l.k_norm.as_ref(), self.config.head_dim(), eps));
         let att = attention(q, k, linear(&h, &l.v, l.v_bias.as_ref(), c));
-        let x = x + mm(&att, &l.o, c);
+        let x = x + l.o.forward(&att, c);
         let h = rms_norm(&x, &l.post_norm, eps);
-        let mlp = mm(&(mm(&h, &l.gate, c).silu() * mm(&h, &l.up, c)), &l.down, c);
+        let mlp = l.down.forward(&(l.gate.forward(&h, c).silu() * l.up.forward(&h, c)), c);
         x + mlp
     }
 
@@ -317,10 +279,115 @@ impl Llama {
     }
 }
 
+/// [`Llama::pass`]: the rows after an optional shared prefix, with their RoPE tables and
+/// masks computed once for every layer.
+pub struct LlamaPass<'a> {
+    m: &'a Llama,
+    prefix: Option<&'a Tensor>,
+    rows: &'a Tensor,
+    flat: &'a Tensor,
+    b: i64,
+    t: i64,
+    p: i64,
+    rope_p: (Tensor, Tensor),
+    mask_p: Option<Tensor>,
+    rope_r: (Tensor, Tensor),
+    mask_r: Option<Tensor>,
+}
+
+impl crate::model::Pass for LlamaPass<'_> {
+    /// `[P + B·T, hidden]` with a prefix (the prefix's tokens first), else `[B, T, hidden]`.
+    fn input(&self) -> Tensor {
+        let tokens = match self.prefix {
+            Some(prefix) => Tensor::cat(&[prefix.shallow_clone(), self.rows.reshape([-1])], 0),
+            None => self.rows.shallow_clone(),
+        };
+        Tensor::embedding(&self.m.embed, &tokens, -1, false, false)
+    }
+
+    fn len(&self) -> usize {
+        self.m.layers.len()
+    }
+
+    fn block(&self, i: usize, x: &Tensor) -> Tensor {
+        let (m, b, t, p) = (self.m, self.b, self.t, self.p);
+        let c = &m.config;
+        let (hd, nh, nkv) = (c.head_dim(), c.num_attention_heads, c.num_key_value_heads);
+        let ((cos_p, sin_p), (cos_r, sin_r)) = (&self.rope_p, &self.rope_r);
+        m.layer(&m.layers[i], x, |q, k, v| {
+            if self.prefix.is_none() {
+                let q = m.rope(&q.view([b, t, nh, hd]).transpose(1, 2), cos_r, sin_r);
+                let k = m.rope(&k.view([b, t, nkv, hd]).transpose(1, 2), cos_r, sin_r);
+                let v = v.view([b, t, nkv, hd]).transpose(1, 2);
+                return m.attend(&q, &k, &v, self.mask_r.as_ref()).transpose(1, 2).contiguous().view([b, t, nh * hd]);
+            }
+            let split = |y: &Tensor, heads: i64| {
+                (y.narrow(0, 0, p).view([1, p, heads, hd]).transpose(1, 2), y.narrow(0, p, b * t).view([b, t, heads, hd]).transpose(1, 2))
+            };
+            let ((q_p, q_r), (k_p, k_r), (v_p, v_r)) = (split(&q, nh), split(&k, nkv), split(&v, nkv));
+            let (q_p, k_p) = (m.rope(&q_p, cos_p, sin_p), m.rope(&k_p, cos_p, sin_p));
+            let (q_r, k_r) = (m.rope(&q_r, cos_r, sin_r), m.rope(&k_r, cos_r, sin_r));
+            let att_p = m.attend(&q_p, &k_p, &v_p, self.mask_p.as_ref());
+            let k_all = Tensor::cat(&[k_p.expand([b, nkv, p, hd], false), k_r], 2);
+            let v_all = Tensor::cat(&[v_p.expand([b, nkv, p, hd], false), v_r], 2);
+            let att_r = m.attend(&q_r, &k_all, &v_all, self.mask_r.as_ref());
+            Tensor::cat(&[att_p.transpose(1, 2).reshape([p, nh * hd]), att_r.transpose(1, 2).reshape([b * t, nh * hd])], 0)
+        })
+    }
+
+    fn output(&self, x: &Tensor) -> Tensor {
+        let rows = if self.prefix.is_some() { x.narrow(0, self.p, self.b * self.t) } else { x.shallow_clone() };
+        let h = rms_norm(&rows, &self.m.norm, self.m.config.rms_norm_eps);
+        let hidden = h.size().last().copied().expect("hidden states have a last dimension");
+        self.m.logits_of(&h.reshape([-1, hidden]).index_select(0, self.flat))
+    }
+}
+
+impl crate::model::lora::Adaptable for Llama {
+    fn linears(&self) -> Vec<(String, &Linear)> {
+        let mut out = vec![];
+        for (i, l) in self.layers.iter().enumerate() {
+            let n = |m: &str| format!("model.layers.{i}.{m}");
+            out.extend([
+                (n("self_attn.q_proj"), &l.q),
+                (n("self_attn.k_proj"), &l.k),
+                (n("self_attn.v_proj"), &l.v),
+                (n("self_attn.o_proj"), &l.o),
+                (n("mlp.gate_proj"), &l.gate),
+                (n("mlp.up_proj"), &l.up),
+                (n("mlp.down_proj"), &l.down),
+            ]);
+        }
+        out
+    }
+
+    fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = vec![];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let n = |m: &str| format!("model.layers.{i}.{m}");
+            out.extend([
+                (n("self_attn.q_proj"), &mut l.q),
+                (n("self_attn.k_proj"), &mut l.k),
+                (n("self_attn.v_proj"), &mut l.v),
+                (n("self_attn.o_proj"), &mut l.o),
+                (n("mlp.gate_proj"), &mut l.gate),
+                (n("mlp.up_proj"), &mut l.up),
+                (n("mlp.down_proj"), &mut l.down),
+            ]);
+        }
+        out
+    }
+
+    fn base_vars(&self) -> &nn::VarStore {
+        &self.vs
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::gguf::{permute_qk, unpermute_qk};
+    use crate::model::CausalLm;
 
     fn tiny() -> Llama {
         Llama::new(LlamaConfig::tiny(50, 32, 2), Device::Cpu, 7).unwrap()

@@ -21,6 +21,7 @@ pub mod hf;
 pub mod layers;
 pub mod llama;
 pub mod loader;
+pub mod lora;
 pub mod qwen3_5;
 pub mod tokenizer;
 
@@ -34,18 +35,60 @@ use tch::{Device, Kind, Tensor};
 
 /// What the learner needs of a model: teacher-forced logits at chosen positions, alone or
 /// after a prefix the rows share, its parameters, and the kind its products run in.
-pub trait CausalLm {
+pub trait CausalLm: lora::Adaptable {
     fn device(&self) -> Device;
     /// The kind of the matrix products of the learner's passes (`Float`, or `BFloat16` for
     /// mixed precision; parameters stay float32).
     fn set_compute(&mut self, kind: Kind);
-    /// Parameters by transformers' name (shared storage, float32).
+    /// Parameters by transformers' name (shared storage; float32 unless a frozen base is
+    /// stored in bf16 under an adapter).
     fn named_tensors(&self) -> Vec<(String, Tensor)>;
+    /// What training updates: the adapter's factors under PEFT's names when the model has
+    /// one ([`lora`]), else every parameter.
+    fn trainable(&self) -> Vec<(String, Tensor)> {
+        if lora::is_adapted(self) {
+            lora::adapter_tensors(self)
+        } else {
+            self.named_tensors()
+        }
+    }
+    /// The teacher-forced pass that gives logits `[N, vocab]` at `flat` positions `[N]`
+    /// (row · T + column) of `rows` `[B, T]`; with a `prefix` `[P]`, the rows all follow it
+    /// and it is computed once (equal to the unshared pass within float rounding). Cut at
+    /// the decoder layers, for activation recompute; [`Pass::run`] runs it whole.
+    fn pass<'a>(&'a self, prefix: Option<&'a Tensor>, rows: &'a Tensor, flat: &'a Tensor) -> Box<dyn Pass + 'a>;
+
     /// Logits `[N, vocab]` at `flat` positions `[N]` (row · T + column) of `tokens` `[B, T]`.
-    fn logits_at(&self, tokens: &Tensor, flat: &Tensor) -> Tensor;
+    fn logits_at(&self, tokens: &Tensor, flat: &Tensor) -> Tensor {
+        self.pass(None, tokens, flat).run()
+    }
+
     /// [`CausalLm::logits_at`] of rows `[B, T]` that all follow `prefix` `[P]`, computed once;
     /// `flat` indexes the rows. Equal to the unshared pass within float rounding.
-    fn logits_at_shared(&self, prefix: &Tensor, rows: &Tensor, flat: &Tensor) -> Tensor;
+    fn logits_at_shared(&self, prefix: &Tensor, rows: &Tensor, flat: &Tensor) -> Tensor {
+        self.pass(Some(prefix), rows, flat).run()
+    }
+}
+
+/// One forward pass cut at its blocks: `input` (the embedded tokens), then `block(0)` …
+/// `block(len − 1)` on the residual stream, then `output` (final norm and LM head at the
+/// chosen positions). Each block is a pure function of its input, so it can be run again
+/// in the backward pass (activation recompute) and give the same values.
+pub trait Pass {
+    fn input(&self) -> Tensor;
+    fn len(&self) -> usize;
+    fn block(&self, i: usize, x: &Tensor) -> Tensor;
+    fn output(&self, x: &Tensor) -> Tensor;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The whole pass.
+    fn run(&self) -> Tensor {
+        let x = (0..self.len()).fold(self.input(), |x, i| self.block(i, &x));
+        self.output(&x)
+    }
 }
 
 impl CausalLm for Llama {
@@ -61,11 +104,7 @@ impl CausalLm for Llama {
         Llama::named_tensors(self)
     }
 
-    fn logits_at(&self, tokens: &Tensor, flat: &Tensor) -> Tensor {
-        Llama::logits_at(self, tokens, flat)
-    }
-
-    fn logits_at_shared(&self, prefix: &Tensor, rows: &Tensor, flat: &Tensor) -> Tensor {
-        Llama::logits_at_shared(self, prefix, rows, flat)
+    fn pass<'a>(&'a self, prefix: Option<&'a Tensor>, rows: &'a Tensor, flat: &'a Tensor) -> Box<dyn Pass + 'a> {
+        Box::new(Llama::pass(self, prefix, rows, flat))
     }
 }

@@ -23,7 +23,7 @@ use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::model::deltanet;
-use crate::model::layers::{mm as mm_in, rms_norm, rope_angles, rotate_half};
+use crate::model::layers::{mm as mm_in, rms_norm, rope_angles, rotate_half, Linear};
 use crate::NativeError;
 
 /// The gated delta rule's chunk length for passes of more than one token (transformers').
@@ -239,26 +239,26 @@ impl Qwen35Config {
 
 struct Attention {
     /// `[heads · 2 · head_dim, hidden]`: per head, the query rows then the gate rows.
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
     q_norm: Tensor,
     k_norm: Tensor,
 }
 
 struct DeltaNet {
-    in_qkv: Tensor,
-    in_z: Tensor,
-    in_b: Tensor,
-    in_a: Tensor,
+    in_qkv: Linear,
+    in_z: Linear,
+    in_b: Linear,
+    in_a: Linear,
     /// `[conv_dim, 1, kernel]`
     conv: Tensor,
     dt_bias: Tensor,
     a_log: Tensor,
     /// The gated RMSNorm's weight `[value_head_dim]` (not zero-centred).
     norm: Tensor,
-    out: Tensor,
+    out: Linear,
 }
 
 enum Mixer {
@@ -270,9 +270,9 @@ struct Layer {
     input_norm: Tensor,
     mixer: Mixer,
     post_norm: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
 }
 
 /// What a sequence carries between passes: keys and values of the attention layers, the
@@ -322,18 +322,6 @@ impl Qwen35Cache {
             .collect();
         Qwen35Cache { layers, len }
     }
-
-    /// The state of one sequence as the start of `b` (a shared prefix continued by `b` rows).
-    fn expand(&mut self, b: i64) {
-        for (x, y) in self.layers.iter_mut().flatten() {
-            let grow = |t: &Tensor| {
-                let mut shape = t.size();
-                shape[0] = b;
-                t.expand(shape.as_slice(), false)
-            };
-            (*x, *y) = (grow(x), grow(y));
-        }
-    }
 }
 
 /// Whether a cache slot whose first tensor is `x` is a GDN layer's (convolution inputs
@@ -369,20 +357,71 @@ impl crate::model::CausalLm for Qwen35 {
         Qwen35::named_tensors(self)
     }
 
-    fn logits_at(&self, tokens: &Tensor, flat: &Tensor) -> Tensor {
-        let h = self.hidden(tokens, None, CHUNK);
-        let hidden = h.size()[2];
-        self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
+    fn pass<'a>(&'a self, prefix: Option<&'a Tensor>, rows: &'a Tensor, flat: &'a Tensor) -> Box<dyn crate::model::Pass + 'a> {
+        let (b, t) = rows.size2().expect("rows must be [B, T]");
+        let p = prefix.map_or(0, |p| p.size1().expect("prefix must be [P]"));
+        Box::new(Qwen35Pass { m: self, prefix, rows, flat, b, t, p, rope_p: self.rope(0, p), rope_r: self.rope(p, t) })
+    }
+}
+
+/// [`crate::model::CausalLm::pass`] of Qwen3.5: with a prefix, the residual stream is the
+/// prefix's `[P, hidden]` and the rows' `[B·T, hidden]` one after the other; each block runs
+/// the prefix, then the rows from the prefix's state of that layer (keys and values,
+/// convolution inputs, recurrent state).
+struct Qwen35Pass<'a> {
+    m: &'a Qwen35,
+    prefix: Option<&'a Tensor>,
+    rows: &'a Tensor,
+    flat: &'a Tensor,
+    b: i64,
+    t: i64,
+    p: i64,
+    rope_p: (Tensor, Tensor),
+    rope_r: (Tensor, Tensor),
+}
+
+impl crate::model::Pass for Qwen35Pass<'_> {
+    fn input(&self) -> Tensor {
+        let tokens = match self.prefix {
+            Some(prefix) => Tensor::cat(&[prefix.shallow_clone(), self.rows.reshape([-1])], 0),
+            None => self.rows.shallow_clone(),
+        };
+        Tensor::embedding(&self.m.embed, &tokens, -1, false, false)
     }
 
-    fn logits_at_shared(&self, prefix: &Tensor, rows: &Tensor, flat: &Tensor) -> Tensor {
-        let mut cache = Qwen35Cache::default();
-        let _ = self.hidden(&prefix.unsqueeze(0), Some(&mut cache), CHUNK);
-        cache.expand(rows.size()[0]);
-        let h = self.hidden(rows, Some(&mut cache), CHUNK);
-        let hidden = h.size()[2];
-        self.logits_of(&h.view([-1, hidden]).index_select(0, flat))
+    fn len(&self) -> usize {
+        self.m.layers.len()
     }
+
+    fn block(&self, i: usize, x: &Tensor) -> Tensor {
+        let (m, l, b, t, p) = (self.m, &self.m.layers[i], self.b, self.t, self.p);
+        let ((cos_p, sin_p), (cos_r, sin_r)) = (&self.rope_p, &self.rope_r);
+        if self.prefix.is_none() {
+            return m.block(l, x, (b, t, 0), (cos_r, sin_r), None, CHUNK);
+        }
+        let hidden = x.size()[1];
+        let mut slot = None;
+        let xp = m.block(l, &x.narrow(0, 0, p).view([1, p, hidden]), (1, p, 0), (cos_p, sin_p), Some(&mut slot), CHUNK);
+        if let Some((s1, s2)) = slot.as_mut() {
+            (*s1, *s2) = (expand_rows(s1, b), expand_rows(s2, b));
+        }
+        let xr = m.block(l, &x.narrow(0, p, b * t).view([b, t, hidden]), (b, t, p), (cos_r, sin_r), Some(&mut slot), CHUNK);
+        Tensor::cat(&[xp.view([p, hidden]), xr.view([b * t, hidden])], 0)
+    }
+
+    fn output(&self, x: &Tensor) -> Tensor {
+        let rows = if self.prefix.is_some() { x.narrow(0, self.p, self.b * self.t) } else { x.shallow_clone() };
+        let h = norm(&rows, &self.m.norm, self.m.config.rms_norm_eps);
+        let hidden = h.size().last().copied().expect("hidden states have a last dimension");
+        self.m.logits_of(&h.reshape([-1, hidden]).index_select(0, self.flat))
+    }
+}
+
+/// The state of one sequence `[1, ..]` as the start of `b` rows.
+fn expand_rows(t: &Tensor, b: i64) -> Tensor {
+    let mut shape = t.size();
+    shape[0] = b;
+    t.expand(shape.as_slice(), false)
 }
 
 /// Qwen3.5's text decoder.
@@ -419,8 +458,9 @@ impl Qwen35 {
         let mut layers = vec![];
         for (i, &full) in c.full_attention.iter().enumerate() {
             let l = &(&m / "layers") / i;
-            let w =
-                |module: &str, rows: i64, cols: i64| module.split('.').fold(l.clone(), |p, seg| &p / seg).var("weight", &[rows, cols], z);
+            let w = |module: &str, rows: i64, cols: i64| {
+                Linear::new(module.split('.').fold(l.clone(), |p, seg| &p / seg).var("weight", &[rows, cols], z))
+            };
             let mixer = if full {
                 let a = |name: &str| format!("self_attn.{name}");
                 Mixer::Attention(Attention {
@@ -435,15 +475,15 @@ impl Qwen35 {
                 let g = &l / "linear_attn";
                 let conv_dim = 2 * kd + vd;
                 Mixer::DeltaNet(DeltaNet {
-                    in_qkv: (&g / "in_proj_qkv").var("weight", &[conv_dim, h], z),
-                    in_z: (&g / "in_proj_z").var("weight", &[vd, h], z),
-                    in_b: (&g / "in_proj_b").var("weight", &[c.linear_num_value_heads, h], z),
-                    in_a: (&g / "in_proj_a").var("weight", &[c.linear_num_value_heads, h], z),
+                    in_qkv: Linear::new((&g / "in_proj_qkv").var("weight", &[conv_dim, h], z)),
+                    in_z: Linear::new((&g / "in_proj_z").var("weight", &[vd, h], z)),
+                    in_b: Linear::new((&g / "in_proj_b").var("weight", &[c.linear_num_value_heads, h], z)),
+                    in_a: Linear::new((&g / "in_proj_a").var("weight", &[c.linear_num_value_heads, h], z)),
                     conv: (&g / "conv1d").var("weight", &[conv_dim, 1, c.linear_conv_kernel_dim], z),
                     dt_bias: g.var("dt_bias", &[c.linear_num_value_heads], z),
                     a_log: g.var("A_log", &[c.linear_num_value_heads], z),
                     norm: (&g / "norm").var("weight", &[c.linear_value_head_dim], z),
-                    out: (&g / "out_proj").var("weight", &[h, vd], z),
+                    out: Linear::new((&g / "out_proj").var("weight", &[h, vd], z)),
                 })
             };
             layers.push(Layer {
@@ -505,6 +545,11 @@ impl Qwen35 {
         mm_in(x, w, self.compute)
     }
 
+    /// A linear layer (with its adapter, if any) in [`Qwen35::compute`], float32 out.
+    fn lin(&self, x: &Tensor, w: &Linear) -> Tensor {
+        w.forward(x, self.compute)
+    }
+
     /// Parameters by transformers' name.
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
         crate::model::hf::named(&self.vs)
@@ -538,20 +583,35 @@ impl Qwen35 {
         let (cos, sin) = self.rope(start, t);
         let mut x = Tensor::embedding(&self.embed, tokens, -1, false, false);
         for (i, l) in self.layers.iter().enumerate() {
-            let h = norm(&x, &l.input_norm, c.rms_norm_eps);
-            let slot = cache.as_mut().map(|c| &mut c.layers[i]);
-            let mixed = match &l.mixer {
-                Mixer::Attention(a) => self.attention(a, &h, (b, t, start), (&cos, &sin), slot),
-                Mixer::DeltaNet(d) => self.deltanet(d, &h, (b, t), slot, chunk),
-            };
-            x = x + mixed;
-            let h = norm(&x, &l.post_norm, c.rms_norm_eps);
-            x = &x + self.mm(&(self.mm(&h, &l.gate).silu() * self.mm(&h, &l.up)), &l.down);
+            x = self.block(l, &x, (b, t, start), (&cos, &sin), cache.as_mut().map(|c| &mut c.layers[i]), chunk);
         }
         if let Some(cache) = cache.as_mut() {
             cache.len += t;
         }
         norm(&x, &self.norm, c.rms_norm_eps)
+    }
+
+    /// One decoder layer on the residual stream `x` `[B, T, hidden]` at positions
+    /// `start..start + T`: the mixer (gated attention or a GDN layer, continuing `slot`'s
+    /// state where there is one) and the MLP, each after its norm.
+    fn block(
+        &self,
+        l: &Layer,
+        x: &Tensor,
+        (b, t, start): (i64, i64, i64),
+        (cos, sin): (&Tensor, &Tensor),
+        slot: Option<&mut Option<(Tensor, Tensor)>>,
+        chunk: i64,
+    ) -> Tensor {
+        let eps = self.config.rms_norm_eps;
+        let h = norm(x, &l.input_norm, eps);
+        let mixed = match &l.mixer {
+            Mixer::Attention(a) => self.attention(a, &h, (b, t, start), (cos, sin), slot),
+            Mixer::DeltaNet(d) => self.deltanet(d, &h, (b, t), slot, chunk),
+        };
+        let x = x + mixed;
+        let h = norm(&x, &l.post_norm, eps);
+        &x + self.lin(&(self.lin(&h, &l.gate).silu() * self.lin(&h, &l.up)), &l.down)
     }
 
     /// cos/sin `[T, rotary_dim]` of positions `start..start + t` (the half-rotation layout).
@@ -578,11 +638,11 @@ impl Qwen35 {
     ) -> Tensor {
         let c = &self.config;
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let qg = self.mm(h, &a.q).view([b, t, nh, 2 * hd]);
+        let qg = self.lin(h, &a.q).view([b, t, nh, 2 * hd]);
         let gate = qg.narrow(-1, hd, hd).reshape([b, t, nh * hd]);
         let q = norm(&qg.narrow(-1, 0, hd), &a.q_norm, c.rms_norm_eps).transpose(1, 2);
-        let k = norm(&self.mm(h, &a.k).view([b, t, nkv, hd]), &a.k_norm, c.rms_norm_eps).transpose(1, 2);
-        let mut v = self.mm(h, &a.v).view([b, t, nkv, hd]).transpose(1, 2);
+        let k = norm(&self.lin(h, &a.k).view([b, t, nkv, hd]), &a.k_norm, c.rms_norm_eps).transpose(1, 2);
+        let mut v = self.lin(h, &a.v).view([b, t, nkv, hd]).transpose(1, 2);
         let q = self.rotate(&q, cos, sin);
         let mut k = self.rotate(&k, cos, sin);
         if let Some(slot) = slot {
@@ -600,7 +660,7 @@ impl Qwen35 {
         });
         let att = Tensor::scaled_dot_product_attention(&q, &repeat(&k), &repeat(&v), mask.as_ref(), 0.0, false, None, false);
         let att = att.transpose(1, 2).contiguous().view([b, t, nh * hd]);
-        self.mm(&(att * gate.sigmoid()), &a.o)
+        self.lin(&(att * gate.sigmoid()), &a.o)
     }
 
     fn deltanet(&self, d: &DeltaNet, h: &Tensor, (b, t): (i64, i64), slot: Option<&mut Option<(Tensor, Tensor)>>, chunk: i64) -> Tensor {
@@ -611,13 +671,13 @@ impl Qwen35 {
             Some((conv, s)) => (Some(conv.shallow_clone()), Some(s.shallow_clone())),
             None => (None, None),
         };
-        let (mixed, conv_state) = deltanet::causal_conv(&self.mm(h, &d.in_qkv).transpose(1, 2), &d.conv, conv_state.as_ref());
+        let (mixed, conv_state) = deltanet::causal_conv(&self.lin(h, &d.in_qkv).transpose(1, 2), &d.conv, conv_state.as_ref());
         let mixed = mixed.transpose(1, 2);
         let q = mixed.narrow(-1, 0, kd).reshape([b, t, hk, dk]);
         let k = mixed.narrow(-1, kd, kd).reshape([b, t, hk, dk]);
         let v = mixed.narrow(-1, 2 * kd, vd).reshape([b, t, hv, dv]);
-        let beta = self.mm(h, &d.in_b).sigmoid();
-        let g = -d.a_log.exp() * (self.mm(h, &d.in_a) + &d.dt_bias).softplus();
+        let beta = self.lin(h, &d.in_b).sigmoid();
+        let g = -d.a_log.exp() * (self.lin(h, &d.in_a) + &d.dt_bias).softplus();
         let (out, state) = match &state {
             Some(s) if t == 1 => deltanet::recurrent(&q, &k, &v, &g, &beta, Some(s)),
             s => deltanet::chunked(&q, &k, &v, &g, &beta, s.as_ref(), chunk),
@@ -626,9 +686,70 @@ impl Qwen35 {
             *slot = Some((conv_state, state));
         }
         // the gated RMSNorm: x̂ · w · SiLU(z), per value head
-        let z = self.mm(h, &d.in_z).reshape([b, t, hv, dv]);
+        let z = self.lin(h, &d.in_z).reshape([b, t, hv, dv]);
         let out = rms_norm(&out, &d.norm, c.rms_norm_eps) * z.silu();
-        self.mm(&out.reshape([b, t, vd]), &d.out)
+        self.lin(&out.reshape([b, t, vd]), &d.out)
+    }
+}
+
+impl Qwen35 {
+    /// The module-name prefix of the decoder's layers (`model`, or `model.language_model`
+    /// in a released checkpoint's layout).
+    fn layer_prefix(&self) -> &'static str {
+        if self.config.language_model {
+            "model.language_model.layers"
+        } else {
+            "model.layers"
+        }
+    }
+}
+
+/// One layer's linear layers by their names under the layer (transformers' modules).
+macro_rules! qwen35_linears {
+    ($layer:expr, $($r:tt)*) => {{
+        let l = $layer;
+        let mut out = vec![];
+        match $($r)* l.mixer {
+            Mixer::Attention(a) => out.extend([
+                ("self_attn.q_proj", $($r)* a.q),
+                ("self_attn.k_proj", $($r)* a.k),
+                ("self_attn.v_proj", $($r)* a.v),
+                ("self_attn.o_proj", $($r)* a.o),
+            ]),
+            Mixer::DeltaNet(d) => out.extend([
+                ("linear_attn.in_proj_qkv", $($r)* d.in_qkv),
+                ("linear_attn.in_proj_z", $($r)* d.in_z),
+                ("linear_attn.in_proj_b", $($r)* d.in_b),
+                ("linear_attn.in_proj_a", $($r)* d.in_a),
+                ("linear_attn.out_proj", $($r)* d.out),
+            ]),
+        }
+        out.extend([("mlp.gate_proj", $($r)* l.gate), ("mlp.up_proj", $($r)* l.up), ("mlp.down_proj", $($r)* l.down)]);
+        out
+    }};
+}
+
+impl crate::model::lora::Adaptable for Qwen35 {
+    fn linears(&self) -> Vec<(String, &Linear)> {
+        let prefix = self.layer_prefix();
+        let mut out = vec![];
+        for (i, l) in self.layers.iter().enumerate() {
+            out.extend(qwen35_linears!(l, &).into_iter().map(|(m, lin)| (format!("{prefix}.{i}.{m}"), lin)));
+        }
+        out
+    }
+
+    fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let prefix = self.layer_prefix();
+        let mut out = vec![];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            out.extend(qwen35_linears!(l, &mut).into_iter().map(|(m, lin)| (format!("{prefix}.{i}.{m}"), lin)));
+        }
+        out
+    }
+
+    fn base_vars(&self) -> &nn::VarStore {
+        &self.vs
     }
 }
 

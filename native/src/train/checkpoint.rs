@@ -16,6 +16,7 @@ use sha2::{Digest, Sha256};
 use tch::{Device, Tensor};
 
 use crate::model::hf::{read_safetensors, safetensors_parts, sha256_hex as sha256};
+use crate::model::lora::{self, ADAPTER_CONFIG_FILE, ADAPTER_FILE};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::Dtype;
 use crate::model::{CausalLm, Model};
@@ -40,6 +41,9 @@ pub struct SaveInfo {
     pub metrics: BTreeMap<String, f64>,
     /// Element type of `model.safetensors`.
     pub dtype: crate::model::Dtype,
+    /// The base model the run started from: what an adapter checkpoint's
+    /// `adapter_config.json` names as `base_model_name_or_path`, and what loading it reads.
+    pub base_model: String,
 }
 
 /// Key of a checkpoint's manifest.
@@ -130,18 +134,34 @@ pub async fn save(
     let started = std::time::Instant::now();
     // `format = pt`: what transformers' loader looks for in a safetensors header.
     let pt = || Some(HashMap::from([("format".to_string(), "pt".to_string())]));
-    let tensors = learner.model.named_tensors();
-    let mut large = vec![(MODEL_FILE, safetensors_parts(&tensors, info.dtype, pt())?)];
-    if info.dtype != Dtype::F32 {
-        large.push((MASTER_FILE, safetensors_parts(&tensors, Dtype::F32, pt())?));
+    let mut small = vec![(CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config_json()).expect("serialises"))];
+    let mut large = vec![];
+    match (&learner.config.adapter, lora::is_adapted(&learner.model)) {
+        // an adapter run: the adapter in PEFT's layout (float32, small); the base stays where it is
+        (Some(adapter), true) => {
+            large.push((ADAPTER_FILE, safetensors_parts(&lora::adapter_tensors(&learner.model), Dtype::F32, pt())?));
+            let peft = lora::peft_config(adapter, &learner.model, &info.base_model);
+            small.push((ADAPTER_CONFIG_FILE, serde_json::to_vec_pretty(&peft).expect("serialises")));
+        }
+        (None, false) => {
+            let tensors = learner.model.named_tensors();
+            large.push((MODEL_FILE, safetensors_parts(&tensors, info.dtype, pt())?));
+            if info.dtype != Dtype::F32 {
+                large.push((MASTER_FILE, safetensors_parts(&tensors, Dtype::F32, pt())?));
+            }
+        }
+        (Some(_), false) | (None, true) => {
+            return Err(ckpt_err(
+                dir,
+                "the learner's model and its `adapter` setting disagree (an adapter without a config, or a config without one)",
+            ))
+        }
     }
-    drop(tensors);
     large.push((OPTIMIZER_FILE, optimizer_parts(&learner.optim)?));
     let mut entries = vec![];
     for (name, parts) in large {
         entries.push(put_parts(store, &format!("{dir}{name}"), name, parts).await?);
     }
-    let mut small = vec![(CONFIG_FILE, serde_json::to_vec_pretty(&learner.model.config_json()).expect("serialises"))];
     if let Some(tok) = tokenizer {
         small.push((TOKENIZER_FILE, tok.to_json()?.into_bytes()));
         small.push(("tokenizer_config.json", serde_json::to_vec_pretty(&tok.hf_config()).expect("serialises")));
@@ -340,7 +360,18 @@ pub struct Loaded {
 /// that trained nothing, the weights of the step it names; a step whose weights are still
 /// the base model's is refused (load the base model instead).
 pub async fn load(store: &dyn ObjectStore, run_id: &str, step: u32, device: Device, config: LearnerConfig) -> Result<Loaded, NativeError> {
-    let parts = load_parts(store, run_id, step, device, true).await?;
+    let parts = load_parts(store, run_id, step, device, Some(config.precision.kind())).await?;
+    let adapted = lora::is_adapted(&parts.model);
+    if adapted != config.adapter.is_some() {
+        return Err(NativeError::Config {
+            field: "learner.adapter".into(),
+            detail: format!(
+                "step {step} of run `{run_id}` holds {}, but the run's learner {}; a run keeps the setting it started with",
+                if adapted { "a LoRA adapter" } else { "full weights" },
+                if config.adapter.is_some() { "trains an adapter" } else { "trains every weight" }
+            ),
+        });
+    }
     let mut learner = Learner::new(parts.model, config);
     if let Some(mut optim) = parts.optimizer {
         // The run's settings win over the saved ones; the moments and step carry over.
@@ -352,14 +383,15 @@ pub async fn load(store: &dyn ObjectStore, run_id: &str, step: u32, device: Devi
 }
 
 /// The weights (and tokenizer) of `step`'s checkpoint without the optimizer state: what
-/// a policy needs to sample. Follows `weights_step` like [`load`].
+/// a policy needs to sample. Follows `weights_step` like [`load`]; an adapter checkpoint
+/// comes back merged into its base (full weights, float32).
 pub async fn load_model(
     store: &dyn ObjectStore,
     run_id: &str,
     step: u32,
     device: Device,
 ) -> Result<(Model, Option<Tokenizer>, CheckpointManifest), NativeError> {
-    let parts = load_parts(store, run_id, step, device, false).await?;
+    let parts = load_parts(store, run_id, step, device, None).await?;
     Ok((parts.model, parts.tokenizer, parts.manifest))
 }
 
@@ -370,12 +402,22 @@ struct Parts {
     tokenizer: Option<Tokenizer>,
 }
 
-async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: Device, optimizer: bool) -> Result<Parts, NativeError> {
+/// The parts of `step`'s checkpoint. `learner`: `Some(base kind)` to train on (the
+/// optimizer state too; an adapter stays an adapter over a base stored in that kind), `None`
+/// to sample (an adapter merged into its base).
+async fn load_parts(
+    store: &dyn ObjectStore,
+    run_id: &str,
+    step: u32,
+    device: Device,
+    learner: Option<tch::Kind>,
+) -> Result<Parts, NativeError> {
+    let optimizer = learner.is_some();
     let manifest = read_manifest(store, &manifest_key(run_id, step)).await?;
     match manifest.weights_step {
         Some(w) if w == step => {}
         Some(w) if w < step => {
-            let mut parts = Box::pin(load_parts(store, run_id, w, device, optimizer)).await?;
+            let mut parts = Box::pin(load_parts(store, run_id, w, device, learner)).await?;
             parts.manifest = manifest;
             return Ok(parts);
         }
@@ -392,8 +434,16 @@ async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: De
     let missing = |name: &str| ckpt_err(url(name), format!("listed file `{name}` is missing from the manifest"));
     let cfg_bytes = read_file(store, &dir, &manifest, CONFIG_FILE).await?.ok_or_else(|| missing(CONFIG_FILE))?;
     let cfg_text = String::from_utf8_lossy(&cfg_bytes).into_owned();
-    // the float32 weights where this step kept them, else `model.safetensors` (any dtype)
-    let weights = if manifest.files.iter().any(|f| f.name == MASTER_FILE) { MASTER_FILE } else { MODEL_FILE };
+    let has = |name: &str| manifest.files.iter().any(|f| f.name == name);
+    // the float32 weights where this step kept them, else `model.safetensors` (any dtype), or
+    // an adapter over its base
+    let weights = if has(ADAPTER_FILE) {
+        ADAPTER_FILE
+    } else if has(MASTER_FILE) {
+        MASTER_FILE
+    } else {
+        MODEL_FILE
+    };
     let started = std::time::Instant::now();
     let (model_bytes, optimizer_bytes) = tokio::try_join!(read_file(store, &dir, &manifest, weights), async {
         match optimizer {
@@ -407,7 +457,12 @@ async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: De
     let tensors = read_safetensors(&model_bytes, &model_path)?;
     drop(model_bytes);
     let tensors: HashMap<String, Tensor> = tensors.into_iter().map(|(k, v)| (k, v.to_device(device))).collect();
-    let model = Model::from_hf(&cfg_text, &PathBuf::from(url(CONFIG_FILE)), &tensors, device, &model_path)?;
+    let model = if weights == ADAPTER_FILE {
+        let cfg = read_file(store, &dir, &manifest, ADAPTER_CONFIG_FILE).await?.ok_or_else(|| missing(ADAPTER_CONFIG_FILE))?;
+        adapted(&cfg, &url(ADAPTER_CONFIG_FILE), &tensors, &model_path, device, learner)?
+    } else {
+        Model::from_hf(&cfg_text, &PathBuf::from(url(CONFIG_FILE)), &tensors, device, &model_path)?
+    };
     drop(tensors);
     let optimizer = match optimizer_bytes {
         Some(bytes) => Some(restore_optimizer(&bytes, &url(OPTIMIZER_FILE), device)?),
@@ -422,6 +477,31 @@ async fn load_parts(store: &dyn ObjectStore, run_id: &str, step: u32, device: De
         None => None,
     };
     Ok(Parts { manifest, model, optimizer, tokenizer })
+}
+
+/// The model of an adapter checkpoint: its base (the folder or file `adapter_config.json`
+/// names) with the adapter `tensors` attached (`learner`: the base frozen in that kind) or
+/// merged (`None`).
+fn adapted(
+    config: &[u8],
+    config_url: &str,
+    tensors: &HashMap<String, Tensor>,
+    source: &std::path::Path,
+    device: Device,
+    learner: Option<tch::Kind>,
+) -> Result<Model, NativeError> {
+    let (adapter, base) = lora::read_peft_config(&String::from_utf8_lossy(config), std::path::Path::new(config_url))?;
+    if base.is_empty() {
+        return Err(ckpt_err(config_url, "`base_model_name_or_path` is empty: the adapter does not say which base it adapts"));
+    }
+    let (mut model, _) = crate::model::loader::load(std::path::Path::new(&base), device)
+        .map_err(|e| ckpt_err(config_url, format!("its base model `{base}` (`base_model_name_or_path`) does not load: {e}")))?;
+    lora::load(&mut model, &adapter, tensors, learner.unwrap_or(tch::Kind::Float), source)?;
+    if learner.is_none() {
+        lora::merge(&mut model);
+        lora::unfreeze(&mut model);
+    }
+    Ok(model)
 }
 
 #[cfg(test)]

@@ -115,7 +115,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
         None => {
             let (model, tok) = crate::model::loader::load(&input.base_model, device)?;
             let parent = latest.as_ref().map(|m| checkpoint::manifest_key(&input.run_id, m.step));
-            (Learner::new(model, input.learner.clone()), tok, parent)
+            (Learner::from_base(model, input.learner.clone())?, tok, parent)
         }
     };
 
@@ -140,6 +140,7 @@ pub async fn run(store: &dyn ObjectStore, input: &LearnInput) -> Result<LearnOut
         data_cursor: input.data_cursor,
         metrics: metrics.to_map(),
         dtype: input.checkpoints.dtype,
+        base_model: input.base_model.display().to_string(),
     };
     if metrics.policy_tokens == 0 {
         // Nothing to train: say so, and record the step without copying unchanged weights.

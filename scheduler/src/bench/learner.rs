@@ -365,6 +365,7 @@ fn resume_difference(mut learner: Learner, first: &Batch, second: &Batch, device
         data_cursor: 0,
         metrics: Default::default(),
         dtype: Default::default(),
+        base_model: String::new(),
     };
     rt.block_on(native::train::checkpoint::save(&store, &learner, None, &info))?;
     learner.update(second)?;

@@ -19,7 +19,8 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{CausalLm, Model};
+use crate::model::lora::{self, AdapterConfig};
+use crate::model::{CausalLm, Model, Pass};
 use crate::NativeError;
 pub use adamw::{AdamW, AdamWConfig};
 
@@ -95,6 +96,25 @@ pub struct LearnerConfig {
     /// a GPU's bf16 units pay). π_old is then scored in bf16 too, so the measured
     /// training–inference mismatch against float32 rollouts grows to bf16's rounding.
     pub precision: Precision,
+    /// A LoRA adapter to train instead of every weight (`[learner] adapter`): the base is
+    /// frozen (stored in bf16 under `precision = "bf16"`), AdamW keeps moments of the
+    /// adapter only, and checkpoints hold the adapter in PEFT's layout.
+    pub adapter: Option<AdapterConfig>,
+    /// `blocks`: keep only each decoder layer's input in the forward pass and run the layer
+    /// again in the backward pass ([`Recompute`]); the gradient is the same.
+    pub recompute: Recompute,
+}
+
+/// [`LearnerConfig::recompute`]: which activations the backward pass recomputes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation the backward pass needs (fastest, most memory).
+    #[default]
+    None,
+    /// Keep each block's input only; the backward pass runs the blocks again one at a time,
+    /// top down, and backpropagates sum(out · grad_out) through each.
+    Blocks,
 }
 
 impl Default for LearnerConfig {
@@ -106,6 +126,8 @@ impl Default for LearnerConfig {
             seed: 0,
             share_prefixes: true,
             precision: Precision::F32,
+            adapter: None,
+            recompute: Recompute::None,
         }
     }
 }
@@ -306,10 +328,22 @@ struct MicroBatch {
 }
 
 impl<M: CausalLm> Learner<M> {
+    /// The learner of `model` as it is: it trains the model's adapter if it has one
+    /// ([`CausalLm::trainable`]), else every weight. [`Learner::from_base`] attaches
+    /// `config.adapter`.
     pub fn new(mut model: M, config: LearnerConfig) -> Self {
         let rng = ChaCha8Rng::seed_from_u64(config.seed);
         model.set_compute(config.precision.kind());
         Learner { optim: AdamW::new(config.optimizer.clone()), model, config, rng }
+    }
+
+    /// The learner of a base model: with `config.adapter`, a fresh adapter is attached and
+    /// the base frozen (in bf16 under `precision = "bf16"`); errors name `learner.adapter`.
+    pub fn from_base(mut model: M, config: LearnerConfig) -> Result<Self, NativeError> {
+        if let Some(adapter) = &config.adapter {
+            lora::attach(&mut model, adapter, config.seed, config.precision.kind(), "learner.adapter")?;
+        }
+        Ok(Learner::new(model, config))
     }
 
     fn device(&self) -> Device {
@@ -383,12 +417,39 @@ impl<M: CausalLm> Learner<M> {
 
     /// log π(token) `[N]` of every completion token at its row's sampling temperature.
     fn token_logprobs(&self, mb: &MicroBatch) -> Tensor {
-        let logits = match &mb.prefix {
-            Some(prefix) => self.model.logits_at_shared(prefix, &mb.input, &mb.flat),
-            None => self.model.logits_at(&mb.input, &mb.flat),
-        };
+        Self::logprobs_of(mb, &self.model.pass(mb.prefix.as_ref(), &mb.input, &mb.flat).run())
+    }
+
+    /// log π(token) `[N]` from the logits `[N, vocab]` of the micro-batch's positions.
+    fn logprobs_of(mb: &MicroBatch, logits: &Tensor) -> Tensor {
         let logits = logits.to_kind(Kind::Float) / mb.temperature.unsqueeze(-1);
         logits.log_softmax(-1, Kind::Float).gather(-1, &mb.targets.unsqueeze(-1), false).squeeze_dim(-1)
+    }
+
+    /// Forward and backward of one micro-batch: `loss_of` turns the token log-probabilities
+    /// `[N]` into the loss, whose gradient is accumulated into the trainable parameters.
+    /// Returns the loss and the log-probabilities (detached). Under `recompute = "blocks"`
+    /// the pass keeps only each block's input ([`backward_in_blocks`]).
+    fn forward_backward(&self, mb: &MicroBatch, loss_of: impl FnOnce(&Tensor) -> Tensor) -> (Tensor, Tensor) {
+        let pass = self.model.pass(mb.prefix.as_ref(), &mb.input, &mb.flat);
+        let mut logp = None;
+        let loss = {
+            let head = |logits: &Tensor| {
+                let lp = Self::logprobs_of(mb, logits);
+                let loss = loss_of(&lp);
+                logp = Some(lp.detach());
+                loss
+            };
+            match self.config.recompute {
+                Recompute::None => {
+                    let loss = head(&pass.run());
+                    loss.backward();
+                    loss.detach()
+                }
+                Recompute::Blocks => backward_in_blocks(pass.as_ref(), head),
+            }
+        };
+        (loss, logp.expect("the head ran"))
     }
 
     /// `[N]` tensor of `value(sample, sample index, token index)` in the micro-batch's order.
@@ -479,28 +540,38 @@ impl<M: CausalLm> Learner<M> {
         // parameters, so its detached log-probabilities are π_old (ratio 1, gradient of
         // ρ·A): no separate scoring pass. Later passes reuse them.
         let mut old: Vec<Vec<f32>> = vec![vec![]; samples.len()];
-        let params = self.model.named_tensors();
+        let params = self.model.trainable();
         for pass in 0..self.config.updates_per_batch.max(1) {
             AdamW::zero_grad(&params);
             let mut loss_total = 0f64;
             let mut clipped = 0f64;
             for mb in &batches {
-                let logp = self.token_logprobs(mb);
-                let logp_old = if pass == 0 {
-                    let detached = logp.detach();
-                    Self::per_row(mb, samples, &detached, &mut old)?;
-                    detached
-                } else {
-                    self.scatter(mb, samples, |_, i, j| old[i][j])
-                };
-                let logq = self.scatter(mb, samples, |s, i, j| if s.logq.is_empty() { old[i][j] } else { s.logq[j] });
                 let adv = self.scatter(mb, samples, |s, _, _| s.advantage as f32);
                 let weight = self.scatter(mb, samples, |_, i, j| weights[i][j] as f32);
                 let bounds = |s: &Sample| s.shift.map(|c| (c.floor, c.cap)).unwrap_or((0.0, grpo::TIS_CAP));
                 let lo = self.scatter(mb, samples, |s, _, _| bounds(s).0 as f32);
                 let hi = self.scatter(mb, samples, |s, _, _| bounds(s).1 as f32);
-                let loss = grpo::grpo_loss_bounded(&logp, &logp_old, &logq, &adv, &weight, &lo, &hi);
-                loss.backward();
+                let (mut scored, mut filed) = (None, Ok(()));
+                let (loss, logp) = self.forward_backward(mb, |logp| {
+                    // π_old: on the first pass the forward's own values (ratio 1), stored
+                    // for the later passes
+                    let logp_old = if pass == 0 {
+                        let detached = logp.detach();
+                        filed = Self::per_row(mb, samples, &detached, &mut old);
+                        detached
+                    } else {
+                        self.scatter(mb, samples, |_, i, j| old[i][j])
+                    };
+                    let logq = match filed {
+                        Ok(()) => self.scatter(mb, samples, |s, i, j| if s.logq.is_empty() { old[i][j] } else { s.logq[j] }),
+                        Err(_) => logp_old.shallow_clone(),
+                    };
+                    let loss = grpo::grpo_loss_bounded(logp, &logp_old, &logq, &adv, &weight, &lo, &hi);
+                    scored = Some(logp_old);
+                    loss
+                });
+                filed?;
+                let logp_old = scored.expect("the loss ran");
                 loss_total += loss.double_value(&[]);
                 let _g = tch::no_grad_guard();
                 let ratio = (&logp - &logp_old).exp();
@@ -672,6 +743,41 @@ pub fn mismatch(samples: &[Sample], old: &[Vec<f32>]) -> (f64, f64, f64, u64) {
         return (0.0, 0.0, 0.0, 0);
     }
     (sum / n as f64, max, capped as f64 / n as f64, n)
+}
+
+/// Forward and backward of `pass` keeping only each block's input (activation recompute):
+/// the blocks run without a graph, the head's loss (`head` of the logits) backpropagates to
+/// the last block's output, and then, top down, each block runs again from its stored input
+/// and backpropagates sum(out · grad_out), which gives its parameters' gradients and the
+/// gradient of its input. The embedding's gradient comes last. The parameter gradients are
+/// those of one whole backward pass; the memory is one block's activations plus every
+/// block's input. Returns the loss, detached.
+pub fn backward_in_blocks(pass: &dyn Pass, head: impl FnOnce(&Tensor) -> Tensor) -> Tensor {
+    let embedded = pass.input();
+    let mut inputs = Vec::with_capacity(pass.len());
+    let top = {
+        let _g = tch::no_grad_guard();
+        let mut x = embedded.detach();
+        for i in 0..pass.len() {
+            let next = pass.block(i, &x);
+            inputs.push(x);
+            x = next;
+        }
+        x
+    };
+    let top = top.set_requires_grad(true);
+    let loss = head(&pass.output(&top));
+    loss.backward();
+    let mut grad = top.grad();
+    for (i, x) in inputs.into_iter().enumerate().rev() {
+        let x = x.set_requires_grad(true);
+        (pass.block(i, &x) * &grad).sum(Kind::Float).backward();
+        grad = x.grad();
+    }
+    if embedded.requires_grad() {
+        (embedded * grad).sum(Kind::Float).backward();
+    }
+    loss.detach()
 }
 
 /// The context shift of rows scored in another context than they were sampled in (rescue

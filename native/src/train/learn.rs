@@ -302,6 +302,55 @@ mod tests {
     }
 
     async fn learn_job_trains(make: fn(i64) -> Model) -> tempfile::TempDir {
+        learn_job_trains_with(make, None).await
+    }
+
+    /// A LoRA learn job: the checkpoint is the adapter in PEFT's layout over the base folder
+    /// (no full weights), it reloads as an adapter to train on (AdamW state of the adapter
+    /// only) and merged to sample, and a run that does not train an adapter is refused it.
+    #[tokio::test]
+    async fn a_lora_learn_job_trains_the_adapter_and_checkpoints_it_as_peft_does() {
+        let adapter = crate::model::lora::AdapterConfig::lora(4, 8.0, &["all-linear"]);
+        let dir = learn_job_trains_with(llama, Some(adapter.clone())).await;
+        let ckpt = dir.path().join("store/runs/r/checkpoints/step=1");
+        let mut files: Vec<String> =
+            std::fs::read_dir(&ckpt).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        files.sort();
+        assert_eq!(
+            files,
+            [
+                "adapter_config.json",
+                "adapter_model.safetensors",
+                "config.json",
+                "manifest.json",
+                "optimizer.safetensors",
+                "tokenizer.json",
+                "tokenizer_config.json"
+            ]
+        );
+        let peft: serde_json::Value = serde_json::from_slice(&std::fs::read(ckpt.join("adapter_config.json")).unwrap()).unwrap();
+        assert_eq!((peft["peft_type"].as_str(), peft["r"].as_i64()), (Some("LORA"), Some(4)));
+        assert_eq!(peft["base_model_name_or_path"].as_str().unwrap(), dir.path().join("base").display().to_string());
+        let store = LocalStore::new(dir.path().join("store")).unwrap();
+        let with = |adapter| LearnerConfig { adapter, ..Default::default() };
+        let loaded = checkpoint::load(&store, "r", 1, Device::Cpu, with(Some(adapter.clone()))).await.unwrap();
+        // AdamW's state is the adapter's: two factors of each of 2 × 7 layers
+        assert_eq!(loaded.learner.optim.exp_avg.len(), 28);
+        assert!(loaded.learner.optim.exp_avg.keys().all(|k| k.contains(".lora_")));
+        let err = checkpoint::load(&store, "r", 1, Device::Cpu, with(None)).await.err().unwrap().to_string();
+        assert!(err.contains("learner.adapter") && err.contains("LoRA adapter"), "{err}");
+        // sampled merged: what the adapted model computes
+        let (merged, _, _) = checkpoint::load_model(&store, "r", 1, Device::Cpu).await.unwrap();
+        assert!(!crate::model::lora::is_adapted(&merged));
+        let samples = vec![crate::train::learner::Sample::plain(0, &[1, 4, 6], &[10, 11], 1.0)];
+        let (a, b) = (loaded.learner.score(&samples), Learner::new(merged, LearnerConfig::default()).score(&samples));
+        for (x, y) in a[0].iter().zip(&b[0]) {
+            assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
+        }
+    }
+
+    async fn learn_job_trains_with(make: fn(i64) -> Model, adapter: Option<crate::model::lora::AdapterConfig>) -> tempfile::TempDir {
+        let lora = adapter.is_some();
         let (dir, store, tok, base) = fixture_of(make);
 
         // "yes" (id 10) succeeds, "no" (id 11) fails; a dropped group must be ignored
@@ -340,6 +389,7 @@ mod tests {
             base_model: base.clone(),
             learner: LearnerConfig {
                 optimizer: crate::train::learner::AdamWConfig { lr: 1e-2, ..Default::default() },
+                adapter: adapter.clone(),
                 ..Default::default()
             },
             data_cursor: 4,
@@ -357,7 +407,7 @@ mod tests {
         assert!(!out.already_done && out.trained);
         assert_eq!(out.weights_step, Some(1));
 
-        let loaded = checkpoint::load(&store, "r", 1, Device::Cpu, LearnerConfig::default()).await.unwrap();
+        let loaded = checkpoint::load(&store, "r", 1, Device::Cpu, LearnerConfig { adapter, ..Default::default() }).await.unwrap();
         assert_eq!(loaded.manifest.data_cursor, 4);
         assert!(loaded.manifest.metrics.contains_key("loss"));
         let ctx = tok
@@ -369,6 +419,11 @@ mod tests {
         let before = Learner::new(crate::model::hf::load_model(&base, Device::Cpu).unwrap(), LearnerConfig::default());
         let (p0, p1) = (before.sequence_logprob(&ctx, &[10]), loaded.learner.sequence_logprob(&ctx, &[10]));
         assert!(p1 > p0, "log p(yes) should rise: {p0} → {p1}");
+        if lora {
+            let again = run(&store, &input).await.unwrap();
+            assert!(again.already_done);
+            return dir;
+        }
         // the checkpoint folder is an HF model directory
         let reloaded = crate::model::loader::load(&dir.path().join("store/runs/r/checkpoints/step=1"), Device::Cpu).unwrap();
         assert_eq!(

@@ -704,8 +704,9 @@ pub struct LearnerSection {
     pub weight_decay: f64,
     /// Global L2 norm the gradient is clipped to before each step.
     pub max_grad_norm: f64,
-    /// Padded tokens per micro-batch (bounds the learner's activation memory).
-    pub micro_batch_tokens: usize,
+    /// Padded tokens per micro-batch (bounds the learner's activation memory), or `"auto"`:
+    /// the largest that the memory plan fits in the learner device's memory.
+    pub micro_batch_tokens: MicroBatchTokens,
     /// Optimizer steps per batch of retained groups (π_old stays the pre-update policy).
     pub updates_per_batch: usize,
     /// Rows that start with the same tokens run that prefix once per micro-batch (the
@@ -722,6 +723,45 @@ pub struct LearnerSection {
     /// `none`, or `blocks`: keep each decoder layer's input only and run the layer again
     /// in the backward pass (less activation memory, about one more forward pass of time).
     pub recompute: native::train::learner::Recompute,
+    /// The learner device's memory in GB (10⁹ bytes), which the memory plan must fit.
+    /// Default: this machine's (its RAM for `cpu`, the GPU's for `cuda`); set it where the
+    /// learner runs on another machine.
+    pub device_memory_gb: Option<f64>,
+    /// `"auto"`'s micro-batch, as the spec's load resolved it.
+    #[serde(skip)]
+    pub auto_tokens: Option<usize>,
+}
+
+/// [`LearnerSection::micro_batch_tokens`]: a number of tokens, or `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MicroBatchTokens {
+    Tokens(usize),
+    Auto,
+}
+
+impl Serialize for MicroBatchTokens {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            MicroBatchTokens::Tokens(n) => s.serialize_u64(*n as u64),
+            MicroBatchTokens::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for MicroBatchTokens {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d).map_err(|_| serde::de::Error::custom("expected a number of tokens or \"auto\""))? {
+            Raw::N(n) => Ok(MicroBatchTokens::Tokens(n as usize)),
+            Raw::S(s) if s == "auto" => Ok(MicroBatchTokens::Auto),
+            Raw::S(s) => Err(serde::de::Error::custom(format!("`{s}` is not a number of tokens or \"auto\""))),
+        }
+    }
 }
 
 impl Default for LearnerSection {
@@ -733,17 +773,28 @@ impl Default for LearnerSection {
             eps: o.eps,
             weight_decay: o.weight_decay,
             max_grad_norm: o.max_grad_norm,
-            micro_batch_tokens: l.micro_batch_tokens,
+            micro_batch_tokens: MicroBatchTokens::Tokens(l.micro_batch_tokens),
             updates_per_batch: l.updates_per_batch,
             share_prefixes: l.share_prefixes,
             precision: l.precision,
             adapter: l.adapter,
             recompute: l.recompute,
+            device_memory_gb: None,
+            auto_tokens: None,
         }
     }
 }
 
 impl LearnerSection {
+    /// The micro-batch's tokens: the number given, or what `"auto"` resolved to at load
+    /// (the default where no plan could be made).
+    pub fn tokens(&self) -> usize {
+        match self.micro_batch_tokens {
+            MicroBatchTokens::Tokens(n) => n,
+            MicroBatchTokens::Auto => self.auto_tokens.unwrap_or(native::train::learner::LearnerConfig::default().micro_batch_tokens),
+        }
+    }
+
     /// The learner configuration of a run: these keys, its learning rate and seed.
     pub fn config(&self, learning_rate: f64, seed: u64) -> native::train::learner::LearnerConfig {
         native::train::learner::LearnerConfig {
@@ -755,7 +806,7 @@ impl LearnerSection {
                 weight_decay: self.weight_decay,
                 max_grad_norm: self.max_grad_norm,
             },
-            micro_batch_tokens: self.micro_batch_tokens,
+            micro_batch_tokens: self.tokens(),
             updates_per_batch: self.updates_per_batch,
             seed,
             share_prefixes: self.share_prefixes,
@@ -1025,7 +1076,7 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
         problems
             .push(SpecProblem { path: shorten(&p.replace(".?", ""), 80), message: "unknown key; check its spelling and section".into() });
     }
-    let spec = match parsed {
+    let mut spec = match parsed {
         Ok(s) => s,
         Err(e) => {
             problems.push(SpecProblem { path: "(structure)".into(), message: shorten(&e.to_string().trim().replace('\n', " "), 400) });
@@ -1048,6 +1099,34 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
         });
     }
     check(&spec, base_dir, &mut problems);
+    if problems.is_empty() {
+        // the memory plan last: it reads the model's configuration the checks above vouched for
+        match memory_report(&spec, base_dir) {
+            Err((path, message)) => problems.push(SpecProblem { path, message }),
+            Ok(Some(report)) if !report.fits() => {
+                let (bytes, from) = report.device_bytes.clone().unwrap_or_default();
+                let fixes: Vec<String> = report
+                    .fixes
+                    .iter()
+                    .map(|(what, peak)| {
+                        format!("{what}: {}{}", native::train::memory::human(*peak), if *peak <= bytes { " (fits)" } else { "" })
+                    })
+                    .collect();
+                problems.push(SpecProblem {
+                    path: "learner".into(),
+                    message: format!(
+                        "the learner's predicted peak, {}, is above the device's memory, {} ({from}); {}; settings that lower it: {}",
+                        native::train::memory::human(report.plan.peak()),
+                        native::train::memory::human(bytes),
+                        report.lines()[1].trim(),
+                        fixes.join("; ")
+                    ),
+                });
+            }
+            Ok(Some(report)) => spec.learner.auto_tokens = report.auto_tokens,
+            Ok(None) => {}
+        }
+    }
     if !problems.is_empty() {
         return Err(SpecError { file: file.to_string(), problems });
     }
@@ -1699,15 +1778,193 @@ fn check_learner(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
             "0 would keep no step; the newest is always kept, so use 1 or more, or leave it out to keep every step".into(),
         );
     }
-    if l.micro_batch_tokens < 16 {
-        bad(
-            "learner.micro_batch_tokens",
-            format!("{} is too small: a micro-batch holds at least one sample (use 1024 or more)", l.micro_batch_tokens),
-        );
+    if let MicroBatchTokens::Tokens(n @ 0..16) = l.micro_batch_tokens {
+        bad("learner.micro_batch_tokens", format!("{n} is too small: a micro-batch holds at least one sample (use 1024 or more)"));
+    }
+    if l.device_memory_gb.is_some_and(|g| !(g.is_finite() && g > 0.0)) {
+        bad("learner.device_memory_gb", format!("{} is not a size in GB", l.device_memory_gb.unwrap_or_default()));
     }
     if l.updates_per_batch == 0 {
         bad("learner.updates_per_batch", "must be at least 1".into());
     }
+}
+
+/// The learner's memory plan of a run that trains (`native::train::memory`): its parts,
+/// the device's memory where known, and the micro-batch `"auto"` picks.
+#[derive(Debug, Clone)]
+pub struct MemoryReport {
+    pub plan: native::train::memory::LearnerPlan,
+    pub micro_batch_tokens: usize,
+    /// `cpu`, `cuda:0`, ...
+    pub device: String,
+    /// The device's memory and where the number comes from.
+    pub device_bytes: Option<(u64, String)>,
+    /// What `"auto"` resolved to (None when the spec gives a number).
+    pub auto_tokens: Option<usize>,
+    /// The settings that would make a plan that does not fit fit, each with its peak.
+    pub fixes: Vec<(String, u64)>,
+}
+
+impl MemoryReport {
+    pub fn fits(&self) -> bool {
+        self.device_bytes.as_ref().is_none_or(|(b, _)| self.plan.peak() <= *b)
+    }
+
+    /// The plan as lines for `spec show` and errors.
+    pub fn lines(&self) -> Vec<String> {
+        use native::train::memory::human;
+        let p = &self.plan;
+        let mut out = vec![format!(
+            "learner memory on {}: peak {} of {}",
+            self.device,
+            human(p.peak()),
+            self.device_bytes
+                .as_ref()
+                .map(|(b, from)| format!("{} ({from})", human(*b)))
+                .unwrap_or_else(|| "an unknown size (set [learner] device_memory_gb)".into())
+        )];
+        out.push(format!(
+            "  weights {} ({} parameters, {} trained), gradients {}, AdamW {}, activations {} ({} tokens × {}/token; {}/token with recompute = \"blocks\", {}/token without), logits {}, runtime {}",
+            human(p.weights),
+            p.parameters,
+            p.trainable_parameters,
+            human(p.gradients),
+            human(p.optimizer),
+            human(p.activations),
+            self.micro_batch_tokens,
+            human(p.activations / self.micro_batch_tokens.max(1) as u64),
+            human(p.per_token_recompute),
+            human(p.per_token_plain),
+            human(p.logits),
+            human(p.runtime),
+        ));
+        if let Some(t) = self.auto_tokens {
+            out.push(format!("  micro_batch_tokens = \"auto\": {t}"));
+        }
+        out
+    }
+}
+
+/// The device memory of `device` on this machine: RAM for the CPU, the GPU's for CUDA.
+fn local_device_memory(device: native::device::Device) -> Option<(u64, String)> {
+    match device {
+        native::device::Device::Cuda(n) => {
+            let out = std::process::Command::new("nvidia-smi")
+                .args(["--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", &n.to_string()])
+                .output()
+                .ok()?;
+            let mib: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().ok()?;
+            Some((mib << 20, format!("GPU {n}, nvidia-smi")))
+        }
+        _ => {
+            let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let kib: u64 = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+            Some((kib * 1024, "this machine's RAM".into()))
+        }
+    }
+}
+
+/// The memory report of a run that trains with weights this machine can read; None when
+/// the run does not train or its weights are not readable here (other checks name why).
+/// An error is a problem of the spec: (key, message).
+pub fn memory_report(spec: &RunSpec, base_dir: &Path) -> Result<Option<MemoryReport>, (String, String)> {
+    use native::train::memory::{human, largest_micro_batch, learner_plan};
+    if !(spec.algorithm.learn && spec.algorithm.updates > 0) {
+        return Ok(None);
+    }
+    let weights = match spec.policy.backend {
+        Backend::Native => Some(&spec.policy.model),
+        Backend::Openai => spec.policy.weights.as_ref(),
+    };
+    let Some(weights) = weights else { return Ok(None) };
+    let Ok(path) = native::model::loader::resolve_model(weights, base_dir) else { return Ok(None) };
+    let Ok(config) = native::model::shape::ModelConfig::read(&path) else { return Ok(None) };
+    let Ok(device) = native::device::parse(&spec.policy.device) else { return Ok(None) };
+    let mut learner = spec.learner.config(spec.algorithm.learning_rate, spec.run.seed);
+    if let Some(adapter) = &learner.adapter {
+        if let Err(e) = adapter.targeted("learner.adapter", &config.linears()) {
+            return Err(match e {
+                native::NativeError::Config { field, detail } => (field, detail),
+                other => ("learner.adapter".into(), other.to_string()),
+            });
+        }
+    }
+    let cuda = device.is_cuda();
+    let device_bytes = match spec.learner.device_memory_gb {
+        Some(gb) => Some(((gb * 1e9) as u64, "[learner] device_memory_gb".to_string())),
+        None => local_device_memory(device),
+    };
+    let plan_of = |l: &native::train::learner::LearnerConfig| learner_plan(&config, l, cuda, l.micro_batch_tokens as u64 / 2);
+    let mut auto_tokens = None;
+    if spec.learner.micro_batch_tokens == MicroBatchTokens::Auto {
+        let Some((bytes, from)) = &device_bytes else {
+            return Err((
+                "learner.micro_batch_tokens".into(),
+                "\"auto\" needs the learner device's memory: this machine's could not be read; set [learner] device_memory_gb".into(),
+            ));
+        };
+        match largest_micro_batch(&config, &learner, cuda, *bytes) {
+            Some(t) => {
+                learner.micro_batch_tokens = t;
+                auto_tokens = Some(t);
+            }
+            None => {
+                let at_64 = plan_of(&native::train::learner::LearnerConfig { micro_batch_tokens: 64, ..learner.clone() });
+                return Err((
+                    "learner.micro_batch_tokens".into(),
+                    format!(
+                        "\"auto\" found no micro-batch that fits {} ({from}): at 64 tokens the learner alone needs {}; train an adapter ([learner.adapter] rank = 64) or use a larger device",
+                        human(*bytes),
+                        human(at_64.peak())
+                    ),
+                ));
+            }
+        }
+    }
+    let plan = plan_of(&learner);
+    let mut fixes = vec![];
+    if let Some((bytes, _)) = &device_bytes {
+        if plan.peak() > *bytes {
+            let adapter = learner.adapter.clone().or_else(|| Some(native::model::lora::AdapterConfig::lora(64, 128.0, &["all-linear"])));
+            let candidates = [
+                (
+                    "[learner.adapter] rank = 64".to_string(),
+                    native::train::learner::LearnerConfig { adapter: adapter.clone(), ..learner.clone() },
+                ),
+                (
+                    "recompute = \"blocks\"".to_string(),
+                    native::train::learner::LearnerConfig { recompute: native::train::learner::Recompute::Blocks, ..learner.clone() },
+                ),
+                (
+                    "[learner.adapter] rank = 64 and recompute = \"blocks\"".to_string(),
+                    native::train::learner::LearnerConfig {
+                        adapter,
+                        recompute: native::train::learner::Recompute::Blocks,
+                        ..learner.clone()
+                    },
+                ),
+            ];
+            for (label, l) in candidates {
+                if l != learner {
+                    fixes.push((label, plan_of(&l).peak()));
+                }
+            }
+            if let Some(t) = largest_micro_batch(&config, &learner, cuda, *bytes) {
+                fixes.push((
+                    format!("micro_batch_tokens = {t} (or \"auto\")"),
+                    plan_of(&native::train::learner::LearnerConfig { micro_batch_tokens: t, ..learner.clone() }).peak(),
+                ));
+            }
+        }
+    }
+    Ok(Some(MemoryReport {
+        plan,
+        micro_batch_tokens: learner.micro_batch_tokens,
+        device: native::device::name(device),
+        device_bytes,
+        auto_tokens,
+        fixes,
+    }))
 }
 
 /// `[evaluation]` and `[budgets]`.

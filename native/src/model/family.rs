@@ -43,6 +43,14 @@ pub enum Cache {
 }
 
 impl Model {
+    /// This model's configuration (its sizes without its weights).
+    pub fn model_config(&self) -> crate::model::shape::ModelConfig {
+        match self {
+            Model::Llama(m) => crate::model::shape::ModelConfig::Llama(m.config.clone()),
+            Model::Qwen35(m) => crate::model::shape::ModelConfig::Qwen35(m.config.clone()),
+        }
+    }
+
     /// The model of `config.json`'s text (`config_path` names it in errors) with the
     /// parameters `tensors` (transformers' names, any float kind; `source` names them).
     pub fn from_hf(

@@ -250,6 +250,19 @@ impl GgufFile {
         Self::parse(path, bytes)
     }
 
+    /// The metadata and tensor index of a GGUF file without its tensor data (the file's first
+    /// 64 MiB, or all of it when the header is longer): what a configuration needs.
+    pub fn open_header(path: &Path) -> Result<Self, NativeError> {
+        use std::io::Read;
+        let mut head = vec![];
+        let file = std::fs::File::open(path).map_err(|e| NativeError::io(path, e))?;
+        file.take(64 << 20).read_to_end(&mut head).map_err(|e| NativeError::io(path, e))?;
+        match Self::parse(path, head) {
+            Ok(f) => Ok(f),
+            Err(_) => Self::open(path),
+        }
+    }
+
     pub fn parse(path: &Path, bytes: Vec<u8>) -> Result<Self, NativeError> {
         let mut r = Reader { bytes: &bytes, pos: 0, path };
         if r.take(4)? != b"GGUF" {

@@ -41,7 +41,8 @@ impl Linear {
     pub(crate) fn forward(&self, x: &Tensor, kind: Kind) -> Tensor {
         let y = mm(x, &self.weight, kind);
         match &self.lora {
-            Some(l) => y + mm(&mm(x, &l.a, kind), &l.b, kind) * l.scale,
+            // s scales B (out × r) rather than the [.., out] product
+            Some(l) => y + mm(&mm(x, &l.a, kind), &(&l.b * l.scale), kind),
             None => y,
         }
     }

@@ -23,6 +23,7 @@ pub mod llama;
 pub mod loader;
 pub mod lora;
 pub mod qwen3_5;
+pub mod shape;
 pub mod tokenizer;
 
 pub use config::LlamaConfig;

@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::Args;
 use native::model::qwen3_5::{Qwen35, Qwen35Config};
 use native::model::{CausalLm, Llama, LlamaConfig, Model};
-use native::train::learner::{grpo, AdamWConfig, Batch, Learner, LearnerConfig, Precision, Sample};
+use native::train::learner::{grpo, AdamWConfig, Batch, Learner, LearnerConfig, Precision, Recompute, Sample};
 
 #[derive(Debug, Args)]
 pub struct LearnerArgs {
@@ -76,6 +76,16 @@ pub struct LearnerArgs {
     /// Tokenizer of `--replay` (GGUF or HF directory, e.g. a checkpoint's folder); default: --model.
     #[arg(long, requires = "replay")]
     pub tokenizer: Option<PathBuf>,
+    /// `lora`: train a LoRA adapter of `--rank` on every linear layer, beside the
+    /// full-weight learner in the same run (ratios against it).
+    #[arg(long, default_value = "none", value_parser = ["none", "lora"])]
+    pub adapter: String,
+    /// The adapter's rank.
+    #[arg(long, default_value_t = 64)]
+    pub rank: i64,
+    /// `blocks`: activation recompute, beside the plain learner in the same run.
+    #[arg(long, default_value = "none", value_parser = ["none", "blocks"])]
+    pub recompute: String,
     /// Check that a resume on this device is exact: update, checkpoint, update again; load the
     /// checkpoint and repeat the second update; print the largest weight difference.
     #[arg(long)]
@@ -169,23 +179,36 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
     native::device::set_cpu_threads(args.threads);
     let model: Model = match &args.model {
         Some(p) => native::model::loader::load(p, device)?.0,
-        None if args.shape == "smollm2-135m" => Llama::new(smollm2_135m(), device, 0)?.into(),
-        None if args.shape == "qwen3-0.6b" => Llama::new(qwen3_0_6b(), device, 0)?.into(),
-        None if args.shape.starts_with("qwen3.5-") => {
-            Qwen35::new(Qwen35Config::shape(&args.shape["qwen3.5-".len()..], None)?, device, 0)?.into()
-        }
-        None => Llama::new(LlamaConfig::tiny(args.vocab, args.width, args.layers), device, 0)?.into(),
+        None => model_of_shape(args, device)?,
     };
     let (layers, hidden) = model.shape();
     let vocab = model.vocab_size() as u32;
     let params: i64 = model.named_tensors().iter().map(|(_, t)| t.numel() as i64).sum();
-    let cfg = LearnerConfig {
+    let full = LearnerConfig {
         optimizer: AdamWConfig { lr: 1e-5, ..Default::default() },
         micro_batch_tokens: args.micro_batch_tokens,
         precision,
         ..Default::default()
     };
-    let mut learner = Learner::new(model, cfg);
+    let cfg = LearnerConfig {
+        adapter: (args.adapter == "lora")
+            .then(|| native::model::lora::AdapterConfig::lora(args.rank, 2.0 * args.rank as f64, &["all-linear"])),
+        recompute: if args.recompute == "blocks" { Recompute::Blocks } else { Recompute::None },
+        ..full.clone()
+    };
+    let model_config = model.model_config();
+    // the full-weight learner first, then the one asked for (when it differs)
+    let mut variants = vec![full.clone()];
+    if cfg != full {
+        variants.push(cfg.clone());
+    }
+    let seed_model = |device| -> anyhow::Result<Model> {
+        Ok(match &args.model {
+            Some(p) => native::model::loader::load(p, device)?.0,
+            None => model_of_shape(args, device)?,
+        })
+    };
+    let mut learner = Learner::from_base(model, cfg.clone())?;
     let header = format!(
         "model: {params} parameters ({} layers, {} wide)  device: {}  precision: {}  micro-batch budget: {} tokens  threads: {}",
         layers,
@@ -255,25 +278,7 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
         );
         return Ok(if d == 0.0 { 0 } else { 1 });
     }
-    for _ in 0..args.warmup {
-        learner.update(&batch_of(rows[0].0, rows[0].1))?;
-    }
-    native::device::synchronize(device);
-
-    let mut ours = vec![];
-    for &(len, group) in &rows {
-        let batch = batch_of(len, group);
-        reset_peak_rss();
-        let t = Instant::now();
-        let m = learner.update(&batch)?;
-        native::device::synchronize(device);
-        let seconds = t.elapsed().as_secs_f64();
-        let peak_bytes = match device {
-            native::device::Device::Cuda(n) => gpu_memory_used(n),
-            _ => crate::bench::peak_rss_bytes(),
-        };
-        ours.push(Measured { len, group, micro: m.micro_batches, tokens: m.policy_tokens, seconds, peak_bytes });
-    }
+    // each variant on its own model of the same weights, one after the other
     // the peer's model: the same llama-family shape, or transformers' own of the same config
     let (peer_key, peer_model) = match &learner.model {
         Model::Llama(m) => {
@@ -289,14 +294,36 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
         Model::Qwen35(m) => ("hf_config", m.config.to_hf_json()),
     };
     drop(learner);
+    let mut measured: Vec<(LearnerConfig, Vec<Measured>)> = vec![];
+    for variant in &variants {
+        trim_heap();
+        let mut learner = Learner::from_base(seed_model(device)?, variant.clone())?;
+        for _ in 0..args.warmup {
+            learner.update(&batch_of(rows[0].0, rows[0].1))?;
+        }
+        native::device::synchronize(device);
+        let mut ours = vec![];
+        for &(len, group) in &rows {
+            let batch = batch_of(len, group);
+            reset_peak_rss();
+            let t = Instant::now();
+            let m = learner.update(&batch)?;
+            native::device::synchronize(device);
+            let seconds = t.elapsed().as_secs_f64();
+            let peak_bytes = match device {
+                native::device::Device::Cuda(n) => gpu_memory_used(n),
+                _ => crate::bench::peak_rss_bytes(),
+            };
+            ours.push(Measured { len, group, micro: m.micro_batches, tokens: m.policy_tokens, seconds, peak_bytes });
+        }
+        drop(learner);
+        measured.push((variant.clone(), ours));
+    }
+    let ours = measured[0].1.clone();
     // Give the freed model back to the system before the peer starts beside this process:
     // glibc keeps freed blocks below its mmap threshold in its heap (GBs at 0.8B parameters),
     // and the two processes would not fit together.
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only returns free heap pages to the kernel.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    trim_heap();
 
     let peer = match &args.peer {
         Some(_) => {
@@ -347,7 +374,71 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
     if device.is_cuda() {
         println!("GPU memory: ours is the device's memory in use after the step (nvidia-smi, the caching allocator's reservation); torch's is its peak allocation.");
     }
+    print_variants(&measured, &model_config, device.is_cuda(), memory);
     Ok(0)
+}
+
+/// The learners side by side: per row, each one's tokens/s and peak memory, the memory
+/// plan's prediction of that peak, and both as ratios to the full-weight learner's.
+fn print_variants(measured: &[(LearnerConfig, Vec<Measured>)], config: &native::model::shape::ModelConfig, cuda: bool, memory: &str) {
+    use native::train::memory::{human, learner_plan};
+    let name = |c: &LearnerConfig| {
+        let adapter = c.adapter.as_ref().map(|a| format!("LoRA r{}", a.rank)).unwrap_or_else(|| "full".into());
+        let recompute = if c.recompute == Recompute::Blocks { " + recompute" } else { "" };
+        format!("{adapter}{recompute}")
+    };
+    println!();
+    println!(
+        "{:<22} {:>8} {:>6} {:>13} {:>12} {:>12} {:>11} {:>10} {:>10}",
+        "learner", "seq len", "group", "policy tok/s", memory, "plan", "plan/meas", "× speed", "× memory"
+    );
+    let (_, base) = &measured[0];
+    for (c, rows) in measured {
+        for (r, b) in rows.iter().zip(base) {
+            // the micro-batch the plan describes: as many whole rows as the budget holds
+            let tokens = ((c.micro_batch_tokens / r.len).clamp(1, r.group) * r.len) as u64;
+            let plan =
+                learner_plan(config, &LearnerConfig { micro_batch_tokens: tokens as usize, ..c.clone() }, cuda, tokens - tokens / 2).peak();
+            let rate = r.tokens as f64 / r.seconds;
+            let speed = rate / (b.tokens as f64 / b.seconds);
+            let ratio = |x: Option<u64>, y: Option<u64>| match (x, y) {
+                (Some(x), Some(y)) if y > 0 => format!("{:.2}", x as f64 / y as f64),
+                _ => "n/a".into(),
+            };
+            println!(
+                "{:<22} {:>8} {:>6} {:>13.1} {:>12} {:>12} {:>11} {:>10.2} {:>10}",
+                name(c),
+                r.len,
+                r.group,
+                rate,
+                r.peak_bytes.map(human).unwrap_or_else(|| "n/a".into()),
+                human(plan),
+                ratio(Some(plan), r.peak_bytes),
+                speed,
+                ratio(r.peak_bytes, b.peak_bytes)
+            );
+        }
+    }
+}
+
+/// Returns the heap's free pages to the system (glibc keeps freed blocks in its heap), so
+/// that the next peak RSS measures the next learner alone.
+fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// The random model of `--shape` (and `--width`, `--layers`, `--vocab` for `tiny`).
+fn model_of_shape(args: &LearnerArgs, device: native::device::Device) -> anyhow::Result<Model> {
+    Ok(match args.shape.as_str() {
+        "smollm2-135m" => Llama::new(smollm2_135m(), device, 0)?.into(),
+        "qwen3-0.6b" => Llama::new(qwen3_0_6b(), device, 0)?.into(),
+        s if s.starts_with("qwen3.5-") => Qwen35::new(Qwen35Config::shape(&s["qwen3.5-".len()..], None)?, device, 0)?.into(),
+        _ => Llama::new(LlamaConfig::tiny(args.vocab, args.width, args.layers), device, 0)?.into(),
+    })
 }
 
 /// Updates on `first`, checkpoints into a temporary store, updates on `second`; then loads

@@ -2113,6 +2113,49 @@ learning_rate = 1e-5
 rescue = "h0"
 "#;
 
+    /// A training run whose learner cannot fit its device is refused at load with the plan's
+    /// numbers and the settings that fit; with an adapter and recompute it loads, `"auto"`
+    /// picks a micro-batch, and an adapter target the model lacks is refused by key.
+    #[test]
+    fn the_memory_plan_refuses_what_cannot_fit_and_names_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        // an 8B llama's configuration: the plan needs no weights
+        let model = dir.path().join("big");
+        std::fs::create_dir_all(&model).unwrap();
+        let mut config = native::model::LlamaConfig::tiny(128_256, 4096, 32);
+        config.intermediate_size = 14_336;
+        config.num_attention_heads = 32;
+        config.num_key_value_heads = 8;
+        std::fs::write(model.join("config.json"), config.to_hf_json().to_string()).unwrap();
+        let spec = |learner: &str| {
+            GOOD.replace(
+                "backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"",
+                &format!("backend = \"native\"\nmodel = \"{}\"", model.display()),
+            )
+            .replace("learn = false", "learn = true")
+                + &format!("[learner]\ndevice_memory_gb = 80\nmicro_batch_tokens = 4096\n{learner}")
+        };
+        let err = parse(&spec(""), "big.toml", dir.path(), "big").unwrap_err().to_string();
+        assert!(err.contains("learner:") && err.contains("above the device's memory, 80.0 GB"), "{err}");
+        assert!(err.contains("AdamW") && err.contains("[learner.adapter] rank = 64") && err.contains("(fits)"), "{err}");
+        let fits = "recompute = \"blocks\"\n[learner.adapter]\nrank = 64\n";
+        let loaded = parse(&spec(fits), "big.toml", dir.path(), "big").unwrap_or_else(|e| panic!("{e}"));
+        let report = memory_report(&loaded.spec, dir.path()).unwrap().unwrap();
+        assert!(report.fits() && report.plan.trainable_parameters < report.plan.parameters / 20, "{:?}", report.plan);
+        let auto = parse(&spec(fits).replace("micro_batch_tokens = 4096", "micro_batch_tokens = \"auto\""), "big.toml", dir.path(), "big")
+            .unwrap();
+        let tokens = auto.spec.learner.tokens();
+        assert!(tokens > 4096 && tokens % 64 == 0 && auto.spec.learner.auto_tokens == Some(tokens), "{tokens}");
+        let err = parse(&spec("[learner.adapter]\nrank = 8\ntargets = [\"in_proj_qkv\"]\n"), "big.toml", dir.path(), "big")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("learner.adapter.targets") && err.contains("self_attn.q_proj"), "{err}");
+        let err = parse(&spec(fits).replace("micro_batch_tokens = 4096", "micro_batch_tokens = \"lots\""), "big.toml", dir.path(), "big")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("auto"), "{err}");
+    }
+
     /// Each bad value is refused at validation with an error that names its key.
     #[test]
     fn out_of_range_and_inconsistent_values_are_refused_by_key() {

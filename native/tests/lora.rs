@@ -246,3 +246,48 @@ fn recomputed_blocks_give_the_gradients_of_the_plain_backward_pass() {
         }
     }
 }
+
+/// An adapter trained and written here is a PEFT adapter folder: the learner's checkpoint of
+/// a LoRA run over the qwen3 fixture holds PEFT's two files, which read back (this crate's
+/// reader) to the trained model's logits. Where torch, transformers and peft are installed
+/// (`HARNESS_S_PEFT_PYTHON` names that Python), peft loads the folder over the same base and
+/// its logits, adapted and merged, are this crate's within 1e-4.
+#[tokio::test]
+async fn an_adapter_written_here_is_one_peft_loads() {
+    use native::train::checkpoint::{self, SaveInfo};
+    let base = fixture("qwen3");
+    let config = LearnerConfig {
+        adapter: Some(AdapterConfig::lora(4, 8.0, &[ALL_LINEAR])),
+        optimizer: AdamWConfig { lr: 1e-2, ..Default::default() },
+        ..Default::default()
+    };
+    let mut learner = Learner::from_base(hf::load_model(&base, Device::Cpu).unwrap(), config.clone()).unwrap();
+    for _ in 0..3 {
+        learner.update(&batch()).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = infra::store::LocalStore::new(dir.path()).unwrap();
+    let info = SaveInfo { run_id: "r".into(), step: 1, base_model: base.display().to_string(), ..Default::default() };
+    checkpoint::save(&store, &learner, None, &info).await.unwrap();
+    let folder = dir.path().join("runs/r/checkpoints/step=1");
+    assert!(folder.join(lora::ADAPTER_FILE).is_file() && !folder.join("model.safetensors").exists());
+    let row = Tensor::from_slice(&[3i64, 9, 4, 17, 8, 2, 30, 11, 5, 6, 21, 7, 13, 1, 19, 25, 40, 33, 12, 10]);
+    let ours = tch::no_grad(|| logprob_sum(&learner.model, &row).1);
+    let (reloaded, _, _) = checkpoint::load_model(&store, "r", 1, Device::Cpu).await.unwrap();
+    let back = tch::no_grad(|| logprob_sum(&reloaded, &row).1);
+    assert!(max_diff(&ours, &back) < 1e-5, "reloaded and merged: {}", max_diff(&ours, &back));
+    let Ok(python) = std::env::var("HARNESS_S_PEFT_PYTHON") else {
+        eprintln!("peft's side not run: set HARNESS_S_PEFT_PYTHON to a Python with torch, transformers and peft");
+        return;
+    };
+    let reference = dir.path().join("reference.safetensors");
+    std::fs::write(&reference, hf::write_safetensors(&[("row_ids".into(), row.shallow_clone()), ("logits".into(), ours)]).unwrap())
+        .unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/check_peft_loads.py");
+    let out = std::process::Command::new(python).arg(script).arg(&folder).arg(&base).arg(&reference).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let diffs: Vec<f64> = text.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    eprintln!("peft: {text}");
+    assert!(diffs.len() == 2 && diffs.iter().all(|d| *d < 1e-4), "peft's logits differ: {text}");
+}

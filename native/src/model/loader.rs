@@ -94,6 +94,18 @@ pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer), NativeErr
     }
 }
 
+/// Only the model at `path` (GGUF file or HF directory), without its tokenizer: what an
+/// adapter's base needs.
+pub fn load_model(path: &Path, device: Device) -> Result<Model, NativeError> {
+    if path.is_dir() {
+        hf::load_model(path, device)
+    } else if path.extension().is_some_and(|e| e == "gguf") {
+        Ok(model_from_gguf(&GgufFile::open(path)?, device)?.into())
+    } else {
+        load(path, device).map(|(m, _)| m)
+    }
+}
+
 /// Only the tokenizer of the model at `path`: a checkpoint without its own tokenizer gets
 /// the base model's without building the base model's tensors (on a GPU learner that would
 /// be a whole second model in host memory for a few megabytes of vocabulary).

@@ -494,7 +494,7 @@ fn adapted(
     if base.is_empty() {
         return Err(ckpt_err(config_url, "`base_model_name_or_path` is empty: the adapter does not say which base it adapts"));
     }
-    let (mut model, _) = crate::model::loader::load(std::path::Path::new(&base), device)
+    let mut model = crate::model::loader::load_model(std::path::Path::new(&base), device)
         .map_err(|e| ckpt_err(config_url, format!("its base model `{base}` (`base_model_name_or_path`) does not load: {e}")))?;
     lora::load(&mut model, &adapter, tensors, learner.unwrap_or(tch::Kind::Float), source)?;
     if learner.is_none() {

@@ -17,6 +17,12 @@
 //!   flight finish on the old weights, requests that arrive after the reply use the new
 //!   ones. `/v1/models` and the `x-harness-s-checkpoint` header (and each response's
 //!   `system_fingerprint`) name the loaded checkpoint.
+//!   A LoRA adapter folder (PEFT's `adapter_config.json` and `adapter_model.safetensors`, as a
+//!   LoRA run's checkpoint holds them) is loaded over the weights the server started with and
+//!   merged: a LoRA run syncs its adapter, not full weights.
+//! - `POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}` and
+//!   `POST /v1/unload_lora_adapter {"lora_name"}` (vLLM's): an adapter over the base, served
+//!   as `model = lora_name` beside the base; `/v1/models` lists it with its `parent`.
 //! - Bad requests get HTTP 400 with the OpenAI error body naming the field, never a crash.
 //!
 //! [`env`] is the other server of this crate: `harness-s env serve`, the DBBench
@@ -64,6 +70,11 @@ pub struct AppState {
     /// The name clients send as `model`.
     served_name: String,
     current: RwLock<Arc<Loaded>>,
+    /// The weights the server started with: what an adapter is loaded over.
+    base: PathBuf,
+    /// LoRA adapters loaded by name (`/v1/load_lora_adapter`), each merged into its own copy
+    /// of the base weights; a request names one as its `model`.
+    adapters: RwLock<std::collections::BTreeMap<String, Arc<Loaded>>>,
     device: native::device::Device,
     engine: EngineConfig,
     /// The most reply tokens one request may ask for (`harness-s serve --max-tokens`).
@@ -88,6 +99,8 @@ impl AppState {
         Ok(Arc::new(AppState {
             served_name,
             current: RwLock::new(Arc::new(loaded)),
+            base: model.to_path_buf(),
+            adapters: Default::default(),
             device,
             engine,
             max_tokens: max_tokens.max(1),
@@ -98,6 +111,20 @@ impl AppState {
 
     fn current(&self) -> Arc<Loaded> {
         self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The names a request may give as `model`: the served model's, then each adapter's.
+    fn names(&self) -> Vec<String> {
+        let adapters = self.adapters.read().unwrap_or_else(|e| e.into_inner());
+        std::iter::once(self.served_name.clone()).chain(adapters.keys().cloned()).collect()
+    }
+
+    /// The weights a request for `model` samples: the served model's, or an adapter's.
+    fn weights_for(&self, model: &str) -> Arc<Loaded> {
+        match self.adapters.read().unwrap_or_else(|e| e.into_inner()).get(model) {
+            Some(loaded) => loaded.clone(),
+            None => self.current(),
+        }
     }
 
     /// The checkpoint the server samples from now.
@@ -123,6 +150,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/update_weights_from_disk", post(update_weights))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/get_model_info", get(model_info))
         .with_state(state)
 }
@@ -181,7 +210,13 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let checkpoint = state.checkpoint();
-    let body = json!({"object": "list", "data": [{"id": state.served_name, "object": "model", "created": 0, "owned_by": "harness-s", "checkpoint": checkpoint}]});
+    let mut data =
+        vec![json!({"id": state.served_name, "object": "model", "created": 0, "owned_by": "harness-s", "checkpoint": checkpoint})];
+    for (name, loaded) in state.adapters.read().unwrap_or_else(|e| e.into_inner()).iter() {
+        // vLLM lists a LoRA adapter with its base as `parent` and its path as `root`
+        data.push(json!({"id": name, "object": "model", "created": 0, "owned_by": "harness-s", "parent": state.served_name, "root": loaded.checkpoint, "checkpoint": loaded.checkpoint}));
+    }
+    let body = json!({"object": "list", "data": data});
     with_checkpoint(body, &checkpoint)
 }
 
@@ -200,19 +235,21 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         openai::only_known(&v, &[openai::SAMPLING_FIELDS, openai::CHAT_FIELDS])?;
         let req: openai::ChatRequest = openai::parse(&v)?;
         let s: openai::Sampling = openai::parse(&v)?;
-        let sampling = openai::sampling(&s, &state.served_name, 512.min(state.max_tokens))?;
+        let names = state.names();
+        let sampling = openai::sampling(&s, &names.iter().map(String::as_str).collect::<Vec<_>>(), 512.min(state.max_tokens))?;
         let return_ids = s.return_token_ids.unwrap_or(false);
         let limit_field = s.limit_field();
         let messages = openai::messages(&req)?;
         let tools = openai::tools(&req)?;
         let top = openai::chat_top_logprobs(&req)?;
-        Ok::<_, BadRequest>((req.logprobs.unwrap_or(false), sampling, return_ids, messages, tools, top, limit_field))
+        let model = s.model.clone().unwrap_or_default();
+        Ok::<_, BadRequest>((req.logprobs.unwrap_or(false), sampling, return_ids, messages, tools, top, limit_field, model))
     };
-    let (logprobs, sampling, return_ids, messages, tools, top, limit_field) = match run.await {
+    let (logprobs, sampling, return_ids, messages, tools, top, limit_field, model) = match run.await {
         Ok(x) => x,
         Err(e) => return error(e),
     };
-    let loaded = state.current();
+    let loaded = state.weights_for(&model);
     let tok = loaded.policy.tokenizer().clone();
     let prompt = match native::model::chat::prompt_ids(&tok, &messages, &tools) {
         Ok(p) => p,
@@ -232,7 +269,7 @@ async fn chat(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let meta = openai::Meta {
         id: state.next_id("chatcmpl"),
         created: now(),
-        model: &state.served_name,
+        model: &model,
         checkpoint: &loaded.checkpoint,
         prompt: &prompt,
         return_token_ids: return_ids,
@@ -247,7 +284,8 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
         openai::only_known(&v, &[openai::SAMPLING_FIELDS, openai::COMPLETION_FIELDS])?;
         let req: openai::CompletionRequest = openai::parse(&v)?;
         let s: openai::Sampling = openai::parse(&v)?;
-        let sampling = openai::sampling(&s, &state.served_name, 16.min(state.max_tokens))?;
+        let names = state.names();
+        let sampling = openai::sampling(&s, &names.iter().map(String::as_str).collect::<Vec<_>>(), 16.min(state.max_tokens))?;
         if req.echo == Some(true) {
             return Err(BadRequest::field("echo", "is not supported"));
         }
@@ -255,13 +293,13 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
             return Err(BadRequest::field("logprobs", format!("at most 5, is {k}")));
         }
         let limit_field = s.limit_field();
-        Ok((req, sampling, s.return_token_ids.unwrap_or(false), limit_field))
+        Ok((req, sampling, s.return_token_ids.unwrap_or(false), limit_field, s.model.clone().unwrap_or_default()))
     })();
-    let (req, sampling, return_ids, limit_field) = match parsed {
+    let (req, sampling, return_ids, limit_field, model) = match parsed {
         Ok(x) => x,
         Err(e) => return error(e),
     };
-    let loaded = state.current();
+    let loaded = state.weights_for(&model);
     let tok = loaded.policy.tokenizer().clone();
     let prompt = match &req.prompt {
         openai::Prompt::Ids(ids) if !ids.is_empty() => Ok(ids.clone()),
@@ -289,7 +327,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
     let meta = openai::Meta {
         id: state.next_id("cmpl"),
         created: now(),
-        model: &state.served_name,
+        model: &model,
         checkpoint: &loaded.checkpoint,
         prompt: &prompt,
         return_token_ids: return_ids,
@@ -338,6 +376,82 @@ async fn update_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
     }
 }
 
+/// vLLM's `POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadLoraRequest {
+    lora_name: String,
+    lora_path: String,
+    /// Replace an adapter already loaded under this name (vLLM's flag); without it a taken
+    /// name is refused.
+    #[serde(default)]
+    load_inplace: bool,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UnloadLoraRequest {
+    lora_name: String,
+    /// Accepted for vLLM compatibility (adapters are named here).
+    #[serde(default)]
+    #[allow(dead_code)]
+    lora_int_id: Option<u64>,
+}
+
+/// vLLM's `/v1/load_lora_adapter`: loads a PEFT adapter folder (or a LoRA run's checkpoint,
+/// by path or store URL) over the served base, merged into a copy of its weights, and
+/// serves it as `model = lora_name`. Answers as vLLM does: 200 with a sentence, 400 with an
+/// error body.
+async fn load_lora_adapter(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: LoadLoraRequest = match openai::body(&body).and_then(|v| openai::parse(&v)) {
+        Ok(r) => r,
+        Err(e) => return error(e),
+    };
+    if req.lora_name.is_empty() || req.lora_name == state.served_name {
+        return error(BadRequest::field("lora_name", format!("`{}` is empty or the served model's own name", req.lora_name)));
+    }
+    let _one = state.updating.lock().await;
+    if !req.load_inplace && state.adapters.read().unwrap_or_else(|e| e.into_inner()).contains_key(&req.lora_name) {
+        return error(BadRequest::field(
+            "lora_name",
+            format!("the LoRA adapter `{}` is already loaded; unload it first or send load_inplace = true", req.lora_name),
+        ));
+    }
+    let started = std::time::Instant::now();
+    match load_weights(&state, &req.lora_path).await {
+        Ok(loaded) => {
+            tracing::info!(name = %req.lora_name, path = %loaded.checkpoint, seconds = started.elapsed().as_secs_f64(), "LoRA adapter loaded");
+            state.adapters.write().unwrap_or_else(|e| e.into_inner()).insert(req.lora_name.clone(), Arc::new(loaded));
+            (StatusCode::OK, format!("Success: LoRA adapter '{}' added successfully.", req.lora_name)).into_response()
+        }
+        Err(e) => error(BadRequest::field("lora_path", format!("{e}"))),
+    }
+}
+
+/// vLLM's `/v1/unload_lora_adapter`: 200, or 404 naming the adapters loaded.
+async fn unload_lora_adapter(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: UnloadLoraRequest = match openai::body(&body).and_then(|v| openai::parse(&v)) {
+        Ok(r) => r,
+        Err(e) => return error(e),
+    };
+    let _one = state.updating.lock().await;
+    let mut adapters = state.adapters.write().unwrap_or_else(|e| e.into_inner());
+    if adapters.remove(&req.lora_name).is_none() {
+        let loaded = adapters.keys().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
+        return error(BadRequest {
+            status: 404,
+            param: Some("lora_name".into()),
+            message: format!(
+                "lora_name: no LoRA adapter `{}` is loaded (loaded: {})",
+                req.lora_name,
+                if loaded.is_empty() { "none".into() } else { loaded }
+            ),
+            code: None,
+        });
+    }
+    (StatusCode::OK, format!("Success: LoRA adapter '{}' removed successfully.", req.lora_name)).into_response()
+}
+
 /// Loads new weights for the served model: a GGUF file or checkpoint folder on disk, or a
 /// store URL of a checkpoint folder (copied to a temporary folder first). The tokenizer
 /// stays the one the server started with (the same model, trained further).
@@ -357,8 +471,19 @@ async fn load_weights(state: &AppState, model_path: &str) -> Result<Loaded, Serv
     }
     let tokenizer = state.current().policy.tokenizer().clone();
     let (device, engine, name) = (state.device, state.engine.clone(), model_path.to_string());
+    let base = state.base.clone();
     let policy = tokio::task::spawn_blocking(move || -> Result<NativePolicy, ServeError> {
-        let model = if dir.is_dir() { native::model::hf::load_model(&dir, device)? } else { native::model::loader::load(&dir, device)?.0 };
+        let model = if native::model::lora::is_adapter_folder(&dir) {
+            // an adapter (PEFT's folder, or a LoRA run's checkpoint) over the served base, merged
+            let mut model = native::model::loader::load_model(&base, device)?;
+            native::model::lora::load_folder(&mut model, &dir)?;
+            native::model::lora::merge(&mut model);
+            model
+        } else if dir.is_dir() {
+            native::model::hf::load_model(&dir, device)?
+        } else {
+            native::model::loader::load(&dir, device)?.0
+        };
         Ok(NativePolicy::with_tokenizer(model, tokenizer, name, engine)?)
     })
     .await
@@ -373,8 +498,9 @@ async fn fetch_folder(url: &str, into: &Path) -> Result<(), ServeError> {
     let store = infra::store::open_store(url).await.map_err(fail)?;
     let objects = store.list("").await.map_err(fail)?;
     let wanted: Vec<_> = objects.iter().filter(|o| !o.key.contains('/') && o.key != native::train::checkpoint::OPTIMIZER_FILE).collect();
-    if !wanted.iter().any(|o| o.key == native::train::checkpoint::MODEL_FILE) {
-        return Err(ServeError::Weights(format!("no {} under {}", native::train::checkpoint::MODEL_FILE, infra::redact_url(url))));
+    let (model, adapter) = (native::train::checkpoint::MODEL_FILE, native::model::lora::ADAPTER_FILE);
+    if !wanted.iter().any(|o| o.key == model || o.key == adapter) {
+        return Err(ServeError::Weights(format!("no {model} or {adapter} under {}", infra::redact_url(url))));
     }
     for o in wanted {
         let bytes = store.get(&o.key).await.map_err(fail)?;

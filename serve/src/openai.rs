@@ -256,19 +256,20 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// Checks the shared fields; returns the sampling settings. `default_max` is the
 /// endpoint's default `max_tokens`; a missing seed draws one (so that two requests
 /// without a seed do not sample the same tokens).
-pub fn sampling(s: &Sampling, served: &str, default_max: u32) -> Result<SamplingParams, BadRequest> {
+/// `served`: the names a request may give as `model` (the served model's, then its loaded
+/// LoRA adapters').
+pub fn sampling(s: &Sampling, served: &[&str], default_max: u32) -> Result<SamplingParams, BadRequest> {
+    let names = served.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
     let Some(m) = &s.model else {
-        return Err(BadRequest::field("model", format!("is required; this server serves `{served}`")));
+        return Err(BadRequest::field("model", format!("is required; this server serves {names}")));
     };
-    {
-        if m != served {
-            return Err(BadRequest {
-                status: 404,
-                param: Some("model".into()),
-                message: format!("model: `{m}` is not served here; this server serves `{served}`"),
-                code: None,
-            });
-        }
+    if !served.contains(&m.as_str()) {
+        return Err(BadRequest {
+            status: 404,
+            param: Some("model".into()),
+            message: format!("model: `{m}` is not served here; this server serves {names}"),
+            code: None,
+        });
     }
     if s.stream == Some(true) {
         return Err(BadRequest::field("stream", "streaming is not supported; send stream=false"));
@@ -636,18 +637,18 @@ mod tests {
             (r#", "stream": true"#, "stream"),
             (r#", "constrain": "json""#, "constrain"),
         ] {
-            let e = sampling(&samp(extra), "m", 16).unwrap_err();
+            let e = sampling(&samp(extra), &["m"], 16).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{extra}: {e:?}");
         }
         let other = parse::<Sampling>(&body(br#"{"model": "other"}"#).unwrap()).unwrap();
-        assert_eq!(sampling(&other, "m", 16).unwrap_err().status, 404);
+        assert_eq!(sampling(&other, &["m"], 16).unwrap_err().status, 404);
         let none = parse::<Sampling>(&body(br#"{"messages": []}"#).unwrap()).unwrap();
-        let e = sampling(&none, "m", 16).unwrap_err();
+        let e = sampling(&none, &["m"], 16).unwrap_err();
         assert_eq!((e.status, e.param.as_deref()), (400, Some("model")), "{e:?}");
         let e = chat_top_logprobs(&req(r#", "top_logprobs": 3"#)).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("top_logprobs"));
         assert_eq!(chat_top_logprobs(&req(r#", "logprobs": true, "top_logprobs": 3"#)).unwrap(), 3);
-        let s = sampling(&samp(r#", "stop": "\n", "seed": 4, "max_completion_tokens": 7"#), "m", 16).unwrap();
+        let s = sampling(&samp(r#", "stop": "\n", "seed": 4, "max_completion_tokens": 7"#), &["m"], 16).unwrap();
         assert_eq!((s.stop, s.seed, s.max_tokens), (vec!["\n".to_string()], Some(4), 7));
         // a request must fit the model and the server: vocabulary, context, reply cap
         let limits = Limits { context: 8, vocab: 50, max_tokens: 6 };
@@ -669,7 +670,7 @@ mod tests {
         );
         let e = fits(&[1, 50], 1, "max_completion_tokens", limits).unwrap_err();
         assert!(e.message.starts_with("prompt: token id 50") && e.message.contains("vocabulary of 50"), "{}", e.message);
-        let s = sampling(&samp(r#", "constrain": "harness_patch""#), "m", 16).unwrap();
+        let s = sampling(&samp(r#", "constrain": "harness_patch""#), &["m"], 16).unwrap();
         assert_eq!(s.constrain, Some(jobs::policy::Constrain::HarnessPatch));
     }
 

@@ -107,3 +107,115 @@ async fn a_checkpoint_in_a_store_replaces_the_served_weights() {
         assert_eq!(greedy_logprobs(&addr).await.0, after, "a refused update leaves the served weights");
     }
 }
+
+/// The text body of a POST (vLLM answers the LoRA routes with a sentence).
+async fn post_text(addr: &str, path: &str, body: Value) -> (u16, String) {
+    let r = reqwest::Client::new().post(format!("http://{addr}{path}")).json(&body).send().await.unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// Greedy log-probabilities of `model` as the server samples them.
+async fn greedy_of(addr: &str, model: &str) -> Vec<f64> {
+    let (status, body, _) =
+        post(addr, "/v1/completions", json!({"model": model, "prompt": [2, 3], "max_tokens": 8, "temperature": 0, "logprobs": 0})).await;
+    assert_eq!(status, 200, "{body}");
+    body["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+}
+
+/// A LoRA run's checkpoint (PEFT's adapter files, no full weights) replaces the served
+/// weights through `/update_weights_from_disk`, merged into the base the server started
+/// with; through vLLM's `/v1/load_lora_adapter` it is served by its name beside the base, a
+/// retrained one replaces it in place, and it unloads. What the server samples is what the
+/// learner's adapted model computes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_checkpoint_is_served_merged_over_the_base_and_by_name() {
+    use native::model::lora::{AdapterConfig, ADAPTER_FILE};
+    use native::train::learner::{Learner, LearnerConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let tok = native::model::tokenizer::word_level(&WORDS);
+    let base = dir.path().join("base");
+    write_model(&base, 1, Some(&tok));
+    let state = serve::AppState::load(&base, "tiny".into(), Device::Cpu, Default::default(), 4096).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let served = Arc::clone(&state);
+    tokio::spawn(async move { serve::serve(listener, served, std::future::pending()).await.unwrap() });
+    let before = greedy_of(&addr, "tiny").await;
+
+    // two adapter checkpoints of a LoRA learner over the same base (B moved by hand: a
+    // fresh adapter is the base itself)
+    let store_dir = dir.path().join("store");
+    std::fs::create_dir_all(&store_dir).unwrap();
+    let store = infra::store::LocalStore::new(&store_dir).unwrap();
+    let config = LearnerConfig { adapter: Some(AdapterConfig::lora(4, 8.0, &["all-linear"])), ..Default::default() };
+    let mut learner = Learner::from_base(native::model::hf::load_model(&base, Device::Cpu).unwrap(), config).unwrap();
+    let mut expected = vec![];
+    for step in [1u32, 2] {
+        {
+            let _g = tch::no_grad_guard();
+            for (_, mut b) in native::model::lora::adapter_tensors(&learner.model).into_iter().filter(|(n, _)| n.contains("lora_B")) {
+                let _ = b.copy_(&(tch::Tensor::randn(b.size(), (tch::Kind::Float, Device::Cpu)) * 0.2));
+            }
+        }
+        let info =
+            native::train::checkpoint::SaveInfo { run_id: "r".into(), step, base_model: base.display().to_string(), ..Default::default() };
+        native::train::checkpoint::save(&store, &learner, None, &info).await.unwrap();
+        // the learner's own log-probabilities of the server's greedy tokens come later
+        expected.push(store_dir.join(format!("runs/r/checkpoints/step={step}")));
+    }
+    let step1 = &expected[0];
+    assert!(step1.join(ADAPTER_FILE).is_file() && !step1.join(MODEL_FILE).exists());
+
+    // SGLang's route with the adapter folder's store URL: merged over the base
+    let url = format!("file://{}", step1.display());
+    let (status, body, _) = post(&addr, "/update_weights_from_disk", json!({"model_path": url})).await;
+    assert_eq!(status, 200, "{body}");
+    let merged = greedy_of(&addr, "tiny").await;
+    assert_ne!(merged, before, "the adapter changed the served model");
+    let (reference, _, _) = native::train::checkpoint::load_model(&store, "r", 1, Device::Cpu).await.unwrap();
+    let scored = Learner::new(reference, LearnerConfig::default());
+    let (_, body, _) = post(
+        &addr,
+        "/v1/completions",
+        json!({"model": "tiny", "prompt": [2, 3], "max_tokens": 8, "temperature": 0, "return_token_ids": true}),
+    )
+    .await;
+    let ids: Vec<u32> = body["choices"][0]["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let ours = scored.score(&[native::train::learner::Sample {
+        task: 0,
+        context: vec![2, 3],
+        completion: ids.clone(),
+        mask: vec![true; ids.len()],
+        logq: vec![],
+        advantage: 0.0,
+        temperature: 1.0,
+        scale: 1.0,
+        shift: None,
+    }]);
+    for (a, b) in ours[0].iter().zip(&merged) {
+        assert!((*a as f64 - b).abs() < 1e-4, "served {merged:?} vs the learner's {ours:?}");
+    }
+
+    // vLLM's routes: by name beside the base
+    let load = |name: &str, path: &std::path::Path, inplace: bool| json!({"lora_name": name, "lora_path": path.display().to_string(), "load_inplace": inplace});
+    let (status, text) = post_text(&addr, "/v1/load_lora_adapter", load("policy", &expected[1], false)).await;
+    assert_eq!((status, text.as_str()), (200, "Success: LoRA adapter 'policy' added successfully."));
+    let by_name = greedy_of(&addr, "policy").await;
+    assert_ne!(by_name, merged, "step 2's adapter, not step 1's");
+    assert_eq!(greedy_of(&addr, "tiny").await, merged, "the base name still serves what it served");
+    let models: Value = reqwest::get(format!("http://{addr}/v1/models")).await.unwrap().json().await.unwrap();
+    assert_eq!((models["data"][1]["id"].as_str(), models["data"][1]["parent"].as_str()), (Some("policy"), Some("tiny")), "{models}");
+    let (status, text) = post_text(&addr, "/v1/load_lora_adapter", load("policy", step1, false)).await;
+    assert!(status == 400 && text.contains("already loaded") && text.contains("load_inplace"), "{status} {text}");
+    let (status, _) = post_text(&addr, "/v1/load_lora_adapter", load("policy", step1, true)).await;
+    assert_eq!(status, 200);
+    assert_eq!(greedy_of(&addr, "policy").await, merged, "replaced in place by step 1's adapter");
+    let (status, text) = post_text(&addr, "/v1/load_lora_adapter", load("other", &dir.path().join("missing"), false)).await;
+    assert!(status == 400 && text.contains("lora_path"), "{status} {text}");
+    let (status, _) = post_text(&addr, "/v1/unload_lora_adapter", json!({"lora_name": "policy"})).await;
+    assert_eq!(status, 200);
+    let (status, text) = post_text(&addr, "/v1/unload_lora_adapter", json!({"lora_name": "policy"})).await;
+    assert!(status == 404 && text.contains("no LoRA adapter `policy`"), "{status} {text}");
+    let (status, body, _) = post(&addr, "/v1/completions", json!({"model": "policy", "prompt": [2, 3], "max_tokens": 2})).await;
+    assert_eq!(status, 404, "{body}");
+}

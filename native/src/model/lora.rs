@@ -390,6 +390,30 @@ pub fn load(
     Ok(())
 }
 
+/// Whether `dir` is an adapter folder (PEFT's `adapter_config.json` in it).
+pub fn is_adapter_folder(dir: &Path) -> bool {
+    dir.join(ADAPTER_CONFIG_FILE).is_file()
+}
+
+/// Attaches the adapter of the PEFT folder `dir` (`adapter_config.json` and
+/// `adapter_model.safetensors`; a `manifest.json` beside them is checked) to `model`, the
+/// base frozen in float32; returns its configuration and the base it names.
+pub fn load_folder(model: &mut (impl Adaptable + ?Sized), dir: &Path) -> Result<(AdapterConfig, String), NativeError> {
+    let manifest = crate::model::hf::FolderManifest::read(dir)?;
+    let read = |name: &str| -> Result<Vec<u8>, NativeError> {
+        let path = dir.join(name);
+        let bytes = std::fs::read(&path).map_err(|e| NativeError::io(&path, e))?;
+        manifest.check(&path, &bytes)?;
+        Ok(bytes)
+    };
+    let cfg_path = dir.join(ADAPTER_CONFIG_FILE);
+    let (config, base) = read_peft_config(&String::from_utf8_lossy(&read(ADAPTER_CONFIG_FILE)?), &cfg_path)?;
+    let weights = dir.join(ADAPTER_FILE);
+    let tensors = crate::model::hf::read_safetensors(&read(ADAPTER_FILE)?, &weights)?;
+    load(model, &config, &tensors, Kind::Float, &weights)?;
+    Ok((config, base))
+}
+
 /// Folds every adapter of `model` into its base weight (W ← W + s·B·A, in the weight's
 /// kind) and removes it: the merged model computes what the adapted one did.
 pub fn merge(model: &mut (impl Adaptable + ?Sized)) {

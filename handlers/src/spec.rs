@@ -2145,7 +2145,7 @@ rescue = "h0"
         let auto = parse(&spec(fits).replace("micro_batch_tokens = 4096", "micro_batch_tokens = \"auto\""), "big.toml", dir.path(), "big")
             .unwrap();
         let tokens = auto.spec.learner.tokens();
-        assert!(tokens > 4096 && tokens % 64 == 0 && auto.spec.learner.auto_tokens == Some(tokens), "{tokens}");
+        assert!(tokens > 4096 && tokens.is_multiple_of(64) && auto.spec.learner.auto_tokens == Some(tokens), "{tokens}");
         let err = parse(&spec("[learner.adapter]\nrank = 8\ntargets = [\"in_proj_qkv\"]\n"), "big.toml", dir.path(), "big")
             .unwrap_err()
             .to_string();

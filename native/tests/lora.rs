@@ -137,7 +137,7 @@ fn lora_gradients_are_the_full_gradient_projected_onto_the_factors() {
         {
             let _g = tch::no_grad_guard();
             for (_, mut b) in lora::adapter_tensors(&adapted).into_iter().filter(|(n, _)| n.contains("lora_B")) {
-                let _ = b.copy_(&(Tensor::randn(b.size(), (Kind::Float, Device::Cpu)) * 0.1));
+                b.copy_(&(Tensor::randn(b.size(), (Kind::Float, Device::Cpu)) * 0.1));
             }
         }
         let factors: HashMap<String, Tensor> = lora::adapter_tensors(&adapted).into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
@@ -152,7 +152,7 @@ fn lora_gradients_are_the_full_gradient_projected_onto_the_factors() {
         {
             let _g = tch::no_grad_guard();
             for (n, mut t) in full.named_tensors() {
-                let _ = t.copy_(&merged[&n]);
+                t.copy_(&merged[&n]);
             }
         }
         logprob_sum(&full, &row).0.backward();
@@ -214,7 +214,7 @@ fn gradients(make: fn(u64) -> Model, config: LearnerConfig) -> (Vec<(String, Ten
     // a fresh B is zero, and so A's gradient: give B values, the same in every run
     let _g = tch::no_grad_guard();
     for (_, mut b) in lora::adapter_tensors(&learner.model).into_iter().filter(|(n, _)| n.contains("lora_B")) {
-        let _ = b.copy_(&(Tensor::arange(b.numel() as i64, (Kind::Float, Device::Cpu)).sin().view(b.size().as_slice()) * 0.05));
+        b.copy_(&(Tensor::arange(b.numel() as i64, (Kind::Float, Device::Cpu)).sin().view(b.size().as_slice()) * 0.05));
     }
     drop(_g);
     let m = learner.update(&batch()).unwrap();

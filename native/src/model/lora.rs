@@ -422,7 +422,7 @@ pub fn merge(model: &mut (impl Adaptable + ?Sized)) {
         if let Some(l) = layer.lora.take() {
             let delta = l.b.matmul(&l.a) * l.scale;
             let merged = layer.weight.to_kind(Kind::Float) + delta.to_device(layer.weight.device());
-            let _ = layer.weight.copy_(&merged.to_kind(layer.weight.kind()));
+            layer.weight.copy_(&merged.to_kind(layer.weight.kind()));
         }
     }
 }
@@ -481,7 +481,7 @@ mod tests {
         {
             let _g = tch::no_grad_guard();
             for (_, mut b) in adapter_tensors(&m).into_iter().filter(|(n, _)| n.contains("lora_B")) {
-                let _ = b.copy_(&(Tensor::randn(b.size(), (Kind::Float, Device::Cpu)) * 0.05));
+                b.copy_(&(Tensor::randn(b.size(), (Kind::Float, Device::Cpu)) * 0.05));
             }
         }
         let adapted = m.forward(&toks, None).detach();

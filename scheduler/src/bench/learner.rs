@@ -197,10 +197,11 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
         ..full.clone()
     };
     let model_config = model.model_config();
-    // the full-weight learner first, then the one asked for (when it differs)
-    let mut variants = vec![full.clone()];
+    // the one asked for first, then the full-weight learner (when it differs): what the
+    // heap keeps of the first is then below the second's peak
+    let mut variants = vec![cfg.clone()];
     if cfg != full {
-        variants.push(cfg.clone());
+        variants.push(full.clone());
     }
     let seed_model = |device| -> anyhow::Result<Model> {
         Ok(match &args.model {
@@ -319,7 +320,9 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
         drop(learner);
         measured.push((variant.clone(), ours));
     }
-    let ours = measured[0].1.clone();
+    // printed and compared with the full-weight learner first
+    measured.reverse();
+    let ours = measured.iter().find(|(c, _)| *c == full).map(|(_, rows)| rows.clone()).unwrap_or_default();
     // Give the freed model back to the system before the peer starts beside this process:
     // glibc keeps freed blocks below its mmap threshold in its heap (GBs at 0.8B parameters),
     // and the two processes would not fit together.

@@ -4,9 +4,13 @@
 //! each learn step the servers must load the new checkpoint before the next update samples,
 //! or the learner trains on rollouts of weights it has already left behind.
 //!
-//! The protocol is SGLang's, which `harness-s serve` speaks too:
+//! Two protocols, both spoken by `harness-s serve`: SGLang's (`weight_sync = "sglang"`)
 //! - `POST {root}/update_weights_from_disk {"model_path"}` → `{"success", "message"}`;
-//! - `GET {root}/get_model_info` → `{"model_path", ...}`: the weights served now.
+//! - `GET {root}/get_model_info` → `{"model_path", ...}`: the weights served now;
+//!
+//! and vLLM's LoRA protocol for a run that trains an adapter (`weight_sync = "lora"`):
+//! - `POST {root}/v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}`;
+//! - `GET {root}/v1/models`: the adapter's entry, its `root` the folder it was loaded from.
 //!
 //! [`Endpoint::ensure`] reads what the server serves and loads the wanted weights only when
 //! they differ, so it is cheap to call before every stage that samples (a restarted server,
@@ -29,6 +33,17 @@ pub enum WeightSync {
     None,
     /// SGLang's `/update_weights_from_disk` and `/get_model_info` (also `harness-s serve`).
     Sglang,
+    /// vLLM's LoRA protocol, for a run that trains an adapter (`[learner.adapter]`): each
+    /// checkpoint's adapter folder is loaded in place under one name ([`adapter_name`]) with
+    /// `POST /v1/load_lora_adapter` and checked in `GET /v1/models` (its `root`); rollouts of
+    /// a trained step ask for that name, the starting weights' rollouts for the base model.
+    /// vLLM (with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`) and `harness-s serve` speak it.
+    Lora,
+}
+
+/// The name a run's adapter is served under beside `model`, the base's.
+pub fn adapter_name(model: &str) -> String {
+    format!("{model}-lora")
 }
 
 /// Why an endpoint could not be brought to the wanted weights.
@@ -40,7 +55,7 @@ pub enum SyncError {
     Refused { endpoint: String, model_path: String, message: String },
     #[error("the policy endpoint {} serves {} after loading {}; it did not take the new weights", infra::redact_url(.endpoint), infra::redact_url(.serving), infra::redact_url(.model_path))]
     NotLoaded { endpoint: String, model_path: String, serving: String },
-    #[error("the policy endpoint {} does not speak the weight-update protocol ({}); weight_sync = \"sglang\" needs /update_weights_from_disk and /get_model_info (SGLang, harness-s serve)", infra::redact_url(.endpoint), infra::redact_text(.detail))]
+    #[error("the policy endpoint {} does not speak the weight-update protocol ({}); weight_sync = \"sglang\" needs /update_weights_from_disk and /get_model_info (SGLang, harness-s serve), weight_sync = \"lora\" /v1/load_lora_adapter and /v1/models (vLLM, harness-s serve)", infra::redact_url(.endpoint), infra::redact_text(.detail))]
     Protocol { endpoint: String, detail: String },
 }
 
@@ -126,6 +141,72 @@ impl Endpoint {
                 detail: format!("POST /update_weights_from_disk answered HTTP {status} without `success`"),
             }),
         }
+    }
+
+    /// The path the adapter `name` was loaded from (`root` of its `/v1/models` entry, as vLLM
+    /// lists LoRA adapters), or None when no adapter of that name is loaded.
+    pub async fn serving_adapter(&self, name: &str) -> Result<Option<String>, SyncError> {
+        let (status, body) = self.send(self.http.get(format!("{}/v1/models", self.root))).await?;
+        let Some(models) = body.get("data").and_then(Value::as_array).filter(|_| status == 200) else {
+            return Err(SyncError::Protocol {
+                endpoint: self.root.clone(),
+                detail: format!("GET /v1/models answered HTTP {status} without `data`"),
+            });
+        };
+        Ok(models
+            .iter()
+            .find(|m| m.get("id").and_then(Value::as_str) == Some(name))
+            .map(|m| m.get("root").and_then(Value::as_str).unwrap_or_default().to_string()))
+    }
+
+    /// Asks the server to load the adapter folder `path` as `name`, in place of one loaded
+    /// under that name (vLLM's `/v1/load_lora_adapter`, which answers 200 with a sentence).
+    pub async fn load_adapter(&self, name: &str, path: &str) -> Result<(), SyncError> {
+        let url = format!("{}/v1/load_lora_adapter", self.root);
+        let request = self.http.post(url).json(&json!({"lora_name": name, "lora_path": path, "load_inplace": true}));
+        let request = match &self.api_key {
+            Some(k) => request.bearer_auth(k),
+            None => request,
+        };
+        let unreachable = |e: reqwest::Error| SyncError::Unreachable { endpoint: self.root.clone(), detail: e.to_string() };
+        let response = request.send().await.map_err(unreachable)?;
+        let status = response.status().as_u16();
+        let text = response.text().await.map_err(unreachable)?;
+        match status {
+            200 => Ok(()),
+            404 | 405 => Err(SyncError::Protocol {
+                endpoint: self.root.clone(),
+                detail: format!("POST /v1/load_lora_adapter answered {status}; vLLM serves it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"),
+            }),
+            s if s >= 500 || s == 429 => Err(SyncError::Unreachable { endpoint: self.root.clone(), detail: format!("HTTP {s}: {}", text.chars().take(300).collect::<String>()) }),
+            _ => Err(SyncError::Refused { endpoint: self.root.clone(), model_path: path.into(), message: text.chars().take(500).collect() }),
+        }
+    }
+
+    /// Brings the server to serve the adapter folder `path` as `name` (see [`Endpoint::ensure`]).
+    pub async fn ensure_adapter(&self, name: &str, path: &str, budget: Duration) -> Result<bool, SyncError> {
+        let started = Instant::now();
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(500))
+            .with_max_delay(Duration::from_secs(10))
+            .with_max_times(usize::MAX)
+            .with_jitter();
+        (|| async {
+            if self.serving_adapter(name).await?.is_some_and(|root| same_weights(&root, path)) {
+                return Ok(false);
+            }
+            self.load_adapter(name, path).await?;
+            match self.serving_adapter(name).await? {
+                Some(root) if same_weights(&root, path) => Ok(true),
+                other => Err(SyncError::NotLoaded { endpoint: self.root.clone(), model_path: path.into(), serving: other.unwrap_or_else(|| format!("no adapter `{name}`")) }),
+            }
+        })
+        .retry(backoff)
+        .sleep(tokio::time::sleep)
+        .when(<SyncError as infra::Transient>::is_transient)
+        .adjust(|_, delay| delay.filter(|d| started.elapsed() + *d < budget))
+        .notify(|e, delay| tracing::warn!(endpoint = %self.root, error = %e, retry_in_ms = delay.as_millis() as u64, "adapter sync: endpoint not ready; retrying"))
+        .await
     }
 
     /// Brings the server to `model_path`: nothing when it serves it already, else a load

@@ -255,6 +255,14 @@ async fn load_policy(store: &dyn ObjectStore, inputs: &RunInputs, step: Option<u
             // them unless the server names its own.
             if spec.policy.syncs_weights() {
                 config.checkpoint = inputs.stored.served_weights(store, step);
+                // under adapter sync the starting weights are the base itself, a trained
+                // step its adapter, asked for by name
+                if spec.policy.weight_sync == jobs::policy::weight_sync::WeightSync::Lora {
+                    match step {
+                        Some(_) => config.adapter = Some(jobs::policy::weight_sync::adapter_name(&config.model)),
+                        None => config.checkpoint = None,
+                    }
+                }
             }
             let p = jobs::policy::openai::OpenAiPolicy::new(config).map_err(JobFailure::of)?;
             Ok(Arc::new(p))

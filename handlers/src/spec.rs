@@ -1749,6 +1749,13 @@ fn check_trained_endpoint(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(
             Some(w) => check_model_path(w, base_dir, "policy.weights", bad),
         }
     }
+    if p.weight_sync == jobs::policy::weight_sync::WeightSync::Lora && spec.learner.adapter.is_none() {
+        bad(
+            "policy.weight_sync",
+            "\"lora\" syncs the adapter a LoRA run trains: set [learner.adapter] (e.g. rank = 16), or use \"sglang\" to sync full weights"
+                .into(),
+        );
+    }
     if p.backend != Backend::Openai && (p.weights.is_some() || p.weight_sync != jobs::policy::weight_sync::WeightSync::None) {
         bad("policy.weights", "weights and weight_sync apply to backend = \"openai\"; the native backend trains `model`".into());
     } else if p.backend == Backend::Openai && !a.learn && p.weight_sync != jobs::policy::weight_sync::WeightSync::None {
@@ -2393,6 +2400,12 @@ rescue = "h0"
         let s = parse(&good, "good.toml", dir.path(), "good").unwrap();
         assert!(s.spec.policy.syncs_weights() && s.spec.policy.openai_config().return_token_ids);
         assert_eq!(s.spec.algorithm.max_off_policy_steps, 0);
+        // adapter sync needs an adapter to sync
+        let lora = good.replace("weight_sync = \"sglang\"", "weight_sync = \"lora\"");
+        let err = parse(&lora, "bad.toml", dir.path(), "bad").unwrap_err().to_string();
+        assert!(err.contains("policy.weight_sync") && err.contains("[learner.adapter]"), "{err}");
+        let s = parse(&format!("{lora}[learner.adapter]\nrank = 8\n"), "good.toml", dir.path(), "good").unwrap();
+        assert!(s.spec.policy.syncs_weights() && s.spec.learner.adapter.is_some());
     }
 
     #[test]

@@ -291,3 +291,34 @@ async fn an_adapter_written_here_is_one_peft_loads() {
     eprintln!("peft: {text}");
     assert!(diffs.len() == 2 && diffs.iter().all(|d| *d < 1e-4), "peft's logits differ: {text}");
 }
+
+/// Under `precision = "bf16"` a LoRA learner keeps the frozen base's matrices in bf16 (2
+/// bytes a parameter), its norms in float32, the adapter in float32, and trains: the loss
+/// follows the float32 learner's within bf16's rounding and the adapter moves.
+#[test]
+fn a_bf16_lora_learner_keeps_the_base_in_bf16_and_trains_the_adapter() {
+    use native::train::learner::Precision;
+    for make in [llama as fn(u64) -> Model, qwen3_5] {
+        let config = |precision| LearnerConfig {
+            adapter: Some(AdapterConfig::lora(4, 8.0, &[ALL_LINEAR])),
+            optimizer: AdamWConfig { lr: 1e-2, ..Default::default() },
+            precision,
+            ..Default::default()
+        };
+        let mut f32_learner = Learner::from_base(make(2), config(Precision::F32)).unwrap();
+        let mut bf16 = Learner::from_base(make(2), config(Precision::Bf16)).unwrap();
+        for (n, t) in bf16.model.named_tensors() {
+            let want = if t.dim() == 2 { Kind::BFloat16 } else { Kind::Float };
+            assert_eq!(t.kind(), want, "{n}");
+        }
+        let before: Vec<Tensor> = bf16.model.trainable().iter().map(|(_, t)| t.copy()).collect();
+        assert!(bf16.model.trainable().iter().all(|(_, t)| t.kind() == Kind::Float));
+        for _ in 0..2 {
+            let (a, b) = (f32_learner.update(&batch()).unwrap(), bf16.update(&batch()).unwrap());
+            assert!(b.policy_tokens > 0 && b.loss.is_finite() && b.grad_norm > 0.0, "{b:?}");
+            assert!((a.loss - b.loss).abs() < 3e-2 * a.loss.abs().max(1e-2), "{} vs {}", a.loss, b.loss);
+        }
+        let moved = bf16.model.trainable().iter().zip(&before).filter(|((_, t), b)| !t.equal(b)).count();
+        assert!(moved > 0, "the bf16 learner's adapter did not move");
+    }
+}

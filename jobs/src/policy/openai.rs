@@ -138,6 +138,11 @@ pub struct OpenAiConfig {
     /// sync); recorded on rows when the server does not name its weights itself.
     #[serde(default)]
     pub checkpoint: Option<String>,
+    /// Under `weight_sync = "lora"`, once a trained step is synced: the name the run's
+    /// adapter is served under ([`super::weight_sync::adapter_name`]); calls ask for it as
+    /// their `model`, and a server that lost it is asked to load `checkpoint` again.
+    #[serde(default)]
+    pub adapter: Option<String>,
     /// The server decodes in harness-s's grammars (`harness-s serve`): a constrained call
     /// sends `constrain` (e.g. `"harness_patch"`) and refuses an answer that does not echo
     /// it. Off: a constrained call fails with a configuration error.
@@ -193,6 +198,7 @@ impl OpenAiConfig {
             max_backoff_ms: default_max_backoff(),
             return_token_ids: false,
             checkpoint: None,
+            adapter: None,
             grammars: false,
         }
     }
@@ -309,7 +315,7 @@ impl OpenAiPolicy {
     /// The request body of one call (pure; exposed for inspection and tests).
     pub fn request_body(&self, messages: &[Message], tools: &[ToolSpec], sampling: &SamplingParams) -> Value {
         let mut body = json!({
-            "model": self.config.model,
+            "model": self.config.adapter.as_deref().unwrap_or(&self.config.model),
             "messages": wire_messages(messages, tools, self.config.tool_protocol),
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
@@ -368,6 +374,12 @@ impl OpenAiPolicy {
         let status = response.status();
         let served = response.headers().get(CHECKPOINT_HEADER).and_then(|v| v.to_str().ok()).map(str::to_string);
         let text = response.text().await.map_err(|e| self.transport_error(e))?;
+        // a server that lost the run's adapter (restarted) answers 404 for its name
+        if let (404, Some(name), Some(expected)) = (status.as_u16(), &self.config.adapter, &self.config.checkpoint) {
+            tracing::warn!(endpoint = %self.root_url, adapter = %name, "the policy endpoint does not serve the run's adapter; loading it again");
+            self.reload(expected).await?;
+            return Err(PolicyError::StaleWeights { expected: expected.clone(), served: format!("no adapter `{name}`") });
+        }
         if !status.is_success() {
             return Err(http_error(status.as_u16(), &text, self.api_key.is_some()));
         }
@@ -386,14 +398,26 @@ impl OpenAiPolicy {
             return Ok(());
         }
         tracing::warn!(endpoint = %self.root_url, served = %served, expected = %expected, "the policy endpoint serves other weights than the synced ones; loading them again");
+        self.reload(expected).await?;
+        Err(PolicyError::StaleWeights { expected: expected.clone(), served: served.clone() })
+    }
+
+    /// Asks the server to load the synced weights `expected` again: the run's adapter under
+    /// its name, or the weights themselves. A failure is logged: the call that found the
+    /// server on other weights fails retryably either way.
+    async fn reload(&self, expected: &str) -> Result<(), PolicyError> {
         let key = self.api_key.as_ref().map(|k| k.0.clone());
         let timeout = Duration::from_secs_f64(self.config.retry_budget_s);
         let endpoint =
             super::weight_sync::Endpoint::new(&self.config.base_url, key, timeout).map_err(|e| PolicyError::Config(e.to_string()))?;
-        if let Err(e) = endpoint.ensure(expected, timeout).await {
+        let reloaded = match &self.config.adapter {
+            Some(name) => endpoint.ensure_adapter(name, expected, timeout).await,
+            None => endpoint.ensure(expected, timeout).await,
+        };
+        if let Err(e) = reloaded {
             tracing::warn!(error = %e, "reloading the synced weights failed");
         }
-        Err(PolicyError::StaleWeights { expected: expected.clone(), served: served.clone() })
+        Ok(())
     }
 
     fn transport_error(&self, e: reqwest::Error) -> PolicyError {

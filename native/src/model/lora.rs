@@ -219,12 +219,14 @@ pub fn attach(
     Ok(())
 }
 
-/// Freezes the base parameters (no gradient) and stores them in `kind`.
+/// Freezes the base parameters (no gradient) and stores its matrices in `kind` (the
+/// embedding and the linear layers; norms, biases and the GDN layers' vectors and
+/// convolution stay float32, as transformers computes them).
 fn freeze(model: &mut (impl Adaptable + ?Sized), kind: Kind) {
     let vs = model.base_vars();
     let _g = tch::no_grad_guard();
     for (_, mut v) in vs.variables() {
-        if v.kind() != kind {
+        if v.dim() == 2 && v.kind() != kind {
             v.set_data(&v.to_kind(kind));
         }
         let _ = v.set_requires_grad(false);

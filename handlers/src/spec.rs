@@ -945,6 +945,9 @@ pub struct LoadedSpec {
     /// Folder the spec's relative paths are resolved against.
     pub base_dir: PathBuf,
     pub run_id: String,
+    /// The learner's memory plan, made once at load (a run that trains with weights this
+    /// machine can read; None otherwise).
+    pub memory: Option<MemoryReport>,
 }
 
 impl LoadedSpec {
@@ -1099,6 +1102,7 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
         });
     }
     check(&spec, base_dir, &mut problems);
+    let mut memory = None;
     if problems.is_empty() {
         // the memory plan last: it reads the model's configuration the checks above vouched for
         match memory_report(&spec, base_dir) {
@@ -1123,14 +1127,17 @@ pub fn parse(text: &str, file: &str, base_dir: &Path, stem: &str) -> Result<Load
                     ),
                 });
             }
-            Ok(Some(report)) => spec.learner.auto_tokens = report.auto_tokens,
+            Ok(Some(report)) => {
+                spec.learner.auto_tokens = report.auto_tokens;
+                memory = Some(report);
+            }
             Ok(None) => {}
         }
     }
     if !problems.is_empty() {
         return Err(SpecError { file: file.to_string(), problems });
     }
-    Ok(LoadedSpec { spec, text: text.to_string(), base_dir: base_dir.to_path_buf(), run_id })
+    Ok(LoadedSpec { spec, text: text.to_string(), base_dir: base_dir.to_path_buf(), run_id, memory })
 }
 
 /// Rollouts per group at most (a larger K is a typo, not a group).
@@ -1874,7 +1881,7 @@ fn local_device_memory(device: native::device::Device) -> Option<(u64, String)> 
 /// The memory report of a run that trains with weights this machine can read; None when
 /// the run does not train or its weights are not readable here (other checks name why).
 /// An error is a problem of the spec: (key, message).
-pub fn memory_report(spec: &RunSpec, base_dir: &Path) -> Result<Option<MemoryReport>, (String, String)> {
+fn memory_report(spec: &RunSpec, base_dir: &Path) -> Result<Option<MemoryReport>, (String, String)> {
     use native::train::memory::{human, largest_micro_batch, learner_plan};
     if !(spec.algorithm.learn && spec.algorithm.updates > 0) {
         return Ok(None);
@@ -2147,7 +2154,7 @@ rescue = "h0"
         assert!(err.contains("AdamW") && err.contains("[learner.adapter] rank = 64") && err.contains("(fits)"), "{err}");
         let fits = "recompute = \"blocks\"\n[learner.adapter]\nrank = 64\n";
         let loaded = parse(&spec(fits), "big.toml", dir.path(), "big").unwrap_or_else(|e| panic!("{e}"));
-        let report = memory_report(&loaded.spec, dir.path()).unwrap().unwrap();
+        let report = loaded.memory.clone().unwrap();
         assert!(report.fits() && report.plan.trainable_parameters < report.plan.parameters / 20, "{:?}", report.plan);
         let auto = parse(&spec(fits).replace("micro_batch_tokens = 4096", "micro_batch_tokens = \"auto\""), "big.toml", dir.path(), "big")
             .unwrap();

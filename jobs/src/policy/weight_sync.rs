@@ -91,7 +91,9 @@ impl Endpoint {
         &self.root
     }
 
-    async fn send(&self, request: reqwest::RequestBuilder) -> Result<(u16, Value), SyncError> {
+    /// Sends `request` with the key: the status and the text of a reply that is neither a
+    /// transport failure nor a server in trouble (5xx, 429), which are `Unreachable`.
+    async fn exchange(&self, request: reqwest::RequestBuilder) -> Result<(u16, String), SyncError> {
         let request = match &self.api_key {
             Some(k) => request.bearer_auth(k),
             None => request,
@@ -106,6 +108,12 @@ impl Endpoint {
                 detail: format!("HTTP {status}: {}", text.chars().take(300).collect::<String>()),
             });
         }
+        Ok((status, text))
+    }
+
+    /// [`Endpoint::exchange`] of a route that answers JSON.
+    async fn send(&self, request: reqwest::RequestBuilder) -> Result<(u16, Value), SyncError> {
+        let (status, text) = self.exchange(request).await?;
         let body = serde_json::from_str(&text).map_err(|_| SyncError::Protocol {
             endpoint: self.root.clone(),
             detail: format!("HTTP {status}, not JSON: {}", text.chars().take(200).collect::<String>()),
@@ -163,49 +171,34 @@ impl Endpoint {
     /// under that name (vLLM's `/v1/load_lora_adapter`, which answers 200 with a sentence).
     pub async fn load_adapter(&self, name: &str, path: &str) -> Result<(), SyncError> {
         let url = format!("{}/v1/load_lora_adapter", self.root);
-        let request = self.http.post(url).json(&json!({"lora_name": name, "lora_path": path, "load_inplace": true}));
-        let request = match &self.api_key {
-            Some(k) => request.bearer_auth(k),
-            None => request,
-        };
-        let unreachable = |e: reqwest::Error| SyncError::Unreachable { endpoint: self.root.clone(), detail: e.to_string() };
-        let response = request.send().await.map_err(unreachable)?;
-        let status = response.status().as_u16();
-        let text = response.text().await.map_err(unreachable)?;
+        let (status, text) =
+            self.exchange(self.http.post(url).json(&json!({"lora_name": name, "lora_path": path, "load_inplace": true}))).await?;
         match status {
             200 => Ok(()),
             404 | 405 => Err(SyncError::Protocol {
                 endpoint: self.root.clone(),
                 detail: format!("POST /v1/load_lora_adapter answered {status}; vLLM serves it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"),
             }),
-            s if s >= 500 || s == 429 => Err(SyncError::Unreachable { endpoint: self.root.clone(), detail: format!("HTTP {s}: {}", text.chars().take(300).collect::<String>()) }),
             _ => Err(SyncError::Refused { endpoint: self.root.clone(), model_path: path.into(), message: text.chars().take(500).collect() }),
         }
     }
 
     /// Brings the server to serve the adapter folder `path` as `name` (see [`Endpoint::ensure`]).
     pub async fn ensure_adapter(&self, name: &str, path: &str, budget: Duration) -> Result<bool, SyncError> {
-        let started = Instant::now();
-        let backoff = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(500))
-            .with_max_delay(Duration::from_secs(10))
-            .with_max_times(usize::MAX)
-            .with_jitter();
-        (|| async {
+        self.retrying(budget, || async {
             if self.serving_adapter(name).await?.is_some_and(|root| same_weights(&root, path)) {
                 return Ok(false);
             }
             self.load_adapter(name, path).await?;
             match self.serving_adapter(name).await? {
                 Some(root) if same_weights(&root, path) => Ok(true),
-                other => Err(SyncError::NotLoaded { endpoint: self.root.clone(), model_path: path.into(), serving: other.unwrap_or_else(|| format!("no adapter `{name}`")) }),
+                other => Err(SyncError::NotLoaded {
+                    endpoint: self.root.clone(),
+                    model_path: path.into(),
+                    serving: other.unwrap_or_else(|| format!("no adapter `{name}`")),
+                }),
             }
         })
-        .retry(backoff)
-        .sleep(tokio::time::sleep)
-        .when(<SyncError as infra::Transient>::is_transient)
-        .adjust(|_, delay| delay.filter(|d| started.elapsed() + *d < budget))
-        .notify(|e, delay| tracing::warn!(endpoint = %self.root, error = %e, retry_in_ms = delay.as_millis() as u64, "adapter sync: endpoint not ready; retrying"))
         .await
     }
 
@@ -213,13 +206,7 @@ impl Endpoint {
     /// and a check that it now serves it. Unreachable servers are retried with backoff
     /// while `budget` lasts. Returns whether weights were loaded.
     pub async fn ensure(&self, model_path: &str, budget: Duration) -> Result<bool, SyncError> {
-        let started = Instant::now();
-        let backoff = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(500))
-            .with_max_delay(Duration::from_secs(10))
-            .with_max_times(usize::MAX)
-            .with_jitter();
-        (|| async {
+        self.retrying(budget, || async {
             if same_weights(&self.serving().await?, model_path) {
                 return Ok(false);
             }
@@ -230,12 +217,29 @@ impl Endpoint {
             }
             Ok(true)
         })
-        .retry(backoff)
-        .sleep(tokio::time::sleep)
-        .when(<SyncError as infra::Transient>::is_transient)
-        .adjust(|_, delay| delay.filter(|d| started.elapsed() + *d < budget))
-        .notify(|e, delay| tracing::warn!(endpoint = %self.root, error = %e, retry_in_ms = delay.as_millis() as u64, "weight sync: endpoint not ready; retrying"))
         .await
+    }
+
+    /// Runs `attempt` until it succeeds, fails for good, or `budget` is spent: an unreachable
+    /// server is tried again with backoff (0.5 s doubling to 10 s, jittered).
+    async fn retrying<Fut: std::future::Future<Output = Result<bool, SyncError>>>(
+        &self,
+        budget: Duration,
+        attempt: impl FnMut() -> Fut,
+    ) -> Result<bool, SyncError> {
+        let started = Instant::now();
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(500))
+            .with_max_delay(Duration::from_secs(10))
+            .with_max_times(usize::MAX)
+            .with_jitter();
+        attempt
+            .retry(backoff)
+            .sleep(tokio::time::sleep)
+            .when(<SyncError as infra::Transient>::is_transient)
+            .adjust(|_, delay| delay.filter(|d| started.elapsed() + *d < budget))
+            .notify(|e, delay| tracing::warn!(endpoint = %self.root, error = %e, retry_in_ms = delay.as_millis() as u64, "weight sync: endpoint not ready; retrying"))
+            .await
     }
 }
 

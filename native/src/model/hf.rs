@@ -266,23 +266,30 @@ pub fn named(vs: &tch::nn::VarStore) -> Vec<(String, Tensor)> {
 /// (not libtorch's global one), so the same seed gives the same model even while other
 /// threads draw random numbers.
 pub fn randomize(vs: &tch::nn::VarStore, seed: u64, fixed: impl Fn(&str) -> Option<f32>) {
-    use rand::{Rng, SeedableRng};
-    use sha2::{Digest, Sha256};
+    use rand::Rng;
     let _guard = tch::no_grad_guard();
     for (name, mut var) in named(vs) {
         if let Some(value) = fixed(&name) {
             let _ = var.fill_(value as f64);
             continue;
         }
-        let mut h = Sha256::new();
-        h.update(seed.to_le_bytes());
-        h.update(name.as_bytes());
-        let mut rng = rand_chacha::ChaCha8Rng::from_seed(h.finalize().into());
+        let mut rng = named_rng(seed, name.as_bytes());
         // uniform on [−a, a] has σ = a/√3
         let a = 0.02f32 * 3f32.sqrt();
         let values: Vec<f32> = (0..var.numel()).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * a).collect();
         var.copy_(&Tensor::from_slice(&values).view(var.size().as_slice()).to_device(var.device()));
     }
+}
+
+/// The generator of one named tensor's random values: seeded by `seed` and `name`, not by
+/// libtorch's global generator, so a tensor's values do not depend on other threads' draws.
+pub(crate) fn named_rng(seed: u64, name: &[u8]) -> rand_chacha::ChaCha8Rng {
+    use rand::SeedableRng;
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(seed.to_le_bytes());
+    h.update(name);
+    rand_chacha::ChaCha8Rng::from_seed(h.finalize().into())
 }
 
 /// Overwrites every variable of `vs` from `tensors` by name (any float kind, copied as

@@ -13,6 +13,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 use crate::model::config::LlamaConfig;
 use crate::model::layers::{head_norm, linear, mm, rms_norm, rope_angles, rotate_half, Linear};
+use crate::model::PassRows;
 use crate::NativeError;
 
 pub(crate) struct Layer {
@@ -171,11 +172,11 @@ impl Llama {
     /// whole prefix and causally to itself), so the prefix is computed once and its gradient
     /// gathers the contributions of every row.
     pub fn pass<'a>(&'a self, prefix: Option<&'a Tensor>, rows: &'a Tensor, flat: &'a Tensor) -> LlamaPass<'a> {
-        let (b, t) = rows.size2().expect("rows must be [B, T]");
-        let p = prefix.map_or(0, |p| p.size1().expect("prefix must be [P]"));
+        let at = PassRows::new(prefix, rows, flat);
+        let (t, p) = (at.t, at.p);
         let (rope_p, mask_p) = (self.rope_tables(0, p), (p > 0).then(|| self.causal_mask(0, p)));
         let (rope_r, mask_r) = (self.rope_tables(p, t), (t > 1 || p > 0).then(|| self.causal_mask(p, t)));
-        LlamaPass { m: self, prefix, rows, flat, b, t, p, rope_p, mask_p, rope_r, mask_r }
+        LlamaPass { m: self, at, rope_p, mask_p, rope_r, mask_r }
     }
 
     /// One decoder layer on the residual stream `x` (`[.., hidden]`): pre-norm, the q, k and
@@ -283,12 +284,7 @@ impl Llama {
 /// masks computed once for every layer.
 pub struct LlamaPass<'a> {
     m: &'a Llama,
-    prefix: Option<&'a Tensor>,
-    rows: &'a Tensor,
-    flat: &'a Tensor,
-    b: i64,
-    t: i64,
-    p: i64,
+    at: PassRows<'a>,
     rope_p: (Tensor, Tensor),
     mask_p: Option<Tensor>,
     rope_r: (Tensor, Tensor),
@@ -298,11 +294,7 @@ pub struct LlamaPass<'a> {
 impl crate::model::Pass for LlamaPass<'_> {
     /// `[P + B·T, hidden]` with a prefix (the prefix's tokens first), else `[B, T, hidden]`.
     fn input(&self) -> Tensor {
-        let tokens = match self.prefix {
-            Some(prefix) => Tensor::cat(&[prefix.shallow_clone(), self.rows.reshape([-1])], 0),
-            None => self.rows.shallow_clone(),
-        };
-        Tensor::embedding(&self.m.embed, &tokens, -1, false, false)
+        Tensor::embedding(&self.m.embed, &self.at.tokens(), -1, false, false)
     }
 
     fn len(&self) -> usize {
@@ -310,12 +302,12 @@ impl crate::model::Pass for LlamaPass<'_> {
     }
 
     fn block(&self, i: usize, x: &Tensor) -> Tensor {
-        let (m, b, t, p) = (self.m, self.b, self.t, self.p);
+        let (m, b, t, p) = (self.m, self.at.b, self.at.t, self.at.p);
         let c = &m.config;
         let (hd, nh, nkv) = (c.head_dim(), c.num_attention_heads, c.num_key_value_heads);
         let ((cos_p, sin_p), (cos_r, sin_r)) = (&self.rope_p, &self.rope_r);
         m.layer(&m.layers[i], x, |q, k, v| {
-            if self.prefix.is_none() {
+            if self.at.prefix.is_none() {
                 let q = m.rope(&q.view([b, t, nh, hd]).transpose(1, 2), cos_r, sin_r);
                 let k = m.rope(&k.view([b, t, nkv, hd]).transpose(1, 2), cos_r, sin_r);
                 let v = v.view([b, t, nkv, hd]).transpose(1, 2);
@@ -336,10 +328,7 @@ impl crate::model::Pass for LlamaPass<'_> {
     }
 
     fn output(&self, x: &Tensor) -> Tensor {
-        let rows = if self.prefix.is_some() { x.narrow(0, self.p, self.b * self.t) } else { x.shallow_clone() };
-        let h = rms_norm(&rows, &self.m.norm, self.m.config.rms_norm_eps);
-        let hidden = h.size().last().copied().expect("hidden states have a last dimension");
-        self.m.logits_of(&h.reshape([-1, hidden]).index_select(0, self.flat))
+        self.m.logits_of(&self.at.scored(x, |h| rms_norm(h, &self.m.norm, self.m.config.rms_norm_eps)))
     }
 }
 

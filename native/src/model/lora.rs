@@ -236,13 +236,8 @@ fn freeze(model: &mut (impl Adaptable + ?Sized), kind: Kind) {
 /// Uniform on [−bound, bound], drawn from `seed` and `name` (not libtorch's global
 /// generator), as [`crate::model::hf::randomize`] draws.
 fn seeded_uniform(seed: u64, name: &str, shape: &[i64], bound: f64) -> Tensor {
-    use rand::{Rng, SeedableRng};
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    h.update(seed.to_le_bytes());
-    h.update(b"lora_A:");
-    h.update(name.as_bytes());
-    let mut rng = rand_chacha::ChaCha8Rng::from_seed(h.finalize().into());
+    use rand::Rng;
+    let mut rng = crate::model::hf::named_rng(seed, format!("lora_A:{name}").as_bytes());
     let n: i64 = shape.iter().product();
     let values: Vec<f32> = (0..n).map(|_| ((rng.random::<f64>() * 2.0 - 1.0) * bound) as f32).collect();
     Tensor::from_slice(&values).view(shape)

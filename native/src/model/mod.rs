@@ -71,6 +71,42 @@ pub trait CausalLm: lora::Adaptable {
     }
 }
 
+/// What a learner's pass runs over, whatever the architecture: `rows` `[B, T]` after an
+/// optional shared `prefix` `[P]`, and the `flat` positions (row · T + column) it scores. With
+/// a prefix the residual stream is the prefix's P positions, then the rows' B·T.
+pub struct PassRows<'a> {
+    pub prefix: Option<&'a Tensor>,
+    pub rows: &'a Tensor,
+    pub flat: &'a Tensor,
+    pub b: i64,
+    pub t: i64,
+    pub p: i64,
+}
+
+impl<'a> PassRows<'a> {
+    pub fn new(prefix: Option<&'a Tensor>, rows: &'a Tensor, flat: &'a Tensor) -> Self {
+        let (b, t) = rows.size2().expect("rows must be [B, T]");
+        let p = prefix.map_or(0, |p| p.size1().expect("prefix must be [P]"));
+        PassRows { prefix, rows, flat, b, t, p }
+    }
+
+    /// The tokens in the stream's order: `[P + B·T]` with a prefix, else `[B, T]`.
+    pub fn tokens(&self) -> Tensor {
+        match self.prefix {
+            Some(prefix) => Tensor::cat(&[prefix.shallow_clone(), self.rows.reshape([-1])], 0),
+            None => self.rows.shallow_clone(),
+        }
+    }
+
+    /// The scored positions `[N, hidden]` of the stream `x` after the final `norm`.
+    pub fn scored(&self, x: &Tensor, norm: impl Fn(&Tensor) -> Tensor) -> Tensor {
+        let rows = if self.prefix.is_some() { x.narrow(0, self.p, self.b * self.t) } else { x.shallow_clone() };
+        let h = norm(&rows);
+        let hidden = h.size().last().copied().expect("hidden states have a last dimension");
+        h.reshape([-1, hidden]).index_select(0, self.flat)
+    }
+}
+
 /// One forward pass cut at its blocks: `input` (the embedded tokens), then `block(0)` …
 /// `block(len − 1)` on the residual stream, then `output` (final norm and LM head at the
 /// chosen positions). Each block is a pure function of its input, so it can be run again

@@ -358,9 +358,9 @@ impl crate::model::CausalLm for Qwen35 {
     }
 
     fn pass<'a>(&'a self, prefix: Option<&'a Tensor>, rows: &'a Tensor, flat: &'a Tensor) -> Box<dyn crate::model::Pass + 'a> {
-        let (b, t) = rows.size2().expect("rows must be [B, T]");
-        let p = prefix.map_or(0, |p| p.size1().expect("prefix must be [P]"));
-        Box::new(Qwen35Pass { m: self, prefix, rows, flat, b, t, p, rope_p: self.rope(0, p), rope_r: self.rope(p, t) })
+        let at = crate::model::PassRows::new(prefix, rows, flat);
+        let (rope_p, rope_r) = (self.rope(0, at.p), self.rope(at.p, at.t));
+        Box::new(Qwen35Pass { m: self, at, rope_p, rope_r })
     }
 }
 
@@ -370,23 +370,14 @@ impl crate::model::CausalLm for Qwen35 {
 /// convolution inputs, recurrent state).
 struct Qwen35Pass<'a> {
     m: &'a Qwen35,
-    prefix: Option<&'a Tensor>,
-    rows: &'a Tensor,
-    flat: &'a Tensor,
-    b: i64,
-    t: i64,
-    p: i64,
+    at: crate::model::PassRows<'a>,
     rope_p: (Tensor, Tensor),
     rope_r: (Tensor, Tensor),
 }
 
 impl crate::model::Pass for Qwen35Pass<'_> {
     fn input(&self) -> Tensor {
-        let tokens = match self.prefix {
-            Some(prefix) => Tensor::cat(&[prefix.shallow_clone(), self.rows.reshape([-1])], 0),
-            None => self.rows.shallow_clone(),
-        };
-        Tensor::embedding(&self.m.embed, &tokens, -1, false, false)
+        Tensor::embedding(&self.m.embed, &self.at.tokens(), -1, false, false)
     }
 
     fn len(&self) -> usize {
@@ -394,9 +385,9 @@ impl crate::model::Pass for Qwen35Pass<'_> {
     }
 
     fn block(&self, i: usize, x: &Tensor) -> Tensor {
-        let (m, l, b, t, p) = (self.m, &self.m.layers[i], self.b, self.t, self.p);
+        let (m, l, b, t, p) = (self.m, &self.m.layers[i], self.at.b, self.at.t, self.at.p);
         let ((cos_p, sin_p), (cos_r, sin_r)) = (&self.rope_p, &self.rope_r);
-        if self.prefix.is_none() {
+        if self.at.prefix.is_none() {
             return m.block(l, x, (b, t, 0), (cos_r, sin_r), None, CHUNK);
         }
         let hidden = x.size()[1];
@@ -410,10 +401,7 @@ impl crate::model::Pass for Qwen35Pass<'_> {
     }
 
     fn output(&self, x: &Tensor) -> Tensor {
-        let rows = if self.prefix.is_some() { x.narrow(0, self.p, self.b * self.t) } else { x.shallow_clone() };
-        let h = norm(&rows, &self.m.norm, self.m.config.rms_norm_eps);
-        let hidden = h.size().last().copied().expect("hidden states have a last dimension");
-        self.m.logits_of(&h.reshape([-1, hidden]).index_select(0, self.flat))
+        self.m.logits_of(&self.at.scored(x, |h| norm(h, &self.m.norm, self.m.config.rms_norm_eps)))
     }
 }
 

@@ -146,7 +146,7 @@ fn plan(loaded: &LoadedSpec) -> anyhow::Result<Vec<String>> {
     if a.learn && a.updates > 0 {
         lines.push(format!("learn steps: {} (a checkpoint each)", a.updates));
     }
-    if let Ok(Some(report)) = crate::run::spec::memory_report(spec, &loaded.base_dir) {
+    if let Some(report) = &loaded.memory {
         lines.extend(report.lines());
     }
     Ok(lines)

@@ -13,7 +13,7 @@
 
 use native::model::lora::{AdapterConfig, ALL_LINEAR};
 use native::model::{CausalLm, Llama, LlamaConfig};
-use native::train::learner::{grpo, AdamWConfig, Batch, Learner, LearnerConfig, Recompute, Sample};
+use native::train::learner::{AdamWConfig, Batch, Learner, LearnerConfig, Recompute};
 use native::train::memory::{human, learner_plan, CPU_RUNTIME_BYTES};
 use tch::Device;
 
@@ -40,36 +40,12 @@ fn rss_kib(field: &str) -> u64 {
     status.lines().find_map(|l| l.strip_prefix(field)).unwrap().trim().trim_end_matches("kB").trim().parse().unwrap()
 }
 
-/// Rows of half context, half completion, different from their first token on (no prefix
-/// to share), rewards alternating.
-fn batch(vocab: u32) -> Batch {
-    let samples: Vec<Sample> = (0..ROWS)
-        .map(|j| Sample {
-            task: 0,
-            context: (0..ROW / 2).map(|i| ((i * 31 + j * 5 + 1) as u32) % vocab).collect(),
-            completion: (0..ROW / 2).map(|i| ((i * 17 + j * 7) as u32) % vocab).collect(),
-            mask: vec![true; ROW / 2],
-            logq: vec![],
-            advantage: 0.0,
-            temperature: 1.0,
-            scale: 1.0,
-            shift: None,
-        })
-        .collect();
-    let rewards: Vec<f64> = (0..ROWS).map(|j| (j % 2) as f64).collect();
-    let mut batch = Batch { tasks: vec!["t".into()], samples, ..Default::default() };
-    for (s, a) in batch.samples.iter_mut().zip(grpo::group_advantages(&rewards)) {
-        s.advantage = a;
-    }
-    batch
-}
-
 /// In the child: the runtime's RSS, then the peak RSS of a steady-state update (bytes).
 fn measure(config: LearnerConfig) -> (u64, u64) {
     native::device::set_cpu_threads(2);
     let runtime = rss_kib("VmRSS:") * 1024;
     let mut learner = Learner::from_base(Llama::new(model_config(), Device::Cpu, 1).unwrap(), config).unwrap();
-    let b = batch(8192);
+    let b = Batch::synthetic(ROW, ROWS, 8192);
     learner.update(&b).unwrap();
     unsafe_trim();
     std::fs::write("/proc/self/clear_refs", "5").unwrap();

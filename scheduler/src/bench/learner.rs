@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::Args;
 use native::model::qwen3_5::{Qwen35, Qwen35Config};
 use native::model::{CausalLm, Llama, LlamaConfig, Model};
-use native::train::learner::{grpo, AdamWConfig, Batch, Learner, LearnerConfig, Precision, Recompute, Sample};
+use native::train::learner::{AdamWConfig, Batch, Learner, LearnerConfig, Precision, Recompute};
 
 #[derive(Debug, Args)]
 pub struct LearnerArgs {
@@ -246,28 +246,7 @@ fn run_blocking(args: &LearnerArgs, stored: Option<Stored>) -> anyhow::Result<u8
         return Ok(0);
     }
     let rows: Vec<(usize, usize)> = args.seq_lens.iter().flat_map(|&l| args.groups.iter().map(move |&g| (l, g))).collect();
-    let batch_of = |len: usize, group: usize| {
-        let ctx = len / 2;
-        let samples: Vec<Sample> = (0..group)
-            .map(|j| Sample {
-                task: 0,
-                context: (0..ctx).map(|i| ((i * 31 + j) as u32) % vocab).collect(),
-                completion: (0..len - ctx).map(|i| ((i * 17 + j * 7) as u32) % vocab).collect(),
-                mask: vec![true; len - ctx],
-                logq: vec![],
-                advantage: 0.0,
-                temperature: 1.0,
-                scale: 1.0,
-                shift: None,
-            })
-            .collect();
-        let rewards: Vec<f64> = (0..group).map(|j| (j % 2) as f64).collect();
-        let mut batch = Batch { tasks: vec!["bench".into()], samples, ..Default::default() };
-        for (s, a) in batch.samples.iter_mut().zip(grpo::group_advantages(&rewards)) {
-            s.advantage = a;
-        }
-        batch
-    };
+    let batch_of = |len: usize, group: usize| Batch::synthetic(len, group, vocab);
     if args.resume_check {
         println!("{header}");
         let (len, group) = rows[0];

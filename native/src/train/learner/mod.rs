@@ -745,6 +745,35 @@ pub fn mismatch(samples: &[Sample], old: &[Vec<f32>]) -> (f64, f64, f64, u64) {
     (sum / n as f64, max, capped as f64 / n as f64, n)
 }
 
+impl Batch {
+    /// A synthetic batch for benchmarks and memory measurements: one task, `group` rows of
+    /// `len` tokens (half context, half completion, every completion token the policy's),
+    /// different from their first token on (nothing to share), rewards alternating 0 and 1
+    /// (Eq. 6's advantages).
+    pub fn synthetic(len: usize, group: usize, vocab: u32) -> Batch {
+        let ctx = len / 2;
+        let samples: Vec<Sample> = (0..group)
+            .map(|j| Sample {
+                task: 0,
+                context: (0..ctx).map(|i| ((i * 31 + j) as u32) % vocab).collect(),
+                completion: (0..len - ctx).map(|i| ((i * 17 + j * 7) as u32) % vocab).collect(),
+                mask: vec![true; len - ctx],
+                logq: vec![],
+                advantage: 0.0,
+                temperature: 1.0,
+                scale: 1.0,
+                shift: None,
+            })
+            .collect();
+        let rewards: Vec<f64> = (0..group).map(|j| (j % 2) as f64).collect();
+        let mut batch = Batch { tasks: vec!["synthetic".into()], samples, ..Default::default() };
+        for (s, a) in batch.samples.iter_mut().zip(grpo::group_advantages(&rewards)) {
+            s.advantage = a;
+        }
+        batch
+    }
+}
+
 /// Forward and backward of `pass` keeping only each block's input (activation recompute):
 /// the blocks run without a graph, the head's loss (`head` of the logits) backpropagates to
 /// the last block's output, and then, top down, each block runs again from its stored input

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The transfer experiment: five arms x three task seeds, then one comparison.
 #
-#   bash examples/transfer/run.sh [--quick] [--store DIR] [--arms a,b,...] [--seeds 1,2,3]
-#                                 [--tag NAME] [--set KEY=VALUE ...]
+#   bash examples/transfer/run.sh [--setting DIR] [--gate] [--quick] [--store DIR]
+#                                 [--arms a,b,...] [--seeds 1,2,3] [--tag NAME] [--set KEY=VALUE ...]
 #
+# --setting: the folder of the setting (its arm.toml, h0.json and pool/; default this one;
+# examples/transfer-query is the setting whose questions need a query); its folder name is
+# the default tag. --gate: before any arm, one run with updates = 0 per seed that measures
+# H0 and every sibling on the validation split with the starting policy (the report's
+# "Validation success by harness" table), then stops.
 # --set: a spec override for every arm (e.g. --set algorithm.learning_rate=2e-5), after the
 # arm's own keys; --tag: the prefix of the run ids (default transfer, transfer-quick), so a
 # varied setting gets runs of its own in the same store.
@@ -13,6 +18,8 @@
 # binary (default: harness-s on PATH).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+setting="$here"
+gate=""
 bin="${HARNESS_S_BIN:-harness-s}"
 store="harness-s-data"
 arms="grpo,h0-rescue,hs-generating,hs-h0,hs-evolved"
@@ -26,6 +33,8 @@ while [[ $# -gt 0 ]]; do
     --quick) seeds="1"; [[ -n "$tag_given" ]] || tag="transfer-quick"
       quick=(--set algorithm.updates=2 --set tasks.generate.train=12 --set tasks.generate.validation=6
              --set tasks.generate.test=6 --set calibration.interval=0 --set evaluation.k=2); shift ;;
+    --setting) setting="$(cd "$2" && pwd)"; shift 2 ;;
+    --gate) gate=1; shift ;;
     --store) store="$2"; shift 2 ;;
     --arms) arms="$2"; shift 2 ;;
     --seeds) seeds="$2"; shift 2 ;;
@@ -47,6 +56,24 @@ arm_keys() {
   esac
 }
 
+[[ -n "$tag_given" || "$setting" == "$here" ]] || tag="$(basename "$setting")${quick:+-quick}"
+[[ -f "$setting/arm.toml" ]] || { echo "run.sh: $setting has no arm.toml" >&2; exit 2; }
+
+if [[ -n "$gate" ]]; then
+  IFS=, read -ra seed_list <<< "$seeds"
+  for seed in "${seed_list[@]}"; do
+    id="$tag-gate-$seed"
+    if ! "$bin" status "$id" --store "$store" 2>/dev/null | grep -Eq "^status: +completed"; then
+      echo "== $id (updates = 0)"
+      "$bin" run "$setting/arm.toml" --store "$store" --set run.id="\"$id\"" --set run.seed="$((6 + seed))" \
+        --set tasks.generate.seed="$((10 + seed))" --set algorithm.updates=0 "${extra[@]}" || [[ $? -eq 3 ]]
+    fi
+    "$bin" report "$id" --store "$store" >/dev/null
+    "$bin" store cat "runs/$id/reports/report.md" --store "$store" | sed -n '/^## Validation success by harness/,/^## /p' | sed '$d'
+  done
+  exit 0
+fi
+
 started=$(date +%s)
 IFS=, read -ra arm_list <<< "$arms"
 IFS=, read -ra seed_list <<< "$seeds"
@@ -56,8 +83,8 @@ for arm in "${arm_list[@]}"; do arm_keys "$arm" >/dev/null; done
 for seed in "${seed_list[@]}"; do
   for arm in "${arm_list[@]}"; do
     id="$tag-$arm-$seed"
-    spec="$here/arm.toml"
-    [[ "$arm" == hs-evolved ]] && spec="$here/evolved.toml"
+    spec="$setting/arm.toml"
+    [[ "$arm" == hs-evolved ]] && spec="$setting/evolved.toml"
     if "$bin" status "$id" --store "$store" 2>/dev/null | grep -Eq "^status: +completed"; then
       echo "== $id: done already"; continue
     fi

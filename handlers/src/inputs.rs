@@ -192,7 +192,13 @@ pub async fn upload(store: &dyn ObjectStore, loaded: &LoadedSpec) -> anyhow::Res
                     difficulty,
                     kinds: g.kinds.clone().unwrap_or_default(),
                 };
-                texts.insert(name, generate_jsonl(&opts).map_err(|e| anyhow::anyhow!("tasks.generate: {e}"))?);
+                let text = generate_jsonl(&opts).map_err(|e| anyhow::anyhow!("tasks.generate: {e}"))?;
+                // a generated line that does not load is a generator bug: never store a
+                // split that would load shorter than asked
+                if let Some(p) = TaskSet::parse(&text, name, name).problems.first() {
+                    bail!("tasks.generate: the generated {name} split does not load ({p}); this is a bug in the task generator");
+                }
+                texts.insert(name, text);
             }
         }
         None => {
@@ -299,6 +305,9 @@ impl RunInputs {
                 let key = tasks_key(run_id, split);
                 let text = String::from_utf8(store.get(&key).await?.to_vec()).context("task file is not UTF-8")?;
                 let parsed = TaskSet::parse(&text, &store.object_url(&key), "task");
+                if let Some(p) = parsed.problems.first() {
+                    bail!("run `{run_id}`: {} of the stored task file's lines do not load, first {p}; the run's tasks are not what it was submitted with", parsed.problems.len());
+                }
                 task_ids.insert(split, parsed.tasks.ids());
                 tasks.insert(split, Arc::new(parsed.tasks));
             }

@@ -243,7 +243,7 @@ pub struct GenerateSection {
     pub test: usize,
     /// `easy`, `medium`, `hard` or `mixed` (default).
     pub difficulty: Option<String>,
-    /// Only these task kinds (`counting`, `aggregation`, `ranking`, `comparison`, `INSERT`,
+    /// Only these task kinds (`counting`, `aggregation`, `ranking`, `comparison`, `lookup`, `INSERT`,
     /// `UPDATE`); default all.
     #[serde(default)]
     pub kinds: Option<Vec<String>>,
@@ -1538,8 +1538,8 @@ fn check_algorithm(spec: &RunSpec, bad: &mut impl FnMut(&str, String)) {
     if a.tasks_per_update == 0 {
         bad("algorithm.tasks_per_update", "must be at least 1".into());
     }
-    if !(a.learning_rate > 0.0 && a.learning_rate < 1.0) {
-        bad("algorithm.learning_rate", format!("{} is outside (0, 1)", a.learning_rate));
+    if !(a.learning_rate >= 0.0 && a.learning_rate < 1.0) {
+        bad("algorithm.learning_rate", format!("{} is outside [0, 1) (0: a control run whose weights never move)", a.learning_rate));
     }
     if a.mixture.is_some() && a.rescue != RescueStrategy::Mixed {
         bad("algorithm.mixture", "only used with rescue = \"mixed\"".into());

@@ -208,6 +208,72 @@ impl TaskOutcomes {
     }
 }
 
+/// What an H0 test episode did (pure over its row), for tool-using environments whose
+/// query tool is `execute_sql` and whose answer tool is `commit_final_answer` (DBBench).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Behaviour {
+    /// The first action the environment executed was a query.
+    pub queried_first: bool,
+    /// Some query ran.
+    pub queried: bool,
+    /// An answer was committed after a query had returned rows.
+    pub answered_after_result: bool,
+    pub success: bool,
+}
+
+impl Behaviour {
+    pub fn of(row: &Trajectory) -> Self {
+        use schemas::{Role, TurnSource};
+        let actions: Vec<&schemas::Turn> =
+            row.turns.iter().filter(|t| t.role == Role::Tool && t.source == TurnSource::Env && t.tool_name.is_some()).collect();
+        let is = |t: &schemas::Turn, tool: &str| t.tool_name.as_deref() == Some(tool);
+        let first_rows = actions.iter().position(|t| is(t, "execute_sql") && t.text.trim_start().starts_with('['));
+        Behaviour {
+            queried_first: actions.first().is_some_and(|t| is(t, "execute_sql")),
+            queried: actions.iter().any(|t| is(t, "execute_sql")),
+            answered_after_result: first_rows.is_some_and(|i| actions[i..].iter().any(|t| is(t, "commit_final_answer"))),
+            success: row.success,
+        }
+    }
+}
+
+/// The behaviour table of arms (pure): for each arm, its H0 test episodes before and after
+/// training, pooled over its runs — how many queried first, answered after a query's rows,
+/// and succeeded with and without a query. `rows[i]` holds arm i's runs' trajectories.
+pub fn behaviour_table(arms: &[(&str, Vec<&[Trajectory]>)]) -> String {
+    let mut out = String::from(
+        "| arm | H0 test episodes | queried first | answered after a result | success | success given a query | success without a query |\n|---|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let share = |k: usize, n: usize| if n == 0 { "–".to_string() } else { format!("{k} of {n} ({:.0} %)", 100.0 * k as f64 / n as f64) };
+    for (name, runs) in arms {
+        for (when, after) in [("before", false), ("after", true)] {
+            let mut b: Vec<Behaviour> = vec![];
+            for rows in runs {
+                let test: Vec<&Trajectory> = rows
+                    .iter()
+                    .filter(|t| t.kind == RolloutKind::Eval && t.split == Split::Test && t.harness_id == schemas::H0_ID && t.error_class.is_none())
+                    .collect();
+                let last = test.iter().map(|t| t.step).filter(|s| *s > 0).max();
+                let step = if after { last } else { Some(0) };
+                b.extend(test.iter().filter(|t| Some(t.step) == step).map(|t| Behaviour::of(t)));
+            }
+            let n = b.len();
+            let count = |f: &dyn Fn(&Behaviour) -> bool| b.iter().filter(|x| f(x)).count();
+            let queried = count(&|x| x.queried);
+            let _ = writeln!(
+                out,
+                "| `{name}` {when} | {n} | {} | {} | {} | {} | {} |",
+                share(count(&|x| x.queried_first), n),
+                share(count(&|x| x.answered_after_result), n),
+                share(count(&|x| x.success), n),
+                share(count(&|x| x.queried && x.success), queried),
+                share(count(&|x| !x.queried && x.success), n - queried),
+            );
+        }
+    }
+    out
+}
+
 /// The figures pooled over an arm's seeds and test tasks (pure): one value per (seed, task),
 /// so that the interval reflects both. `outcomes[i]` is the arm's i-th run; `reference`
 /// (the first arm's runs, in the same seed order, on the same tasks) gives the paired
@@ -368,13 +434,41 @@ pub async fn write_arms(store: &dyn ObjectStore, arms: &[(String, Vec<String>)])
     md.push_str("\n## Summary\n\n");
     md.push_str(&arms_table(&arm_views));
     let mut outcomes: Vec<Vec<TaskOutcomes>> = vec![];
+    let mut all_rows: Vec<Vec<Vec<Trajectory>>> = vec![];
     for (_, runs) in arms {
         let mut v = vec![];
+        let mut r = vec![];
         for id in runs {
             let rows: Vec<Trajectory> = infra::table::read_committed(store, id, &schemas::keys::trajectories_prefix(id)).await?;
             v.push(TaskOutcomes::of(&rows));
+            r.push(rows);
         }
         outcomes.push(v);
+        all_rows.push(r);
+    }
+    // H0's own training curve: the base rollouts' mean reward per update.
+    let base_curves: Vec<(String, Vec<(u32, f64, f64)>)> = names
+        .iter()
+        .zip(&all_rows)
+        .map(|(name, runs)| {
+            let per_run: Vec<Vec<(u32, f64)>> = runs.iter().map(|rows| crate::report::TrajectorySeries::of(rows).base_reward).collect();
+            let steps: std::collections::BTreeSet<u32> = per_run.iter().flatten().map(|p| p.0).collect();
+            let curve = steps
+                .into_iter()
+                .filter_map(|step| {
+                    let v: Vec<f64> = per_run.iter().filter_map(|c| c.iter().find(|p| p.0 == step).map(|p| p.1)).collect();
+                    mean_ci(&v).map(|(m, h)| (step, m, h))
+                })
+                .collect();
+            (name.to_string(), curve)
+        })
+        .filter(|(_, c): &(String, Vec<(u32, f64, f64)>)| !c.is_empty())
+        .collect();
+    let base_plot = !base_curves.is_empty();
+    if base_plot {
+        let path = tmp.path().join("base-reward.png");
+        crate::report::interval_plot(&path, "H0 base rollouts: mean reward by update", "reward", &base_curves).context("drawing base-reward.png")?;
+        store.put(&format!("{dir}base-reward.png"), Bytes::from(std::fs::read(&path)?)).await?;
     }
     let pooled: Vec<(&str, &[TaskOutcomes])> = names.iter().copied().zip(outcomes.iter().map(Vec::as_slice)).collect();
     let _ = write!(
@@ -385,6 +479,13 @@ pub async fn write_arms(store: &dyn ObjectStore, arms: &[(String, Vec<String>)])
         "---:|".repeat(names.len())
     );
     md.push_str(&pooled_rows(&pooled));
+    let behaviour: Vec<(&str, Vec<&[Trajectory]>)> =
+        names.iter().copied().zip(all_rows.iter().map(|runs| runs.iter().map(Vec::as_slice).collect())).collect();
+    md.push_str("\n## What H0 test episodes did\n\nPooled over each arm's runs; before training (the baseline) and after it. A result is a query's rows.\n\n");
+    md.push_str(&behaviour_table(&behaviour));
+    if base_plot {
+        md.push_str("\n![H0 base rollouts' reward by update](base-reward.png)\n");
+    }
     md.push_str("\n![H0 validation](validation.png)\n\n![transfer](transfer.png)\n\n![protocol](protocol.png)\n\n![EG rate](signal.png)\n\n![rollouts](rollouts.png)\n");
     let key = format!("{dir}compare.md");
     store.put(&key, Bytes::from(md.clone())).await?;
@@ -433,9 +534,8 @@ mod tests {
         TaskOutcomes { before: m(before), after: m(after) }
     }
 
-    #[test]
-    fn eval_rows_become_per_task_shares_before_and_after() {
-        let row = |task: &str, step: u32, success: bool, harness: &str, split: Split| Trajectory {
+    fn eval_row(task: &str, step: u32, success: bool, harness: &str, split: Split) -> Trajectory {
+        Trajectory {
             trajectory_id: format!("{task}-{step}-{harness}"),
             run_id: "r".into(),
             job_id: "j".into(),
@@ -467,7 +567,50 @@ mod tests {
             temperature: 0.7,
             tool_view: String::new(),
             turns: vec![],
-        };
+        }
+    }
+
+    /// An H0 test episode at `step` whose environment executed `actions` (tool, result text).
+    fn episode(step: u32, actions: &[(&str, &str)], success: bool) -> Trajectory {
+        use schemas::{Role, Turn, TurnSource};
+        let mut row = eval_row("t", step, success, "h0", Split::Test);
+        for (i, (tool, text)) in actions.iter().enumerate() {
+            let mut call = Turn::context(2 * i as u32, Role::Assistant, TurnSource::Policy, String::new());
+            call.tool_name = Some(tool.to_string());
+            let mut result = Turn::context(2 * i as u32 + 1, Role::Tool, TurnSource::Env, text.to_string());
+            result.tool_name = Some(tool.to_string());
+            row.turns.extend([call, result]);
+        }
+        row
+    }
+
+    #[test]
+    fn behaviour_reads_what_an_episode_did() {
+        let q = ("execute_sql", "[(34,)]");
+        let err = ("execute_sql", "no such column: agee");
+        let answer = ("commit_final_answer", "Answer committed.");
+        let read = Behaviour::of(&episode(3, &[q, answer], true));
+        assert_eq!(read, Behaviour { queried_first: true, queried: true, answered_after_result: true, success: true });
+        // a query that failed is not a result to answer from
+        let failed = Behaviour::of(&episode(3, &[err, answer], false));
+        assert_eq!(failed, Behaviour { queried_first: true, queried: true, answered_after_result: false, success: false });
+        let guessed = Behaviour::of(&episode(3, &[answer], true));
+        assert_eq!(guessed, Behaviour { queried_first: false, queried: false, answered_after_result: false, success: true });
+        // repeating the query without answering
+        let repeated = Behaviour::of(&episode(3, &[q, q, q], false));
+        assert!(repeated.queried_first && !repeated.answered_after_result);
+
+        let before = vec![episode(0, &[answer], false), episode(0, &[answer], true)];
+        let after = vec![episode(5, &[q, answer], true), episode(5, &[q, q], false), episode(5, &[answer], false)];
+        let run: Vec<Trajectory> = before.into_iter().chain(after).collect();
+        let t = behaviour_table(&[("hs", vec![run.as_slice()])]);
+        assert!(t.contains("| `hs` before | 2 | 0 of 2 (0 %) | 0 of 2 (0 %) | 1 of 2 (50 %) | – | 1 of 2 (50 %) |"), "{t}");
+        assert!(t.contains("| `hs` after | 3 | 2 of 3 (67 %) | 1 of 3 (33 %) | 1 of 3 (33 %) | 1 of 2 (50 %) | 0 of 1 (0 %) |"), "{t}");
+    }
+
+    #[test]
+    fn eval_rows_become_per_task_shares_before_and_after() {
+        let row = eval_row;
         let rows = vec![
             row("a", 0, true, "h0", Split::Test),
             row("a", 0, false, "h0", Split::Test),

@@ -194,6 +194,9 @@ pub struct TrajectorySeries {
     pub totals_by_harness: BTreeMap<String, (u64, u64)>,
     /// Mean reward of the base (H0) rollouts per update.
     pub base_reward: Vec<(u32, f64)>,
+    /// Calibration (validation) rollouts and successes by checkpoint step and harness: each
+    /// harness's validation success with the policy of that step (the pool's gate at step 0).
+    pub calibration: BTreeMap<u32, BTreeMap<String, (u64, u64)>>,
     /// Mean policy (completion) tokens per rollout per update, in hundreds (to share an
     /// axis with the reward).
     pub length_hundreds: Vec<(u32, f64)>,
@@ -208,6 +211,11 @@ impl TrajectorySeries {
         let mut reward: BTreeMap<u32, (f64, u64)> = BTreeMap::new();
         let mut length: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
         let mut out = TrajectorySeries::default();
+        for r in rows.iter().filter(|r| r.kind == RolloutKind::Calibration && r.error_class.is_none()) {
+            let e = out.calibration.entry(r.step).or_default().entry(r.harness_id.clone()).or_default();
+            e.0 += 1;
+            e.1 += u64::from(r.success);
+        }
         for r in &training {
             let e = by.entry((r.harness_id.clone(), r.step)).or_default();
             e.0 += 1;
@@ -438,6 +446,32 @@ pub fn calibration_table(s: &Series) -> String {
     md
 }
 
+/// Validation success by harness (rows, H0 first) and checkpoint step (columns), as
+/// "successes / rollouts (share)" (pure).
+pub fn calibration_harness_table(c: &BTreeMap<u32, BTreeMap<String, (u64, u64)>>) -> String {
+    let steps: Vec<u32> = c.keys().copied().collect();
+    let mut harnesses: Vec<&String> = c.values().flat_map(|m| m.keys()).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+    harnesses.sort_by_key(|h| (h.as_str() != schemas::H0_ID, h.as_str()));
+    let mut md = String::from("| harness |");
+    for s in &steps {
+        let _ = write!(md, " step {s} |");
+    }
+    let _ = writeln!(md, "\n|---|{}", "---:|".repeat(steps.len()));
+    for h in harnesses {
+        let _ = write!(md, "| {h} |");
+        for s in &steps {
+            match c[s].get(h) {
+                Some((n, ok)) => {
+                    let _ = write!(md, " {ok} / {n} ({:.3}) |", *ok as f64 / (*n).max(1) as f64);
+                }
+                None => md.push_str(" – |"),
+            }
+        }
+        md.push('\n');
+    }
+    md
+}
+
 /// Writes `runs/<run>/reports/{report.md, signals.png, validation.png, rescue.png}`;
 /// returns the report's URL.
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
@@ -539,6 +573,10 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     md.push_str("\n![validation](validation.png)\n");
     if probed {
         md.push_str("\n![transfer](transfer.png)\n");
+    }
+    if !t.calibration.is_empty() {
+        md.push_str("\n## Validation success by harness and calibration\n\nEach harness's validation rollouts with the policy of that checkpoint step (step 0: the starting policy, the pool's gate).\n\n");
+        md.push_str(&calibration_harness_table(&t.calibration));
     }
     md.push_str("\n## Rescue by update\n\n![rescue](rescue.png)\n");
     if !t.success_by_harness.is_empty() {
@@ -732,13 +770,17 @@ mod tests {
             v.kind = kind;
             v
         };
-        use schemas::RolloutKind::{Base, Eval, Rescue};
+        use schemas::RolloutKind::{Base, Calibration, Eval, Rescue};
         let rows = [
             row(1, Base, "h0", false, 100),
             row(1, Base, "h0", true, 300),
             row(1, Rescue, "s1", true, 200),
             row(2, Base, "h0", false, 50),
             row(2, Eval, "h0", true, 999),
+            row(0, Calibration, "s1", true, 9),
+            row(0, Calibration, "s1", false, 9),
+            row(0, Calibration, "h0", false, 9),
+            row(2, Calibration, "h0", true, 9),
         ];
         let t = TrajectorySeries::of(&rows);
         assert_eq!(t.success_by_harness["h0"], vec![(1, 0.5), (2, 0.0)]);
@@ -746,6 +788,10 @@ mod tests {
         assert_eq!(t.totals_by_harness["h0"], (3, 1), "evaluation rows are not training rollouts");
         assert_eq!(t.base_reward, vec![(1, 0.5), (2, 0.0)]);
         assert_eq!(t.length_hundreds, vec![(1, 2.0), (2, 0.5)]);
+        // calibration rows: by step and harness, H0 first in the table
+        assert_eq!(t.calibration[&0]["s1"], (2, 1));
+        let table = calibration_harness_table(&t.calibration);
+        assert!(table.contains("| h0 | 0 / 1 (0.000) | 1 / 1 (1.000) |\n| s1 | 1 / 2 (0.500) | – |"), "{table}");
     }
 
     #[test]

@@ -791,6 +791,8 @@ mod tests {
         assert_eq!(first(STATED_SQL_PATTERN, "I'm ready to help. What's the question?"), None);
         assert_eq!(first(STATED_ANSWER_PATTERN, "The answer is: \"42\"").as_deref(), Some("42"));
         assert_eq!(first(STATED_ANSWER_PATTERN, "Students: 2,348\nThe answer is 751.").as_deref(), Some("751"));
+        assert_eq!(first(STATED_ANSWER_PATTERN, "The answer is 45.75.").as_deref(), Some("45.75"));
+        assert_eq!(first(STATED_ANSWER_PATTERN, "The answer is: Cedar Falls. It has more parks.").as_deref(), Some("Cedar Falls"));
         assert_eq!(first(STATED_ANSWER_PATTERN, "Based on the given data, Blue River has more copies."), None);
         assert_eq!(first(STATED_NAME_PATTERN, "The answer is: Joao has a higher goals than Luka.").as_deref(), Some("Joao"));
         assert_eq!(first(STATED_NAME_PATTERN, "The answer is Mateo.").as_deref(), Some("Mateo"));

@@ -49,7 +49,7 @@ pub struct EnvServeArgs {
     /// Difficulty of --generate: easy, medium, hard or mixed.
     #[arg(long, default_value = "mixed", value_parser = ["easy", "medium", "hard", "mixed"])]
     pub difficulty: String,
-    /// Kinds of --generate (comma-separated): counting, aggregation, ranking, comparison, INSERT, UPDATE.
+    /// Kinds of --generate (comma-separated): counting, aggregation, ranking, comparison, lookup, INSERT, UPDATE.
     #[arg(long, value_delimiter = ',', value_name = "KIND,...")]
     pub kinds: Vec<String>,
     /// `sqlite` (in memory, per session) or `mariadb`/`mysql` (a database per session on --db-url).

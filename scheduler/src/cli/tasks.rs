@@ -68,7 +68,7 @@ pub struct GenerateArgs {
     /// `easy`, `medium`, `hard` or `mixed` (2 : 2 : 1).
     #[arg(long, default_value = "mixed", value_parser = ["easy", "medium", "hard", "mixed"])]
     pub difficulty: String,
-    /// Only these kinds (comma-separated): counting, aggregation, ranking, comparison, INSERT, UPDATE.
+    /// Only these kinds (comma-separated): counting, aggregation, ranking, comparison, lookup, INSERT, UPDATE.
     #[arg(long, value_delimiter = ',', value_name = "KIND,...")]
     pub kinds: Vec<String>,
 }

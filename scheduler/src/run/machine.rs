@@ -882,7 +882,7 @@ impl Scheduler {
         let mut groups = Vec::new();
         let mut kept: Vec<(RetainedKind, Vec<Outcome>)> = Vec::new();
         for (task, rows) in &group_by_task(&base) {
-            let (group, outcomes) = self.task_group(u, task, rows, rescue_by.get(task).map(Vec::as_slice));
+            let (group, outcomes) = task_group(self.run_id(), spec, u, task, rows, rescue_by.get(task).map(Vec::as_slice));
             kept.push((group.retained_kind, outcomes));
             groups.push(group);
         }
@@ -927,54 +927,6 @@ impl Scheduler {
         Ok(())
     }
 
-    /// The group that stands for `task` in update `u` (Eq. 5): its base rollouts, or its
-    /// rescue rollouts when rescue fired and replaced an all-fail base group; with the
-    /// outcomes of the group kept.
-    fn task_group(&self, u: u32, task: &str, rows: &[&Trajectory], rescue_rows: Option<&[&Trajectory]>) -> (Group, Vec<Outcome>) {
-        let spec = self.spec();
-        let b: Vec<Outcome> = rows.iter().map(|r| outcome(r)).collect();
-        let r: Option<Vec<Outcome>> = rescue_rows.map(|rs| rs.iter().map(|r| outcome(r)).collect());
-        let fired = r.is_some();
-        let (kind, group) = rescue::retain(&b, r.as_deref());
-        let group = group.to_vec();
-        let (mean, std) = rescue::reward_stats(&group);
-        let adv = rescue::advantages(&group);
-        let effective = rescue::is_effective(&group);
-        let source_rows = match (kind, rescue_rows) {
-            (RetainedKind::Rescue, Some(rescued)) => rescued,
-            _ => rows,
-        };
-        let g = Group {
-            run_id: self.run_id().to_string(),
-            step: u,
-            group_id: rows[0].group_id.clone(),
-            task_id: task.to_string(),
-            split: Split::Train,
-            k: spec.algorithm.k,
-            base_successes: b.iter().filter(|o| o.success).count() as u32,
-            rescue_fired: fired,
-            rescue_strategy: spec.algorithm.rescue.as_str().to_string(),
-            harnesses: group.iter().map(|o| o.harness_id.clone()).collect(),
-            rescue_successes: r.as_ref().map(|r| r.iter().filter(|o| o.success).count() as u32).unwrap_or(0),
-            // Eq. 5 decides which group stands for the task; only groups with a reward
-            // contrast carry a GRPO signal, so only those are trained on.
-            retained: effective,
-            retained_kind: kind,
-            filter_reason: match (kind, effective) {
-                (RetainedKind::Rescue, true) => Some("all-fail base group replaced by its rescue group (Eq. 5)".into()),
-                (RetainedKind::Rescue, false) => Some("rescue group has no reward contrast".into()),
-                (_, false) => Some("no reward contrast (all rollouts equal)".into()),
-                _ => None,
-            },
-            mean_reward: mean,
-            reward_std: std,
-            advantages: adv,
-            trajectory_ids: source_rows.iter().map(|r| r.trajectory_id.clone()).collect(),
-            policy_tokens: group.iter().map(|o| o.policy_tokens).sum(),
-        };
-        (g, group)
-    }
-
     /// Algorithm 1, line 12: a GRPO update on the retained groups (Appendix B).
     async fn learn(&self, u: u32, st: &mut RunState) -> anyhow::Result<()> {
         let spec = self.spec();
@@ -1013,6 +965,60 @@ impl Scheduler {
     }
 }
 
+/// The group that stands for `task` in update `u` (Eq. 5): its base rollouts, or its
+/// rescue rollouts when rescue fired and replaced an all-fail base group; with the
+/// outcomes of the group kept (pure: the stored rows in, the group row out).
+pub fn task_group(
+    run_id: &str,
+    spec: &super::spec::RunSpec,
+    u: u32,
+    task: &str,
+    rows: &[&Trajectory],
+    rescue_rows: Option<&[&Trajectory]>,
+) -> (Group, Vec<Outcome>) {
+    let b: Vec<Outcome> = rows.iter().map(|r| outcome(r)).collect();
+    let r: Option<Vec<Outcome>> = rescue_rows.map(|rs| rs.iter().map(|r| outcome(r)).collect());
+    let fired = r.is_some();
+    let (kind, group) = rescue::retain(&b, r.as_deref());
+    let group = group.to_vec();
+    let (mean, std) = rescue::reward_stats(&group);
+    let adv = rescue::advantages(&group);
+    let effective = rescue::is_effective(&group);
+    let source_rows = match (kind, rescue_rows) {
+        (RetainedKind::Rescue, Some(rescued)) => rescued,
+        _ => rows,
+    };
+    let g = Group {
+        run_id: run_id.to_string(),
+        step: u,
+        group_id: rows[0].group_id.clone(),
+        task_id: task.to_string(),
+        split: Split::Train,
+        k: spec.algorithm.k,
+        base_successes: b.iter().filter(|o| o.success).count() as u32,
+        rescue_fired: fired,
+        rescue_strategy: spec.algorithm.rescue.as_str().to_string(),
+        harnesses: group.iter().map(|o| o.harness_id.clone()).collect(),
+        rescue_successes: r.as_ref().map(|r| r.iter().filter(|o| o.success).count() as u32).unwrap_or(0),
+        // Eq. 5 decides which group stands for the task; only groups with a reward
+        // contrast carry a GRPO signal, so only those are trained on.
+        retained: effective,
+        retained_kind: kind,
+        filter_reason: match (kind, effective) {
+            (RetainedKind::Rescue, true) => Some("all-fail base group replaced by its rescue group (Eq. 5)".into()),
+            (RetainedKind::Rescue, false) => Some("rescue group has no reward contrast".into()),
+            (_, false) => Some("no reward contrast (all rollouts equal)".into()),
+            _ => None,
+        },
+        mean_reward: mean,
+        reward_std: std,
+        advantages: adv,
+        trajectory_ids: source_rows.iter().map(|r| r.trajectory_id.clone()).collect(),
+        policy_tokens: group.iter().map(|o| o.policy_tokens).sum(),
+    };
+    (g, group)
+}
+
 fn outcome(r: &Trajectory) -> Outcome {
     let policy_tokens = r.turns.iter().flat_map(|t| t.loss_mask.iter()).filter(|m| **m).count() as u64;
     Outcome {
@@ -1026,16 +1032,18 @@ fn outcome(r: &Trajectory) -> Outcome {
     }
 }
 
-/// Rows by task, each task's rows in (attempt, harness, trajectory id) order: an order that
-/// does not depend on the run's id (trajectory ids hash it), so two runs with the same
-/// seed give the learner its samples in the same order and reach the same weights.
-fn group_by_task(rows: &[Trajectory]) -> BTreeMap<String, Vec<&Trajectory>> {
+/// Rows by task, each task's rows in the order of their random streams (seed, then
+/// attempt, harness, trajectory id): an order that does not depend on the run's id
+/// (trajectory ids hash it) nor on which harness drew a stream, so two runs with the same
+/// seed give the learner its samples in the same order and reach the same weights — also
+/// when one rescues under H0 and the other under siblings that render as H0 does.
+pub fn group_by_task(rows: &[Trajectory]) -> BTreeMap<String, Vec<&Trajectory>> {
     let mut m: BTreeMap<String, Vec<&Trajectory>> = BTreeMap::new();
     for r in rows {
         m.entry(r.task_id.clone()).or_default().push(r);
     }
     for v in m.values_mut() {
-        v.sort_by(|a, b| (a.attempt, &a.harness_id, &a.trajectory_id).cmp(&(b.attempt, &b.harness_id, &b.trajectory_id)));
+        v.sort_by(|a, b| (a.seed, a.attempt, &a.harness_id, &a.trajectory_id).cmp(&(b.seed, b.attempt, &b.harness_id, &b.trajectory_id)));
     }
     m
 }
@@ -1080,7 +1088,7 @@ fn protocol_share<'a>(rows: impl IntoIterator<Item = &'a Trajectory>) -> Option<
 /// `[algorithm] rescue_context` with what H0's re-rendering needs: H0's spec (always the
 /// unedited base harness), DBBench's tools (the spec check keeps other environments on
 /// `generating`), its round limit and the episode limits.
-fn rescue_context(spec: &super::spec::RunSpec, h0: HarnessSpec) -> native::train::learner::data::RescueContext {
+pub fn rescue_context(spec: &super::spec::RunSpec, h0: HarnessSpec) -> native::train::learner::data::RescueContext {
     match spec.algorithm.rescue_context {
         native::train::learner::data::RescueContextMode::Generating => spec.algorithm.rescue_context(),
         _ => h0_rendering(spec, h0),

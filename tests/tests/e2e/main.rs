@@ -5,6 +5,7 @@ mod editor;
 mod evolve;
 mod harness;
 mod house;
+mod invariance;
 mod http_env;
 mod learner_context;
 mod native;

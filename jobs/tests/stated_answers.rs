@@ -100,9 +100,14 @@ async fn a_stated_answer_of_every_read_kind_is_committed_whole_and_graded() {
             let answer = stated(&label(&task.id));
             decimals += usize::from(answer.contains('.'));
             multi_word += usize::from(answer.contains(' '));
-            for (reply, right) in [(format!("The answer is: {answer}"), true), (format!("The answer is: {answer}."), true), ("The answer is: 1234567".into(), false)] {
+            for (reply, right) in [
+                (format!("The answer is: {answer}"), true),
+                (format!("The answer is: {answer}."), true),
+                ("The answer is: 1234567".into(), false),
+            ] {
                 let mut env = DbBenchEnv::new(Arc::clone(&set), DbBenchConfig::sqlite().with_max_rounds(3).unwrap());
-                let sampling = SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 32, seed: Some(1), stop: vec![], constrain: None };
+                let sampling =
+                    SamplingParams { temperature: 0.0, top_p: 1.0, max_tokens: 32, seed: Some(1), stop: vec![], constrain: None };
                 let budgets = Budgets { max_model_calls: 3, ..Budgets::default() };
                 let ep = run_episode(&Says(reply.clone()), &mut env, spec, budgets, &sampling, &task.id, 1).await;
                 assert_eq!(

@@ -251,7 +251,9 @@ pub fn behaviour_table(arms: &[(&str, Vec<&[Trajectory]>)]) -> String {
             for rows in runs {
                 let test: Vec<&Trajectory> = rows
                     .iter()
-                    .filter(|t| t.kind == RolloutKind::Eval && t.split == Split::Test && t.harness_id == schemas::H0_ID && t.error_class.is_none())
+                    .filter(|t| {
+                        t.kind == RolloutKind::Eval && t.split == Split::Test && t.harness_id == schemas::H0_ID && t.error_class.is_none()
+                    })
                     .collect();
                 let last = test.iter().map(|t| t.step).filter(|s| *s > 0).max();
                 let step = if after { last } else { Some(0) };
@@ -467,7 +469,8 @@ pub async fn write_arms(store: &dyn ObjectStore, arms: &[(String, Vec<String>)])
     let base_plot = !base_curves.is_empty();
     if base_plot {
         let path = tmp.path().join("base-reward.png");
-        crate::report::interval_plot(&path, "H0 base rollouts: mean reward by update", "reward", &base_curves).context("drawing base-reward.png")?;
+        crate::report::interval_plot(&path, "H0 base rollouts: mean reward by update", "reward", &base_curves)
+            .context("drawing base-reward.png")?;
         store.put(&format!("{dir}base-reward.png"), Bytes::from(std::fs::read(&path)?)).await?;
     }
     let pooled: Vec<(&str, &[TaskOutcomes])> = names.iter().copied().zip(outcomes.iter().map(Vec::as_slice)).collect();

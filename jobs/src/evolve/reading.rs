@@ -12,7 +12,8 @@ use regex::Regex;
 pub const STATED_SQL_PATTERN: &str = r"(?is)\b((?:SELECT|INSERT\s+INTO|UPDATE|DELETE\s+FROM)\b[^;`]*?)\s*(?:;|```|\n\s*\n|$)";
 /// The answer a reply states: the words after "answer is" / "answer:", without quotes, up to
 /// the end of the line or of the sentence (a full stop before a space; `45.75` stays whole).
-pub const STATED_ANSWER_PATTERN: &str = r#"(?i)\banswer\b[^:\n]{0,12}?(?:\bis\b|:)\s*:?\s*["'“*]*([^"'”*\n]{1,60}?)["'”*]*\s*(?:\.(?:\s|$)|\n|$)"#;
+pub const STATED_ANSWER_PATTERN: &str =
+    r#"(?i)\banswer\b[^:\n]{0,12}?(?:\bis\b|:)\s*:?\s*["'“*]*([^"'”*\n]{1,60}?)["'”*]*\s*(?:\.(?:\s|$)|\n|$)"#;
 /// A name the reply gives as its answer: capitalised words after "answer is" (or opening
 /// the reply), followed by has / is / was or the end of the sentence.
 pub const STATED_NAME_PATTERN: &str = r#"(?:(?i:answer)[^:\n]{0,20}?(?i:is|:)\s*:?\s*|^\s*)["'*]*([A-Z][A-Za-z0-9_'-]*(?:\s+[A-Z][A-Za-z0-9_'-]*){0,2})["'*]*(?:\s+(?:has|had|is|was)\s|\s*[."\n]|$)"#;

@@ -208,7 +208,11 @@ async fn an_identity_pool_rescues_exactly_as_h0_rescue_does() {
 
     // The learner: the same loss; in the generating context, the same weights bit for bit.
     let reference = manifest(s, "inv-h0", 1).await;
-    assert!(reference.trained && reference.metrics["policy_tokens"] > 0.0 && reference.metrics["grad_norm"] > 0.0, "{:?}", reference.metrics);
+    assert!(
+        reference.trained && reference.metrics["policy_tokens"] > 0.0 && reference.metrics["grad_norm"] > 0.0,
+        "{:?}",
+        reference.metrics
+    );
     let loss = |m: &schemas::CheckpointManifest| m.metrics["loss"];
     let copies_m = manifest(s, "inv-copies", 1).await;
     assert_eq!(loss(&copies_m), loss(&reference), "generating context: the loss of H0 rescue");
@@ -276,7 +280,9 @@ async fn an_identity_pool_rescues_exactly_as_h0_rescue_does() {
         assert_eq!(g2.advantages, rotated, "{task}: advantages do not follow the shuffled rewards");
         assert_ne!(g2.advantages, g.advantages, "{task}: a group with contrast changes under rotation");
         // The learner's samples: row by row, the advantage of the reward it now carries.
-        let batch = |g: &Group, rows: &[Trajectory]| data::batch_from_groups(std::slice::from_ref(g), rows, &tok, &RescueContext::default()).unwrap();
+        let batch = |g: &Group, rows: &[Trajectory]| {
+            data::batch_from_groups(std::slice::from_ref(g), rows, &tok, &RescueContext::default()).unwrap()
+        };
         let before = batch(&g, &rs.iter().map(|r| (*r).clone()).collect::<Vec<_>>());
         let after = batch(&g2, &shuffled);
         assert_eq!(before.samples.len(), after.samples.len());
@@ -295,10 +301,16 @@ async fn an_identity_pool_rescues_exactly_as_h0_rescue_does() {
 
     // No base row of a rescued task carries an advantage: the rescue group replaced it.
     let g = groups(s, "inv-copies", 1).await;
-    let listed: BTreeMap<&str, f64> = g.iter().flat_map(|g| g.trajectory_ids.iter().map(String::as_str).zip(g.advantages.iter().copied())).collect();
+    let listed: BTreeMap<&str, f64> =
+        g.iter().flat_map(|g| g.trajectory_ids.iter().map(String::as_str).zip(g.advantages.iter().copied())).collect();
     for grp in g.iter().filter(|g| g.retained_kind == RetainedKind::Rescue) {
         for b in base.iter().filter(|b| b.task_id == grp.task_id) {
-            assert!(listed.get(b.trajectory_id.as_str()).is_none_or(|a| *a == 0.0), "base row {} of rescued task {}", b.trajectory_id, grp.task_id);
+            assert!(
+                listed.get(b.trajectory_id.as_str()).is_none_or(|a| *a == 0.0),
+                "base row {} of rescued task {}",
+                b.trajectory_id,
+                grp.task_id
+            );
         }
         assert!(grp.trajectory_ids.iter().all(|id| rescue.iter().any(|r| &r.trajectory_id == id)), "{grp:?}");
     }
@@ -329,7 +341,10 @@ async fn a_sibling_that_never_succeeds_leaves_the_run_as_plain_grpo() {
     for step in [1, 2] {
         let rescue = rows(s, "never-router", step, RolloutKind::Rescue).await;
         assert!(rescue.iter().all(|r| !r.success && r.harness_id.starts_with("wrong")), "step {step}: a wrong sibling succeeded");
-        assert!(rescue.iter().all(|r| r.turns.iter().any(|t| t.source == TurnSource::Policy && !t.token_ids.is_empty())), "the policy sampled");
+        assert!(
+            rescue.iter().all(|r| r.turns.iter().any(|t| t.source == TurnSource::Policy && !t.token_ids.is_empty())),
+            "the policy sampled"
+        );
         rescued += rescue.len();
         assert_eq!(
             drawn(&rows(s, "never-router", step, RolloutKind::Base).await),

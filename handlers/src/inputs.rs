@@ -392,3 +392,28 @@ impl RunInputs {
         Ok(DbBenchFactory { tasks: self.tasks[&split].clone(), config })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use infra::store::LocalStore;
+
+    /// A stored task file with a line that does not load is refused by run and file, never
+    /// read as a shorter split.
+    #[tokio::test]
+    async fn a_stored_task_file_with_lines_that_do_not_load_is_refused() {
+        let text = "[run]\nid = \"t1\"\nseed = 3\n[environment]\nkind = \"dbbench\"\n[tasks.generate]\nseed = 1\ntrain = 4\nvalidation = 2\ntest = 2\nkinds = [\"lookup\", \"counting\"]\n[policy]\nbackend = \"openai\"\nmodel = \"m\"\nbase_url = \"http://127.0.0.1:1/v1\"\n[algorithm]\nlearn = false\nk = 2\ntasks_per_update = 2\nupdates = 1\nlearning_rate = 0.0\nrescue = \"h0\"\n";
+        let loaded = crate::spec::parse(text, "t.toml", std::path::Path::new("."), "t").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(dir.path()).unwrap();
+        upload(&store, &loaded).await.unwrap();
+        let inputs = RunInputs::load(&store, "t1").await.unwrap();
+        assert_eq!(inputs.task_ids(Split::Train).len(), 4, "every generated task loads, lookups (DBBench `other`) too");
+        let key = tasks_key("t1", Split::Validation);
+        let mut file = store.get(&key).await.unwrap().to_vec();
+        file.extend_from_slice(b"{\"id\": \"x\", \"type\": [\"lookup\"]}\n");
+        store.put(&key, Bytes::from(file)).await.unwrap();
+        let err = RunInputs::load(&store, "t1").await.err().expect("a task file that lost a line is refused").to_string();
+        assert!(err.contains("run `t1`") && err.contains("validation"), "{err}");
+    }
+}

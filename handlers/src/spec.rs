@@ -244,7 +244,7 @@ pub struct GenerateSection {
     /// `easy`, `medium`, `hard` or `mixed` (default).
     pub difficulty: Option<String>,
     /// Only these task kinds (`counting`, `aggregation`, `ranking`, `comparison`, `lookup`, `INSERT`,
-    /// `UPDATE`); default all.
+    /// `UPDATE`); default all but `lookup`.
     #[serde(default)]
     pub kinds: Option<Vec<String>>,
 }

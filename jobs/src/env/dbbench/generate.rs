@@ -68,7 +68,7 @@ pub struct GenerateOptions {
     pub n: usize,
     /// One level for all tasks; `None` mixes easy, medium and hard (2 : 2 : 1).
     pub difficulty: Option<Difficulty>,
-    /// Only these task kinds ([`KINDS`]), balanced in turn; empty means all of them.
+    /// Only these task kinds ([`KINDS`]), balanced in turn; empty means [`DEFAULT_KINDS`].
     pub kinds: Vec<String>,
 }
 
@@ -89,6 +89,10 @@ pub enum GenerateError {
 
 /// The task kinds, one per DBBench type family, and `lookup`.
 pub const KINDS: [&str; 7] = ["counting", "aggregation", "ranking", "comparison", "lookup", "INSERT", "UPDATE"];
+
+/// The kinds generated when none are named: the six DBBench families, as before `lookup`
+/// existed, so that a seed keeps giving the same file.
+pub const DEFAULT_KINDS: [&str; 6] = ["counting", "aggregation", "ranking", "comparison", "INSERT", "UPDATE"];
 
 /// The kinds a policy that never reads a row can answer by chance at `easy` (a comparison
 /// names its two candidates, a count over 3–4 rows is 1 to 3); the others need a query.
@@ -593,7 +597,7 @@ impl GenerateOptions {
             return Err(GenerateError::TooMany(self.n));
         }
         if self.kinds.is_empty() {
-            return Ok(KINDS.to_vec());
+            return Ok(DEFAULT_KINDS.to_vec());
         }
         self.kinds
             .iter()
@@ -683,8 +687,12 @@ mod tests {
 
     #[test]
     fn tasks_load_cover_every_kind_and_level() {
-        let text = generate_jsonl(&GenerateOptions { seed: 3, n: 120, difficulty: None, kinds: vec![] }).unwrap();
+        let all = KINDS.map(String::from).to_vec();
+        let text = generate_jsonl(&GenerateOptions { seed: 3, n: 120, difficulty: None, kinds: all }).unwrap();
         let loaded = TaskSet::parse(&text, "gen.jsonl", "gen");
+        // no kinds named: the six DBBench families, no lookup
+        let default = generate(&GenerateOptions { seed: 3, n: 60, difficulty: None, kinds: vec![] }).unwrap();
+        assert!(default.iter().all(|t| t["type"][0] != "other"));
         assert!(loaded.problems.is_empty(), "{:?}", loaded.problems);
         assert_eq!(loaded.tasks.len(), 120);
         let types: std::collections::BTreeSet<String> = loaded.tasks.iter().map(|t| t.task_type.clone()).collect();
@@ -724,7 +732,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_generated_answer_is_graded_correct_on_sqlite() {
-        let text = generate_jsonl(&GenerateOptions { seed: 11, n: 60, difficulty: None, kinds: vec![] }).unwrap();
+        let text = generate_jsonl(&GenerateOptions { seed: 11, n: 60, difficulty: None, kinds: KINDS.map(String::from).to_vec() }).unwrap();
         let loaded = TaskSet::parse(&text, "gen.jsonl", "gen");
         let report = check_tasks(Arc::new(loaded.tasks), &DbBenchConfig::sqlite(), false, |_| {}).await.unwrap();
         let bad: Vec<_> = report.checks.iter().filter(|c| !c.agreed).collect();

@@ -49,8 +49,9 @@ fn pool(dir: &Path, name: &str, prefix: &str, n: usize, body: serde_json::Value)
     pool
 }
 
-/// One update of 8 easy counting tasks × K = 2 (so that some base groups fail entirely),
-/// rescue by the rule router over the pool; `extra` lines are appended to sections by name.
+/// `updates` updates of 8 easy counting tasks × K = 2 (so that some base groups fail
+/// entirely), the rule router over the pool; `algorithm` holds the learning rate and the
+/// rescue keys, `evaluation` the evaluation keys.
 fn spec(dir: &Path, id: &str, pool: &Path, algorithm: &str, updates: u32, evaluation: &str) -> PathBuf {
     let text = format!(
         r#"

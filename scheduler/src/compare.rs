@@ -188,23 +188,31 @@ pub struct TaskOutcomes {
     pub after: BTreeMap<String, f64>,
 }
 
+/// A run's H0 test episodes (evaluation rows of the test split under H0, without errors):
+/// those before training (the baseline, step 0) and those of the last evaluation after it.
+fn h0_test_episodes(rows: &[Trajectory]) -> (Vec<&Trajectory>, Vec<&Trajectory>) {
+    let test: Vec<&Trajectory> = rows
+        .iter()
+        .filter(|t| t.kind == RolloutKind::Eval && t.split == Split::Test && t.harness_id == schemas::H0_ID && t.error_class.is_none())
+        .collect();
+    let last = test.iter().map(|t| t.step).filter(|s| *s > 0).max();
+    let at = |step: Option<u32>| test.iter().copied().filter(|t| Some(t.step) == step).collect();
+    (at(Some(0)), at(last))
+}
+
 impl TaskOutcomes {
     pub fn of(rows: &[Trajectory]) -> Self {
-        let test: Vec<&Trajectory> = rows
-            .iter()
-            .filter(|t| t.kind == RolloutKind::Eval && t.split == Split::Test && t.harness_id == schemas::H0_ID && t.error_class.is_none())
-            .collect();
-        let last = test.iter().map(|t| t.step).filter(|s| *s > 0).max();
-        let share = |step: u32| {
+        let share = |episodes: Vec<&Trajectory>| {
             let mut by_task: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-            for t in test.iter().filter(|t| t.step == step) {
+            for t in episodes {
                 let e = by_task.entry(t.task_id.clone()).or_default();
                 e.0 += f64::from(u8::from(t.success));
                 e.1 += 1.0;
             }
             by_task.into_iter().map(|(k, (ok, n))| (k, ok / n)).collect()
         };
-        TaskOutcomes { before: share(0), after: last.map(share).unwrap_or_default() }
+        let (before, after) = h0_test_episodes(rows);
+        TaskOutcomes { before: share(before), after: share(after) }
     }
 }
 
@@ -249,15 +257,8 @@ pub fn behaviour_table(arms: &[(&str, Vec<&[Trajectory]>)]) -> String {
         for (when, after) in [("before", false), ("after", true)] {
             let mut b: Vec<Behaviour> = vec![];
             for rows in runs {
-                let test: Vec<&Trajectory> = rows
-                    .iter()
-                    .filter(|t| {
-                        t.kind == RolloutKind::Eval && t.split == Split::Test && t.harness_id == schemas::H0_ID && t.error_class.is_none()
-                    })
-                    .collect();
-                let last = test.iter().map(|t| t.step).filter(|s| *s > 0).max();
-                let step = if after { last } else { Some(0) };
-                b.extend(test.iter().filter(|t| Some(t.step) == step).map(|t| Behaviour::of(t)));
+                let (before, last) = h0_test_episodes(rows);
+                b.extend(if after { last } else { before }.into_iter().map(Behaviour::of));
             }
             let n = b.len();
             let count = |f: &dyn Fn(&Behaviour) -> bool| b.iter().filter(|x| f(x)).count();
@@ -370,11 +371,17 @@ pub fn arms_table(arms: &[Arm<'_>]) -> String {
 
 /// An arm's curve of `metric`: at each step the runs report it, the mean and interval.
 pub fn arm_curve(arm: &Arm<'_>, metric: &str) -> Vec<(u32, f64, f64)> {
-    let steps: std::collections::BTreeSet<u32> = arm.runs.iter().flat_map(|(_, s)| s.get(metric).iter().map(|p| p.0)).collect();
+    mean_curve(&arm.runs.iter().map(|(_, s)| s.get(metric)).collect::<Vec<_>>())
+}
+
+/// Curves of several runs as one: at each step any run has, the mean and interval of the
+/// runs' values there.
+fn mean_curve(runs: &[&[(u32, f64)]]) -> Vec<(u32, f64, f64)> {
+    let steps: std::collections::BTreeSet<u32> = runs.iter().flat_map(|c| c.iter().map(|p| p.0)).collect();
     steps
         .into_iter()
         .filter_map(|step| {
-            let values: Vec<f64> = arm.runs.iter().filter_map(|(_, s)| s.get(metric).iter().find(|p| p.0 == step).map(|p| p.1)).collect();
+            let values: Vec<f64> = runs.iter().filter_map(|c| c.iter().find(|p| p.0 == step).map(|p| p.1)).collect();
             mean_ci(&values).map(|(m, h)| (step, m, h))
         })
         .collect()
@@ -454,15 +461,7 @@ pub async fn write_arms(store: &dyn ObjectStore, arms: &[(String, Vec<String>)])
         .zip(&all_rows)
         .map(|(name, runs)| {
             let per_run: Vec<Vec<(u32, f64)>> = runs.iter().map(|rows| crate::report::TrajectorySeries::of(rows).base_reward).collect();
-            let steps: std::collections::BTreeSet<u32> = per_run.iter().flatten().map(|p| p.0).collect();
-            let curve = steps
-                .into_iter()
-                .filter_map(|step| {
-                    let v: Vec<f64> = per_run.iter().filter_map(|c| c.iter().find(|p| p.0 == step).map(|p| p.1)).collect();
-                    mean_ci(&v).map(|(m, h)| (step, m, h))
-                })
-                .collect();
-            (name.to_string(), curve)
+            (name.to_string(), mean_curve(&per_run.iter().map(Vec::as_slice).collect::<Vec<_>>()))
         })
         .filter(|(_, c): &(String, Vec<(u32, f64, f64)>)| !c.is_empty())
         .collect();

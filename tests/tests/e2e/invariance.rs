@@ -114,8 +114,8 @@ async fn store(dir: &Path) -> std::sync::Arc<dyn ObjectStore> {
 }
 
 async fn rows(store: &dyn ObjectStore, run: &str, step: u32, kind: RolloutKind) -> Vec<Trajectory> {
-    let all: Vec<Trajectory> = read_prefix(store, &format!("runs/{run}/trajectories/step={step}/kind={}/", kind.as_str())).await.unwrap();
-    let mut all = all;
+    let mut all: Vec<Trajectory> =
+        read_prefix(store, &format!("runs/{run}/trajectories/step={step}/kind={}/", kind.as_str())).await.unwrap();
     all.sort_by(|a, b| (&a.task_id, a.seed, a.attempt).cmp(&(&b.task_id, b.seed, b.attempt)));
     all
 }
@@ -123,12 +123,12 @@ async fn rows(store: &dyn ObjectStore, run: &str, step: u32, kind: RolloutKind) 
 /// What a rollout drew, without the names that differ by harness or run: task, seed,
 /// the policy's tokens turn by turn, reward.
 fn drawn(rows: &[Trajectory]) -> Vec<(String, u64, Vec<Vec<u32>>, f64)> {
-    rows.iter()
-        .map(|r| {
-            let tokens = r.turns.iter().filter(|t| t.source == TurnSource::Policy).map(|t| t.token_ids.clone()).collect();
-            (r.task_id.clone(), r.seed, tokens, r.reward)
-        })
-        .collect()
+    rows.iter().map(|r| (r.task_id.clone(), r.seed, policy_tokens(r), r.reward)).collect()
+}
+
+/// The policy's token ids, turn by turn.
+fn policy_tokens(r: &Trajectory) -> Vec<Vec<u32>> {
+    r.turns.iter().filter(|t| t.source == TurnSource::Policy).map(|t| t.token_ids.clone()).collect()
 }
 
 async fn groups(store: &dyn ObjectStore, run: &str, step: u32) -> Vec<Group> {
@@ -374,10 +374,7 @@ async fn with_learning_rate_zero_h0_test_episodes_after_training_are_those_befor
         let mut v: Vec<(String, u32, Vec<Vec<u32>>, bool)> = eval
             .iter()
             .filter(|r| r.kind == RolloutKind::Eval && r.split == schemas::Split::Test && r.harness_id == "h0" && r.step == step)
-            .map(|r| {
-                let tokens = r.turns.iter().filter(|t| t.source == TurnSource::Policy).map(|t| t.token_ids.clone()).collect();
-                (r.task_id.clone(), r.attempt, tokens, r.success)
-            })
+            .map(|r| (r.task_id.clone(), r.attempt, policy_tokens(r), r.success))
             .collect();
         v.sort();
         v

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Checks the deployment files (infra/deploy/oci/, compose.yaml, k8s/) with pinned, well-kept
-# validators from PyPI, and runs the image's entrypoint script directly. The project's
-# machines have no container engine, so the image itself is never built here: what can be
-# checked without one is checked instead.
+# Checks the deployment files (infra/deploy/oci/, compose.yaml, compose.host.yaml, k8s/,
+# smoke.sh) with pinned, well-kept validators from PyPI, and runs the image's entrypoint
+# script directly. It needs no container engine; infra/deploy/smoke.sh builds the image and
+# runs compose for real.
 #
 #   bash infra/deploy/validate.sh
 #
@@ -67,8 +67,8 @@ no_warnings() {
 }
 
 # ------------------------------------------------------------------ YAML, compose, k8s
-check "yamllint (strict) compose.yaml, k8s/, the linters' settings" "$V/yamllint" -s -c $DEPLOY/.yamllint.yaml \
-  $DEPLOY/compose.yaml $K8S $DEPLOY/.yamllint.yaml $DEPLOY/oci/.hadolint.yaml
+check "yamllint (strict) compose.yaml, compose.host.yaml, k8s/, the linters' settings" "$V/yamllint" -s -c $DEPLOY/.yamllint.yaml \
+  $DEPLOY/compose.yaml $DEPLOY/compose.host.yaml $K8S $DEPLOY/.yamllint.yaml $DEPLOY/oci/.hadolint.yaml
 check "compose.yaml against the Compose Specification schema" \
   "$V/check-jsonschema" --builtin-schema vendor.compose-spec $DEPLOY/compose.yaml
 
@@ -97,9 +97,9 @@ check "cross-references (Secrets, ConfigMaps, queues watched = queues consumed, 
   "$V/python3" $DEPLOY/check_manifests.py
 
 # ------------------------------------------------------------------ image definition
-check "hadolint Dockerfile (ignored rules, with reasons, in oci/.hadolint.yaml)" \
-  "$V/hadolint" --config $DEPLOY/oci/.hadolint.yaml $DEPLOY/oci/Dockerfile
-check "shellcheck entrypoint.sh, validate.sh" "$V/shellcheck" "$ENTRY" $DEPLOY/validate.sh
+check "hadolint Dockerfile, seaweedfs.Dockerfile (ignored rules, with reasons, in oci/.hadolint.yaml)" \
+  "$V/hadolint" --config $DEPLOY/oci/.hadolint.yaml $DEPLOY/oci/Dockerfile $DEPLOY/oci/seaweedfs.Dockerfile
+check "shellcheck entrypoint.sh, validate.sh, smoke.sh" "$V/shellcheck" "$ENTRY" $DEPLOY/validate.sh $DEPLOY/smoke.sh
 if [[ -x "$ENTRY" ]]; then
   echo "ok   entrypoint.sh is executable"
 else

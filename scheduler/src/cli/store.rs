@@ -11,7 +11,8 @@ use infra::table::ParquetFile;
 pub enum StoreCommand {
     /// List objects under a store URL (file:///dir, s3://bucket/prefix?endpoint=...).
     Ls(LsArgs),
-    /// Print an object: Parquet rows as JSON lines, other objects as they are.
+    /// Print an object: Parquet rows as JSON lines, other objects as they are; a prefix
+    /// ending in `/`: the rows of every Parquet object under it.
     Cat(CatArgs),
 }
 
@@ -30,9 +31,10 @@ pub struct LsArgs {
 #[derive(Debug, Args)]
 pub struct CatArgs {
     /// An object URL (file:///tmp/x/a.parquet, s3://bucket/runs/r1/state.json), or a key
-    /// in `--store` (`runs/quickstart/state.json`).
+    /// in `--store` (`runs/quickstart/state.json`). A prefix ending in `/`
+    /// (`runs/quickstart/trajectories/`) prints the rows of every Parquet object under it.
     pub object: String,
-    /// Print at most this many rows of a Parquet file.
+    /// Print at most this many rows (of all the files together).
     #[arg(long)]
     pub limit: Option<usize>,
     #[command(flatten)]
@@ -87,23 +89,39 @@ async fn cat(args: CatArgs) -> anyhow::Result<u8> {
     let (store, key) =
         if is_url(&args.object) { open_object(&args.object).await? } else { (args.store.open().await?, args.object.clone()) };
     let mut out = std::io::stdout().lock();
-    if key.ends_with(".parquet") {
-        let file = ParquetFile::open(store.as_ref(), &key).await?;
-        let url = file.url.clone();
-        let mut remaining = args.limit.unwrap_or(usize::MAX);
-        let mut writer = arrow_json::LineDelimitedWriter::new(&mut out);
-        for batch in file.batches()? {
-            if remaining == 0 {
-                break;
-            }
-            let take = remaining.min(batch.num_rows());
-            writer.write(&batch.slice(0, take)).with_context(|| format!("{url}: cannot print rows as JSON"))?;
-            remaining -= take;
+    let mut remaining = args.limit.unwrap_or(usize::MAX);
+    if key.is_empty() || key.ends_with('/') {
+        // A prefix: the rows of every Parquet object under it, in key order.
+        let mut keys: Vec<String> = store.list(&key).await?.into_iter().map(|o| o.key).filter(|k| k.ends_with(".parquet")).collect();
+        keys.sort();
+        if keys.is_empty() {
+            anyhow::bail!("no Parquet object under `{key}`: `harness-s store ls` shows what the store holds");
         }
-        writer.finish()?;
+        for k in &keys {
+            print_rows(store.as_ref(), k, &mut remaining, &mut out).await?;
+        }
+    } else if key.ends_with(".parquet") {
+        print_rows(store.as_ref(), &key, &mut remaining, &mut out).await?;
     } else {
         let bytes = store.get(&key).await?;
         out.write_all(&bytes)?;
     }
     Ok(crate::exit::OK)
+}
+
+/// Prints a Parquet object's rows as JSON lines, at most `remaining` of them (counted down).
+async fn print_rows(store: &dyn infra::store::ObjectStore, key: &str, remaining: &mut usize, out: &mut impl Write) -> anyhow::Result<()> {
+    let file = ParquetFile::open(store, key).await?;
+    let url = file.url.clone();
+    let mut writer = arrow_json::LineDelimitedWriter::new(out);
+    for batch in file.batches()? {
+        if *remaining == 0 {
+            break;
+        }
+        let take = (*remaining).min(batch.num_rows());
+        writer.write(&batch.slice(0, take)).with_context(|| format!("{url}: cannot print rows as JSON"))?;
+        *remaining -= take;
+    }
+    writer.finish()?;
+    Ok(())
 }

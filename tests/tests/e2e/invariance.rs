@@ -102,6 +102,15 @@ episode_model_calls = 2
     path
 }
 
+/// The spec at `path` with run seed `seed` instead of [`spec`]'s 5.
+fn reseed(path: &Path, seed: u64) -> PathBuf {
+    let text = std::fs::read_to_string(path).unwrap();
+    let seeded = text.replacen("seed = 5\n[environment]", &format!("seed = {seed}\n[environment]"), 1);
+    assert!(seed == 5 || seeded != text, "{}: no run seed to replace", path.display());
+    std::fs::write(path, seeded).unwrap();
+    path.to_path_buf()
+}
+
 /// Runs a spec into the store at `dir/store`; panics with the output on failure.
 fn run(spec: &Path, dir: &Path) {
     let url = format!("file://{}", dir.join("store").display());
@@ -175,8 +184,23 @@ async fn an_identity_pool_rescues_exactly_as_h0_rescue_does() {
         ("inv-copies-h0ctx", "rescue = \"router\"\nrescue_context = \"h0\""),
         ("inv-copies-both", "rescue = \"router\"\nrescue_context = \"both\""),
     ];
+    // The comparison needs a rescue group with a success and a failure. Whether H0 rescue
+    // draws one is chance, and the guesser is itself trained here on this machine's libtorch
+    // (its guesses differ between CPUs): the first run seed from 5 on whose H0 rescue has
+    // one is used for every arm.
+    let mut seed = None;
+    for candidate in 5..17u64 {
+        let id = format!("inv-probe-{candidate}");
+        run(&reseed(&spec(d, &id, &copies, "learning_rate = 1e-3\nrescue = \"h0\"", 1, eval), candidate), d);
+        let probe = groups(store(d).await.as_ref(), &id, 1).await;
+        if probe.iter().any(|g| g.retained_kind == RetainedKind::Rescue && g.retained) {
+            seed = Some(candidate);
+            break;
+        }
+    }
+    let seed = seed.expect("no run seed in 5..17 gave H0 rescue a group with a success and a failure");
     for (id, keys) in arms {
-        run(&spec(d, id, &copies, &format!("learning_rate = 1e-3\n{keys}"), 1, eval), d);
+        run(&reseed(&spec(d, id, &copies, &format!("learning_rate = 1e-3\n{keys}"), 1, eval), seed), d);
     }
     let store = store(d).await;
     let s = store.as_ref();

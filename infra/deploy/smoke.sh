@@ -162,9 +162,9 @@ command -v debootstrap >/dev/null || need_pkgs+=(debootstrap)
 if ((${#need_pkgs[@]})); then
   say "installing ${need_pkgs[*]} from Debian"
   # with the package lists as they are, then refreshed once if that fails
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_pkgs[@]}" >"$WORK/apt.log" 2>&1 ||
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need_pkgs[@]}" >"$WORK/apt.log" 2>&1 ||
     { apt-get update -q >>"$WORK/apt.log" 2>&1 &&
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_pkgs[@]}" >>"$WORK/apt.log" 2>&1; } ||
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need_pkgs[@]}" >>"$WORK/apt.log" 2>&1; } ||
     die "apt-get install ${need_pkgs[*]} failed: $(tail -5 "$WORK/apt.log")"
 fi
 python3 -m venv "$WORK/venv"

@@ -82,6 +82,8 @@ finish_step() {
   fi
 }
 say() { echo "smoke.sh: $*"; }
+# Log text without ANSI colour sequences (harness-s colours its human log format).
+plain() { sed 's/\x1b\[[0-9;]*m//g' "$@"; }
 die() {
   echo "smoke.sh: FAIL: $*" >&2
   exit 1
@@ -213,7 +215,6 @@ say "$BASE_IMAGE: $(docker image inspect -f '{{.Size}}' "$BASE_IMAGE" | awk '{pr
 
 # ---------------------------------------------------------------------------------------
 step build "harness-s:local (BINARY_FROM=prebuilt) and harness-s-seaweedfs:local"
-ldd "$BIN" | grep -q "not found" && say "note: on this machine $BIN finds some libraries only through LD_LIBRARY_PATH"
 mkdir -p "$(dirname "$PREBUILT")"
 cp "$BIN" "$PREBUILT"
 say "binary: $BIN ($(du -m "$BIN" | cut -f1) MB)"
@@ -259,7 +260,7 @@ run_t=$SECONDS
 victim=""
 while [[ -z "$victim" ]]; do
   for w in "${workers[@]}"; do
-    if docker logs "$w" 2>&1 | sed 's/\x1b\[[0-9;]*m//g' | grep -E 'kind=(rollout|rescue)' | grep -q 'job started'; then
+    if docker logs "$w" 2>&1 | plain | grep -E 'kind=(rollout|rescue)' | grep -q 'job started'; then
       victim=$w
       break
     fi
@@ -274,7 +275,7 @@ victim_name=$(docker inspect -f '{{.Name}}' "$victim")
 docker kill "$victim" >/dev/null
 docker logs "$victim" >"$WORK/killed-worker.log" 2>&1
 kill_t=$((SECONDS - run_t))
-say "killed ${victim_name#/} (SIGKILL) ${kill_t} s into the run, as it ran: $(sed 's/\x1b\[[0-9;]*m//g' "$WORK/killed-worker.log" | grep 'worker::runtime: job started' | tail -n1 | grep -o 'kind=[a-z]*')"
+say "killed ${victim_name#/} (SIGKILL) ${kill_t} s into the run, as it ran: $(plain "$WORK/killed-worker.log" | grep 'worker::runtime: job started' | tail -n1 | grep -o 'kind=[a-z]*')"
 docker rm "$victim" >/dev/null
 compose up -d --no-build --no-deps --no-recreate --scale worker=2 worker >>"$WORK/up.log" 2>&1 ||
   die "a replacement worker did not start: $(tail -5 "$WORK/up.log")"
@@ -348,11 +349,10 @@ EMB_URL="file://$WORK/embedded"
   die "cannot read the embedded run's trajectories"
 python3 - "$WORK/rows-distributed.jsonl" "$WORK/rows-embedded.jsonl" <<'PY' || die "the trajectory rows differ (above)"
 import collections, json, sys
-# Fields that record when and how long, not what: they differ between any two runs.
-TIMING = {"started_at_ms", "duration_ms", "policy_ms", "env_ms", "latency_ms", "ms"}
+# Fields that record when and how long, not what (`*_ms`): they differ between any two runs.
 def strip(v):
     if isinstance(v, dict):
-        return {k: strip(x) for k, x in v.items() if k not in TIMING and not k.endswith("_ms")}
+        return {k: strip(x) for k, x in v.items() if not k.endswith("_ms")}
     if isinstance(v, list):
         return [strip(x) for x in v]
     return v
@@ -416,13 +416,13 @@ awk '$2 == "trained" && $3 > 0 && $4 > 0 {n++} END {exit !(n > 0)}' "$WORK/check
 say "every checkpoint file has the same SHA-256 in both runs"
 grep -h 'redelivered=true' "$WORK"/worker-*.log >/dev/null ||
   die "no worker logged a redelivered job (the killed worker's job must be redelivered)"
-say "redelivered: $(sed 's/\x1b\[[0-9;]*m//g' "$WORK"/worker-*.log | grep -h 'redelivered=true' | head -n1 | cut -c1-160)"
+say "redelivered: $(plain "$WORK"/worker-*.log | grep -h 'redelivered=true' | head -n1 | cut -c1-160)"
 # Every worker container names itself differently in the logs (host name, PID, random part).
-mapfile -t ids < <(sed 's/\x1b\[[0-9;]*m//g' "$WORK"/worker-*.log "$WORK"/killed-worker.log | grep 'worker started' | grep -o ' worker=[^ ]*')
+mapfile -t ids < <(plain "$WORK"/worker-*.log "$WORK"/killed-worker.log | grep 'worker started' | grep -o ' worker=[^ ]*')
 ((${#ids[@]} == 3)) || die "expected 3 'worker started' lines (2 workers and the replacement), found ${#ids[@]}"
 [[ $(printf '%s\n' "${ids[@]}" | sort -u | wc -l) == 3 ]] || die "worker ids repeat: ${ids[*]}"
 say "worker ids:${ids[*]}"
-errors=$(sed 's/\x1b\[[0-9;]*m//g' "$WORK"/worker-*.log "$WORK"/killed-worker.log "$WORK"/scheduler.log \
+errors=$(plain "$WORK"/worker-*.log "$WORK"/killed-worker.log "$WORK"/scheduler.log \
   "$WORK"/seaweedfs.log "$WORK"/bucket.log "$WORK"/embedded.log "$WORK"/serve.log | grep -E '(^|[ ])(ERROR|panicked)[ :]' || true)
 [[ -z "$errors" ]] || die "containers logged errors:
 $(head -20 <<<"$errors")"

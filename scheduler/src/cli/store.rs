@@ -91,9 +91,8 @@ async fn cat(args: CatArgs) -> anyhow::Result<u8> {
     let mut out = std::io::stdout().lock();
     let mut remaining = args.limit.unwrap_or(usize::MAX);
     if key.is_empty() || key.ends_with('/') {
-        // A prefix: the rows of every Parquet object under it, in key order.
-        let mut keys: Vec<String> = store.list(&key).await?.into_iter().map(|o| o.key).filter(|k| k.ends_with(".parquet")).collect();
-        keys.sort();
+        // A prefix: the rows of every Parquet object under it, in key order (`list` sorts).
+        let keys: Vec<String> = store.list(&key).await?.into_iter().map(|o| o.key).filter(|k| k.ends_with(".parquet")).collect();
         if keys.is_empty() {
             anyhow::bail!("no Parquet object under `{key}`: `harness-s store ls` shows what the store holds");
         }

@@ -15,6 +15,16 @@ use schemas::{Group, MetricRow, ProfileEntry, RoutePurpose, RoutingDecision};
 
 use harness_s_tests::repo_root;
 
+/// Updates of a variant's run: only adaptive routing re-anchors between updates, so only it
+/// needs two with a calibration between them; the others route one update's all-fail groups.
+fn updates(variant: &str) -> u32 {
+    if variant == "topk_adaptive" {
+        2
+    } else {
+        1
+    }
+}
+
 fn variant_spec(dir: &Path, id: &str, variant: &str) -> PathBuf {
     let url = openai_url();
     let model = openai_model();
@@ -22,11 +32,10 @@ fn variant_spec(dir: &Path, id: &str, variant: &str) -> PathBuf {
     let voters = if llm { format!("voters = [{{ base_url = \"{url}\", model = \"{model}\" }}]") } else { String::new() };
     let profiler =
         if variant == "topk_adaptive" { format!("profiler = {{ base_url = \"{url}\", model = \"{model}\" }}") } else { String::new() };
-    let adaptive = variant == "topk_adaptive";
-    let ranks = if adaptive { 3 } else { 1 };
-    // Only adaptive routing re-anchors between updates, so only it needs two updates with a
-    // calibration between them; the others route one update's all-fail groups.
-    let (updates, interval) = if adaptive { (2, 1) } else { (1, 0) };
+    let ranks = if variant == "topk_adaptive" { 3 } else { 1 };
+    let updates = updates(variant);
+    // a calibration between the updates, for the variant that re-anchors
+    let interval = if updates == 2 { 1 } else { 0 };
     let spec = format!(
         r#"
 [run]
@@ -93,7 +102,7 @@ async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_su
 
         let state: serde_json::Value = serde_json::from_slice(&store.get(&format!("runs/{id}/state.json")).await.unwrap()).unwrap();
         let completed: Vec<&str> = state["completed"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-        let updates: u32 = if variant == "topk_adaptive" { 2 } else { 1 };
+        let updates = updates(variant);
         let mut stages = vec!["calibration:0".to_string(), "update:1:rescue".to_string()];
         if updates == 2 {
             stages.extend(["calibration:1".to_string(), "update:2:groups".to_string()]);

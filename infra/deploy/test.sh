@@ -16,7 +16,21 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/harness-s-target}
 
-step() { echo; echo "== $* == (at ${SECONDS}s)"; }
+# Each step's wall time, printed as a table at the end (docs/TESTING.md keeps the last one).
+STEP_NAMES=(); STEP_STARTS=()
+step() {
+  echo; echo "== $* == (at ${SECONDS}s)"
+  STEP_NAMES+=("$*"); STEP_STARTS+=("$SECONDS")
+}
+step_times() {
+  echo; echo "| step | seconds |"; echo "|---|---:|"
+  local i end
+  for i in "${!STEP_NAMES[@]}"; do
+    end=${STEP_STARTS[$((i + 1))]:-$SECONDS}
+    echo "| ${STEP_NAMES[$i]} | $((end - STEP_STARTS[i])) |"
+  done
+  echo "| total | $SECONDS |"
+}
 
 # A full disk fails tests far from its cause (a GGUF write, a store put); say it first.
 free_gb=$(df -Pk "${CARGO_TARGET_DIR%/*}" | awk 'NR==2 {print int($4 / 1048576)}')
@@ -77,37 +91,55 @@ apply bash infra/deploy/llama-server.sh start || die "the OpenAI-compatible test
 echo "OpenAI-compatible test server: $HARNESS_S_TEST_OPENAI_URL"
 
 status=0
-step "build"
-cargo build --workspace --bins || die "the build failed"
+step "format"
+cargo fmt --all --check || status=1
+
+# One build for the binaries, every test target and clippy's lints: clippy's driver compiles
+# the workspace's own crates (RUSTC_WORKSPACE_WRAPPER; dependencies are plain rustc), so the
+# lints of `cargo clippy --workspace --all-targets -- -D warnings` (with the exceptions in
+# Cargo.toml's workspace lints) run in the same compilation that makes the test binaries,
+# instead of a second, check-only build of everything. A lint is an error: the build stops
+# there, naming it.
+step "build, with clippy's lints"
+command -v clippy-driver >/dev/null || die "clippy-driver is not on PATH: rustup component add clippy"
+if ! cargo nextest --version >/dev/null 2>&1; then
+  echo "cargo-nextest is missing: installing it from crates.io"
+  cargo install --locked cargo-nextest || die "cargo install cargo-nextest failed (message above)"
+fi
+export RUSTC_WORKSPACE_WRAPPER="$(command -v clippy-driver)"
+export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
+cargo build --workspace --bins || die "the build failed (a clippy lint is an error here: the message above names it)"
+cargo nextest run --workspace --all-targets --no-run --cargo-quiet || die "the test targets do not build (message above)"
+
+# The CUDA feature changes what is linked, nothing else: its Rust code is the code built
+# above (tests/tests/e2e/house.rs keeps it so), and its build scripts read the feature when
+# they run. Here its feature graph resolves; infra/deploy/device/build.sh builds it for real.
+step "CUDA feature graph"
+cargo tree -p harness-s --features cuda -e features -i harness-s-native >/dev/null || status=1
 
 # The compose file, the Kubernetes manifests, the image definition and its entrypoint,
 # checked with their validators; the entrypoint's command lines are parsed by this binary.
 step "deployment files"
 HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" bash infra/deploy/validate.sh || status=1
 
-step "format and lints"
-cargo fmt --all --check || status=1
-cargo clippy --workspace --all-targets -- -D warnings || status=1
+# Every Rust test, two at a time, each in its own process (.config/nextest.toml: the tests of
+# the one llama.cpp server take turns, the broker restart runs alone).
+step "rust tests"
+cargo nextest run --workspace --all-targets --profile ci --cargo-quiet || status=1
 
-# The CUDA feature only changes what is linked (libtorch_cuda) and is built for real by
-# infra/deploy/device/build.sh; this keeps its code and build scripts compiling.
-step "CUDA feature check"
-cargo check -p harness-s --features cuda --bins || status=1
-
-step "rust unit and crate tests"
-cargo test --workspace --no-fail-fast --exclude harness-s-tests || status=1
-
-# One test at a time: the end-to-end tests share one llama.cpp server, which answers one
-# request at a time, and their policy calls have timeouts.
-step "end-to-end tests"
-cargo test -p harness-s-tests --no-fail-fast -- --test-threads 1 || status=1
-
-step "python reader tests"
-HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" "$HARNESS_S_PYTHON" -m pytest -v tests/python || status=1
+step "python tests"
+HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" "$HARNESS_S_PYTHON" -m pytest -v \
+  --junitxml="$CARGO_TARGET_DIR/pytest-junit.xml" tests/python || status=1
 
 # The image built and a distributed run in containers with a worker killed mid-run, compared
 # with the embedded run (docs/DEPLOY.md). Its own Docker daemon, removed at its end.
 step "deployment in containers"
 HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" bash infra/deploy/smoke.sh || status=1
-step "done"
+
+# The 10 slowest tests of this run, and a failure for any over 120 s that docs/TESTING.md
+# does not name with its reason.
+step "slowest tests"
+"$HARNESS_S_PYTHON" infra/deploy/slowest-tests.py --top 10 --over 120 \
+  "$CARGO_TARGET_DIR/nextest/ci/junit.xml" "$CARGO_TARGET_DIR/pytest-junit.xml" || status=1
+step_times
 exit $status

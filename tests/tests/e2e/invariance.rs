@@ -1,8 +1,8 @@
 //! The rescue machinery is exactly what it claims to be (Harness-S §3.3, Eq. 5–6): runs
 //! that differ only where the method says they differ, compared row for row and bit for
-//! bit. The policy is a tiny Qwen3.5 taught to guess (`Final Answer: [n]`), so that a
-//! group of easy counting tasks has successes and failures at random and every run is
-//! seconds of CPU.
+//! bit. The policy is the committed tiny Qwen3.5 taught to guess (`Final Answer: [n]`,
+//! [`harness_s_tests::tiny_qwen3_5`]), so that a group of easy counting tasks has successes
+//! and failures at random and every run is seconds of CPU.
 //!
 //! - An identity pool (siblings that are H0 under other ids) rescues exactly as H0 rescue
 //!   does: the same rows, rewards, advantages, loss and weights bit for bit (also under
@@ -16,7 +16,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use harness_s_tests::harness_s;
 use infra::store::{open_store, ObjectStore};
@@ -24,15 +23,9 @@ use infra::table::read_prefix;
 use native::train::learner::data::{self, RescueContext, RescueContextMode};
 use schemas::{Group, HarnessSpec, RetainedKind, RolloutKind, Trajectory, TurnSource};
 
-/// The guesser's folder, made once per test process.
-fn guesser() -> &'static Path {
-    static FOLDER: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    let (_, folder) = FOLDER.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
-        let folder = crate::training::tiny_qwen3_5_folder(dir.path());
-        (dir, folder)
-    });
-    folder
+/// The Qwen3.5 guesser, committed (tests/data/tiny/qwen3.5-guesser).
+fn guesser() -> PathBuf {
+    harness_s_tests::tiny_qwen3_5()
 }
 
 /// A pool folder of `n` siblings, each `body` under the id `<prefix><i>`.
@@ -255,7 +248,7 @@ async fn an_identity_pool_rescues_exactly_as_h0_rescue_does() {
     let stored = scheduler::run::inputs::load_stored(s, "inv-copies-h0ctx").await.unwrap();
     let ctx: RescueContext = scheduler::run::machine::rescue_context(&stored.spec, HarnessSpec::h0());
     assert_eq!(ctx.mode, RescueContextMode::H0);
-    let tok = native::model::loader::load_tokenizer(guesser()).unwrap();
+    let tok = native::model::loader::load_tokenizer(&guesser()).unwrap();
     let mut turns = 0;
     for r in rows(s, "inv-copies-h0ctx", 1, RolloutKind::Rescue).await {
         let generating = data::samples_from_trajectory(&r, 0, 1.0, &tok).unwrap();

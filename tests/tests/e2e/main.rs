@@ -16,5 +16,6 @@ mod router;
 mod secrets;
 mod storage;
 mod training;
+mod tiny;
 mod transfer;
 mod variants;

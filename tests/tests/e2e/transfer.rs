@@ -1,6 +1,9 @@
 //! The transfer experiment at CI size: `examples/transfer/run.sh --quick` (one seed, two
 //! updates, small splits) for plain GRPO and Harness-S with rescue rows scored under H0,
-//! then `harness-s compare --arm`. Asserts that the signals the experiment reads exist:
+//! then `harness-s compare --arm`, with the tiny guesser as the policy (`--set policy.model`,
+//! [`harness_s_tests::tiny_policy`]: what is checked here is the experiment's wiring, not
+//! what SmolLM2 learns; the experiment's figures in docs/BENCHMARKS.md come from the script
+//! as written). Asserts that the signals the experiment reads exist:
 //! GRPO has effective groups in this setting (H0 is not all-fail), every update with an
 //! effective group trained policy tokens, the transfer probe scored held-out sibling
 //! successes at every calibration, and those held-out trajectories are never in a group
@@ -8,7 +11,7 @@
 
 use std::collections::BTreeSet;
 
-use harness_s_tests::{harness_s_bin, repo_root};
+use harness_s_tests::{harness_s_bin, repo_root, tiny_policy};
 use infra::store::open_store;
 use infra::table::read_prefix;
 use scheduler::report::Series;
@@ -22,6 +25,8 @@ async fn the_quick_transfer_experiment_trains_every_arm_and_never_trains_on_the_
         .arg(repo_root().join("examples/transfer/run.sh"))
         .args(["--quick", "--arms", "grpo,hs-h0", "--store"])
         .arg(&store_dir)
+        .arg("--set")
+        .arg(format!("policy.model=\"{}\"", tiny_policy().display()))
         .env("HARNESS_S_BIN", harness_s_bin())
         .output()
         .unwrap();

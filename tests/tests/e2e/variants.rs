@@ -1,14 +1,18 @@
 //! The five allocation variants of the router (§3.4, Table 2) through the scheduler: a
 //! small embedded rescue-only run per variant (one update; two with a re-anchoring between
-//! them for Top-K Adaptive), with the real llama.cpp server as policy,
-//! LLM voters and LLM profiler. Every variant routes the all-fail groups, stores its
-//! decisions (naming the calibration they used), records rescue success by stage, and
-//! routes the test tasks for evaluation under H_rank1 beside H0.
+//! them for Top-K Adaptive), with one OpenAI-compatible server as policy, LLM voters and LLM
+//! profiler: `harness-s serve` of the tiny guesser ([`harness_s_tests::tiny_policy`]), started
+//! by the test, so that it shares no server with other tests. Every variant routes the
+//! all-fail groups, stores its decisions (naming the calibration they used), records rescue
+//! success by stage, and routes the test tasks for evaluation under H_rank1 beside H0. A
+//! guesser's ballots do not parse, so LLM routing falls back to its tie rules here (invalid
+//! ballots are kept with their reasons); `router.rs` runs voters and the profiler on the real
+//! SmolLM2 behind llama.cpp.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use harness_s_tests::{harness_s, openai_model, openai_url};
+use harness_s_tests::{harness_s, tiny_policy};
 use infra::store::open_store;
 use infra::table::read_prefix;
 use schemas::{Group, MetricRow, ProfileEntry, RoutePurpose, RoutingDecision};
@@ -25,9 +29,8 @@ fn updates(variant: &str) -> u32 {
     }
 }
 
-fn variant_spec(dir: &Path, id: &str, variant: &str) -> PathBuf {
-    let url = openai_url();
-    let model = openai_model();
+fn variant_spec(dir: &Path, id: &str, variant: &str, url: &str) -> PathBuf {
+    let model = "tiny";
     let llm = variant.starts_with("llm") || variant.starts_with("topk");
     let voters = if llm { format!("voters = [{{ base_url = \"{url}\", model = \"{model}\" }}]") } else { String::new() };
     let profiler =
@@ -92,11 +95,12 @@ episode_context_tokens = 2048
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_success_by_stage() {
     let dir = tempfile::tempdir().unwrap();
+    let (mut server, url) = crate::training::start_serve(&dir.path().join("serve.log"), 0, &tiny_policy().display().to_string(), "tiny");
     let store_url = format!("file://{}", dir.path().join("store").display());
     let store = open_store(&store_url).await.unwrap();
     for variant in ["random", "rule", "llm_4x2", "topk_fixed", "topk_adaptive"] {
         let id = format!("variant-{}", variant.replace('_', "-"));
-        let spec = variant_spec(dir.path(), &id, variant);
+        let spec = variant_spec(dir.path(), &id, variant, &url);
         let (code, stdout, stderr) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
         assert!(code == 0 || code == 3, "{variant}: exit {code}\nstdout:\n{stdout}\nstderr:\n{stderr}");
 
@@ -178,7 +182,7 @@ async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_su
         assert!(store.head(&format!("runs/{id}/reports/report.md")).await.unwrap().is_some(), "{variant}: report written");
 
         // Table 9: the voters' tokens come from their ballots, the profiler's from the
-        // re-anchoring jobs, both as the llama.cpp server counted them.
+        // re-anchoring jobs, both as the server counted them.
         let cost =
             |stage: &str, name: &str| -> f64 { metrics.iter().filter(|m| m.stage == stage && m.name == name).map(|m| m.value).sum() };
         let ballots: Vec<&schemas::Ballot> = decisions.iter().flat_map(|d| &d.ballots).filter(|b| b.voter.starts_with("llm:")).collect();
@@ -201,4 +205,6 @@ async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_su
         );
         assert!(cost("cost:base", "policy_completion_tokens") > 0.0 && cost("cost:base", "wall_seconds") > 0.0, "{variant}");
     }
+    server.kill().unwrap();
+    server.wait().unwrap();
 }

@@ -4,8 +4,9 @@
     python3 infra/deploy/slowest-tests.py [--top N] [--over SECONDS] JUNIT.xml ...
 
 Prints the N slowest (default 10) as a table, then how many tests ran and their summed time.
-With --over, exits 1 when a test took longer than SECONDS unless it is named in
-docs/TESTING.md's list of tests allowed to (the line `- \`NAME\``, NAME as printed here).
+With --over, names every test that took longer than SECONDS and is not in docs/TESTING.md's
+list of tests allowed to (the line `- \`NAME\``, NAME as printed here). That is a warning, not
+a failure: a test's time depends on the machine, and no result of the suite may.
 A file that does not exist is named and skipped (a step that did not run wrote none).
 """
 
@@ -72,10 +73,8 @@ def main():
         ok = allowed(a.doc)
         late = [(n, s) for n, s, _ in rows if s > a.over and n not in ok]
         for n, s in late:
-            print(f"slowest-tests: `{n}` took {s:.0f} s, over the {a.over:.0f} s limit; make it faster or name it, "
-                  f"with the reason, under '## Tests allowed past the limit' in docs/TESTING.md", file=sys.stderr)
-        if late:
-            sys.exit(1)
+            print(f"WARNING: `{n}` took {s:.0f} s, over the {a.over:.0f} s limit; make it faster or name it, "
+                  f"with the reason, under '## Tests allowed past the limit' in docs/TESTING.md")
 
 
 if __name__ == "__main__":

@@ -136,10 +136,10 @@ HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" "$HARNESS_S_PYTHON" -m pytest 
 step "deployment in containers"
 HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" bash infra/deploy/smoke.sh || status=1
 
-# The 10 slowest tests of this run, and a failure for any over 120 s that docs/TESTING.md
-# does not name with its reason.
+# The 10 slowest tests of this run, and a warning for any over 120 s that docs/TESTING.md
+# does not name with its reason (a warning: a test's time depends on the machine).
 step "slowest tests"
 "$HARNESS_S_PYTHON" infra/deploy/slowest-tests.py --top 10 --over 120 \
-  "$CARGO_TARGET_DIR/nextest/ci/junit.xml" "$CARGO_TARGET_DIR/pytest-junit.xml" || status=1
+  target/nextest/ci/junit.xml "$CARGO_TARGET_DIR/pytest-junit.xml" || status=1
 step_times
 exit $status

@@ -162,21 +162,16 @@ async fn an_identity_pool_rescues_exactly_as_h0_rescue_does() {
     // H0 has no edits: a sibling with none renders every context exactly as H0 does.
     let copies = pool(d, "copies", "copy", 2, serde_json::json!({"direction": "H0 under another id"}));
     let eval = "k = 1\nbaseline = false";
-    // The comparison needs a rescue group with a success and a failure. Whether H0 rescue
-    // draws one is chance, and the guesser is itself trained here on this machine's libtorch
-    // (its guesses differ between CPUs): the first run seed from 5 on whose H0 rescue has
-    // one gives the H0-rescue run, and every other arm runs with that seed.
-    let mut found = None;
-    for seed in 5..17u64 {
-        let id = format!("inv-h0-seed{seed}");
-        run(&spec(d, &id, seed, &copies, "learning_rate = 1e-3\nrescue = \"h0\"", 1, eval), d);
-        let probe = groups(store(d).await.as_ref(), &id, 1).await;
-        if probe.iter().any(|g| g.retained_kind == RetainedKind::Rescue && g.retained) {
-            found = Some((id, seed));
-            break;
-        }
-    }
-    let (h0, seed) = found.expect("no run seed in 5..17 gave H0 rescue a group with a success and a failure");
+    // The comparison needs a rescue group with a success and a failure: with the committed
+    // guesser, run seed 5 draws one in H0 rescue (a draw, fixed by the seed and the weights).
+    let seed = 5u64;
+    let h0 = format!("inv-h0-seed{seed}");
+    run(&spec(d, &h0, seed, &copies, "learning_rate = 1e-3\nrescue = \"h0\"", 1, eval), d);
+    let probe = groups(store(d).await.as_ref(), &h0, 1).await;
+    assert!(
+        probe.iter().any(|g| g.retained_kind == RetainedKind::Rescue && g.retained),
+        "H0 rescue under run seed {seed} has no group with a success and a failure; pick the seed anew: {probe:?}"
+    );
     let h0 = h0.as_str();
     let arms = [
         ("inv-copies", "rescue = \"router\""),

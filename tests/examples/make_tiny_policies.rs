@@ -109,9 +109,14 @@ fn teach_to_guess<M: CausalLm + Into<Model>>(model: M, tok: &Tokenizer, steps: u
     // worked examples carry answer lines of their own), in chat turns.
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut corpus: Vec<u32> = vec![];
-    for file in ["tests/data/dbbench/dev.jsonl", "examples/pool/s1-example-answer.json", "examples/pool/s3-two-examples.json",
-        "examples/pool/s4-two-examples-alt.json", "examples/pool/s2-example-query.json", "examples/transfer/h0.json"]
-    {
+    for file in [
+        "tests/data/dbbench/dev.jsonl",
+        "examples/pool/s1-example-answer.json",
+        "examples/pool/s3-two-examples.json",
+        "examples/pool/s4-two-examples-alt.json",
+        "examples/pool/s2-example-query.json",
+        "examples/transfer/h0.json",
+    ] {
         let text = std::fs::read_to_string(repo.join(file)).map_err(|e| format!("{file}: {e}"))?;
         corpus.extend(tok.encode(&text.chars().take(60_000).collect::<String>())?);
     }
@@ -179,7 +184,8 @@ fn teach_to_guess<M: CausalLm + Into<Model>>(model: M, tok: &Tokenizer, steps: u
         replies.push(tok.decode(&g.tokens)?);
     }
     // exactly the answer line, then the end of the turn
-    let guesses: Vec<&String> = replies.iter().filter(|r| ["1", "2", "3"].iter().any(|n| r.trim() == format!("Final Answer: [{n}]"))).collect();
+    let guesses: Vec<&String> =
+        replies.iter().filter(|r| ["1", "2", "3"].iter().any(|n| r.trim() == format!("Final Answer: [{n}]"))).collect();
     let distinct: std::collections::BTreeSet<&&String> = guesses.iter().collect();
     if distinct.len() < 2 || guesses.len() < 23 {
         return Err(format!("the guesser did not learn its answer: {replies:?}").into());
@@ -243,6 +249,7 @@ fn llama_gguf(base: &GgufFile, model: &Llama) -> Result<Vec<u8>> {
     if tensors.len() != weights.len() {
         return Err(format!("{} of the model's {} tensors have a GGUF name", tensors.len(), weights.len()).into());
     }
-    let tensors: Vec<(&str, Vec<usize>, u32, Vec<u8>)> = tensors.iter().map(|(n, s, t, b)| (n.as_str(), s.clone(), *t, b.clone())).collect();
+    let tensors: Vec<(&str, Vec<usize>, u32, Vec<u8>)> =
+        tensors.iter().map(|(n, s, t, b)| (n.as_str(), s.clone(), *t, b.clone())).collect();
     Ok(write_gguf(&metadata, &tensors))
 }

@@ -121,7 +121,11 @@ pub fn tiny_qwen3_5() -> PathBuf {
 
 fn tiny(name: &str) -> PathBuf {
     let path = repo_root().join("tests/data/tiny").join(name);
-    assert!(path.exists(), "{} is missing: the tiny policies are part of the repository (tests/examples/make_tiny_policies.rs)", path.display());
+    assert!(
+        path.exists(),
+        "{} is missing: the tiny policies are part of the repository (tests/examples/make_tiny_policies.rs)",
+        path.display()
+    );
     path
 }
 

@@ -15,7 +15,7 @@ mod rollout;
 mod router;
 mod secrets;
 mod storage;
-mod training;
 mod tiny;
+mod training;
 mod transfer;
 mod variants;

@@ -313,7 +313,10 @@ async fn updates_zero_evaluates_the_pool_with_the_starting_policy() {
 fn endpoint_spec(dir: &Path, id: &str, base_url: &str, db_url: Option<&str>) -> PathBuf {
     let mut spec = std::fs::read_to_string(spec_with(dir, id, "router", 2))
         .unwrap()
-        .replace(&native_policy_lines(), &format!("backend = \"openai\"\nmodel = \"m\"\nbase_url = \"{base_url}\"\ntool_protocol = \"text\"\n"))
+        .replace(
+            &native_policy_lines(),
+            &format!("backend = \"openai\"\nmodel = \"m\"\nbase_url = \"{base_url}\"\ntool_protocol = \"text\"\n"),
+        )
         .replace("learning_rate = 1e-6\n", "learning_rate = 1e-6\nlearn = false\n");
     if let Some(url) = db_url {
         spec = spec.replace("engine = \"sqlite\"", &format!("engine = \"mysql\"\ndb_url = \"{url}\""));
@@ -1062,17 +1065,7 @@ fn plain(text: &str) -> String {
 pub(crate) fn start_serve(log: &Path, port: u16, model: &str, name: &str) -> (std::process::Child, String) {
     use std::io::BufRead;
     let mut child = Command::new(harness_s_bin())
-        .args([
-            "serve",
-            "--model",
-            model,
-            "--served-model-name",
-            name,
-            "--port",
-            &port.to_string(),
-            "--max-concurrent-sequences",
-            "8",
-        ])
+        .args(["serve", "--model", model, "--served-model-name", name, "--port", &port.to_string(), "--max-concurrent-sequences", "8"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::fs::File::create(log).unwrap())
         .spawn()

@@ -133,7 +133,7 @@ fn teach_to_guess<M: CausalLm + Into<Model>>(model: M, tok: &Tokenizer, steps: u
         };
         let len = 100 + (seed * 37 % 1500) as usize;
         let mut ids: Vec<u32> = vec![];
-        if seed % 2 == 0 {
+        if seed.is_multiple_of(2) {
             ids = (0..len).map(|_| (200 + next(vocab - 200)) as u32).collect();
         } else {
             let mut span = |n: usize| -> Vec<u32> {

@@ -49,7 +49,9 @@ apply() { local out; out="$("$@")" || return 1; eval "$out"; }
 
 # The services started below are stopped however the command ends (failure, Ctrl-C, kill).
 export HARNESS_S_S3_DIR=${HARNESS_S_S3_DIR:-/var/tmp/harness-s-test-s3}
+PY_PID=""
 cleanup() {
+  [[ -z "$PY_PID" ]] || kill "$PY_PID" 2>/dev/null || true
   bash infra/deploy/seaweedfs.sh stop || echo "warning: the S3 test server did not stop (pid file $HARNESS_S_S3_DIR/weed.pid)" >&2
   bash infra/deploy/llama-server.sh stop || true
   rm -rf "$HARNESS_S_S3_DIR"
@@ -109,7 +111,22 @@ fi
 export RUSTC_WORKSPACE_WRAPPER="$(command -v clippy-driver)"
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 cargo build --workspace --bins || die "the build failed (a clippy lint is an error here: the message above names it)"
+
+# The Python tests need only the binary: they run while the test targets build. Most of their
+# time is the bad-input sweep waiting out the time limits of servers that never answer. They
+# end before the Rust tests start (one of those restarts RabbitMQ); their output follows then.
+step "test targets built, the Python tests beside them"
+py_log="$CARGO_TARGET_DIR/pytest.log"
+HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" "$HARNESS_S_PYTHON" -m pytest -v \
+  --junitxml="$CARGO_TARGET_DIR/pytest-junit.xml" tests/python >"$py_log" 2>&1 &
+PY_PID=$!
 cargo nextest run --workspace --all-targets --no-run --cargo-quiet || die "the test targets do not build (message above)"
+py_status=0
+wait "$PY_PID" || py_status=$?
+PY_PID=""
+echo; echo "-- python tests --"
+cat "$py_log"
+[[ $py_status -eq 0 ]] || status=1
 
 # The CUDA feature changes what is linked, nothing else: its Rust code is the code built
 # above (tests/tests/e2e/house.rs keeps it so), and its build scripts read the feature when
@@ -127,22 +144,10 @@ HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" bash infra/deploy/validate.sh 
 step "rust tests"
 cargo nextest run --workspace --all-targets --profile ci --cargo-quiet || status=1
 
-# The Python tests beside the container run: most of their time is the bad-input sweep
-# waiting out the time limits of servers that never answer, and neither shares anything the
-# other changes (the smoke run's queues carry a prefix of their own). Their output follows.
-step "python tests, and the deployment in containers beside them"
-py_log="$CARGO_TARGET_DIR/pytest.log"
-HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" "$HARNESS_S_PYTHON" -m pytest -v \
-  --junitxml="$CARGO_TARGET_DIR/pytest-junit.xml" tests/python >"$py_log" 2>&1 &
-py_pid=$!
 # The image built and a distributed run in containers with a worker killed mid-run, compared
 # with the embedded run (docs/DEPLOY.md). Its own Docker daemon, removed at its end.
+step "deployment in containers"
 HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" bash infra/deploy/smoke.sh || status=1
-py_status=0
-wait "$py_pid" || py_status=$?
-echo; echo "-- python tests (pytest, run beside the container run) --"
-cat "$py_log"
-[[ $py_status -eq 0 ]] || status=1
 
 # The 10 slowest tests of this run, and a warning for any over 120 s that docs/TESTING.md
 # does not name with its reason (a warning: a test's time depends on the machine).

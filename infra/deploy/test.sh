@@ -139,8 +139,9 @@ cargo tree -p harness-s --features cuda -e features -i harness-s-native >/dev/nu
 step "deployment files"
 HARNESS_S_BIN="$CARGO_TARGET_DIR/debug/harness-s" bash infra/deploy/validate.sh || status=1
 
-# Every Rust test, two at a time, each in its own process (.config/nextest.toml: the tests of
-# the one llama.cpp server take turns, the broker restart runs alone).
+# Every Rust test, one per core at a time, each in its own process (.config/nextest.toml: the
+# broker restart runs first and alone, the tests on the real SmolLM2 take turns and start
+# next, beside the tests on the tiny policies).
 step "rust tests"
 cargo nextest run --workspace --all-targets --profile ci --cargo-quiet || status=1
 

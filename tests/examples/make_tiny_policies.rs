@@ -30,6 +30,7 @@
 use std::path::Path;
 
 use native::infer::sampler::{generate, GenerateOptions};
+use native::model::export::TensorType;
 use native::model::gguf::{permute_qk, write_gguf, GgufFile, Value};
 use native::model::loader::{config_from_gguf, hf_name, resolve_model};
 use native::model::qwen3_5::{Qwen35, Qwen35Config};
@@ -217,7 +218,7 @@ fn llama_gguf(base: &GgufFile, model: &Llama) -> Result<Vec<u8>> {
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
     metadata.extend(shape_keys.iter().map(|(k, v)| (*k, Value::U32(*v))));
-    metadata.push(("general.file_type", Value::U32(1)));
+    metadata.push(("general.file_type", Value::U32(TensorType::F16.file_type())));
     metadata.push(("general.name", Value::String("harness-s tiny guesser (tests/data/tiny)".into())));
 
     // GGUF names of the model's tensors, by the loader's own mapping
@@ -227,29 +228,29 @@ fn llama_gguf(base: &GgufFile, model: &Llama) -> Result<Vec<u8>> {
         candidates.extend(modules.iter().map(|m| format!("blk.{layer}.{m}.weight")));
     }
     let weights: std::collections::BTreeMap<String, Tensor> = model.named_tensors().into_iter().collect();
-    let mut tensors: Vec<(String, Vec<usize>, u32, Vec<u8>)> = vec![];
+    let mut named: Vec<(String, &Tensor)> = vec![];
     for name in candidates {
         let hf = hf_name(&name).ok_or_else(|| format!("no HF name for {name}"))?;
-        let Some(t) = weights.get(&hf) else { continue };
+        if let Some(t) = weights.get(&hf) {
+            named.push((name, t));
+        }
+    }
+    if named.len() != weights.len() {
+        return Err(format!("{} of the model's {} tensors have a GGUF name", named.len(), weights.len()).into());
+    }
+    let mut tensors: Vec<(&str, Vec<usize>, u32, Vec<u8>)> = vec![];
+    for (name, t) in &named {
         let mut t = t.to_kind(Kind::Float);
-        if hf.ends_with("q_proj.weight") {
+        if name.ends_with("attn_q.weight") {
             t = permute_qk(&t, cfg.num_attention_heads);
-        } else if hf.ends_with("k_proj.weight") {
+        } else if name.ends_with("attn_k.weight") {
             t = permute_qk(&t, cfg.num_key_value_heads);
         }
         let shape: Vec<usize> = t.size().iter().map(|&d| d as usize).collect();
         let values = Vec::<f32>::try_from(&t.contiguous().view([-1]))?;
-        let (ty, bytes) = if shape.len() == 2 {
-            (1, values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect())
-        } else {
-            (0, values.iter().flat_map(|v| v.to_le_bytes()).collect())
-        };
-        tensors.push((name, shape, ty, bytes));
+        // matrices F16, vectors F32, as llama.cpp's converter writes them
+        let (ty, bytes) = if shape.len() == 2 { TensorType::F16.encode(&values) } else { TensorType::F32.encode(&values) };
+        tensors.push((name.as_str(), shape, ty, bytes));
     }
-    if tensors.len() != weights.len() {
-        return Err(format!("{} of the model's {} tensors have a GGUF name", tensors.len(), weights.len()).into());
-    }
-    let tensors: Vec<(&str, Vec<usize>, u32, Vec<u8>)> =
-        tensors.iter().map(|(n, s, t, b)| (n.as_str(), s.clone(), *t, b.clone())).collect();
     Ok(write_gguf(&metadata, &tensors))
 }

@@ -29,7 +29,7 @@ pub enum TensorType {
 
 impl TensorType {
     /// `general.file_type` (llama.cpp's `LLAMA_FTYPE_ALL_F32`, `MOSTLY_F16`, `MOSTLY_Q8_0`).
-    fn file_type(self) -> u32 {
+    pub fn file_type(self) -> u32 {
         match self {
             TensorType::F32 => 0,
             TensorType::F16 => 1,
@@ -39,7 +39,7 @@ impl TensorType {
 
     /// ggml's type id and bytes of a matrix row of `cols` values (`cols` a multiple of 32
     /// for Q8_0).
-    fn encode(self, values: &[f32]) -> (u32, Vec<u8>) {
+    pub fn encode(self, values: &[f32]) -> (u32, Vec<u8>) {
         match self {
             TensorType::F32 => (GGML_F32, values.iter().flat_map(|v| v.to_le_bytes()).collect()),
             TensorType::F16 => (1, values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect()),

@@ -17,16 +17,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use harness_s_tests::harness_s;
+use harness_s_tests::{harness_s, tiny_qwen3_5};
 use infra::store::{open_store, ObjectStore};
 use infra::table::read_prefix;
 use native::train::learner::data::{self, RescueContext, RescueContextMode};
 use schemas::{Group, HarnessSpec, RetainedKind, RolloutKind, Trajectory, TurnSource};
-
-/// The Qwen3.5 guesser, committed (tests/data/tiny/qwen3.5-guesser).
-fn guesser() -> PathBuf {
-    harness_s_tests::tiny_qwen3_5()
-}
 
 /// A pool folder of `n` siblings, each `body` under the id `<prefix><i>`.
 fn pool(dir: &Path, name: &str, prefix: &str, n: usize, body: serde_json::Value) -> PathBuf {
@@ -87,7 +82,7 @@ ranks = 0
 [budgets]
 episode_model_calls = 2
 "#,
-        model = guesser().display(),
+        model = tiny_qwen3_5().display(),
         pool = pool.display()
     );
     let path = dir.join(format!("{id}.toml"));
@@ -243,7 +238,7 @@ async fn an_identity_pool_rescues_exactly_as_h0_rescue_does() {
     let stored = scheduler::run::inputs::load_stored(s, "inv-copies-h0ctx").await.unwrap();
     let ctx: RescueContext = scheduler::run::machine::rescue_context(&stored.spec, HarnessSpec::h0());
     assert_eq!(ctx.mode, RescueContextMode::H0);
-    let tok = native::model::loader::load_tokenizer(&guesser()).unwrap();
+    let tok = native::model::loader::load_tokenizer(&tiny_qwen3_5()).unwrap();
     let mut turns = 0;
     for r in rows(s, "inv-copies-h0ctx", 1, RolloutKind::Rescue).await {
         let generating = data::samples_from_trajectory(&r, 0, 1.0, &tok).unwrap();

@@ -1062,10 +1062,12 @@ fn plain(text: &str) -> String {
 
 /// `harness-s serve` of `model` under the name `name` on `port` (0: a free one); returns the
 /// child and its `/v1` base URL.
-pub(crate) fn start_serve(log: &Path, port: u16, model: &str, name: &str) -> (std::process::Child, String) {
+pub(crate) fn start_serve(log: &Path, port: u16, model: impl AsRef<std::ffi::OsStr>, name: &str) -> (std::process::Child, String) {
     use std::io::BufRead;
     let mut child = Command::new(harness_s_bin())
-        .args(["serve", "--model", model, "--served-model-name", name, "--port", &port.to_string(), "--max-concurrent-sequences", "8"])
+        .args(["serve", "--model"])
+        .arg(model)
+        .args(["--served-model-name", name, "--port", &port.to_string(), "--max-concurrent-sequences", "8"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::fs::File::create(log).unwrap())
         .spawn()
@@ -1102,7 +1104,7 @@ pub(crate) fn served_weights(base_url: &str) -> String {
 async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     let _broker = harness_s_tests::broker_shared().await;
     let dir = tempfile::tempdir().unwrap();
-    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0, &tiny_policy().display().to_string(), "tiny");
+    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0, tiny_policy(), "tiny");
     let port: u16 = base_url.trim_end_matches("/v1").rsplit(':').next().unwrap().parse().unwrap();
     let pool = small_pool(dir.path(), 2);
     let run_id = harness_s_tests::unique("e2e-endpoint-train");
@@ -1158,7 +1160,7 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
     // restarted server.
     server.kill().unwrap(); // SIGKILL
     server.wait().unwrap();
-    let (restarted, _) = start_serve(&dir.path().join("serve-restarted.log"), port, &tiny_policy().display().to_string(), "tiny");
+    let (restarted, _) = start_serve(&dir.path().join("serve-restarted.log"), port, tiny_policy(), "tiny");
     server = restarted;
     let scheduler = scheduler.wait().unwrap();
     for w in &mut workers {
@@ -1233,7 +1235,7 @@ async fn a_policy_served_behind_an_endpoint_is_trained_with_weight_sync() {
 async fn a_lora_policy_served_behind_harness_s_serve_is_trained_with_adapter_sync() {
     use native::model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_FILE};
     let dir = tempfile::tempdir().unwrap();
-    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0, &tiny_policy().display().to_string(), "tiny");
+    let (mut server, base_url) = start_serve(&dir.path().join("serve.log"), 0, tiny_policy(), "tiny");
     let pool = small_pool(dir.path(), 2);
     let run_id = harness_s_tests::unique("e2e-lora-serve");
     let native_spec = std::fs::read_to_string(two_update_spec(dir.path(), &run_id, &pool, 4, 2, 2)).unwrap();

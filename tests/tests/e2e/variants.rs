@@ -95,7 +95,7 @@ episode_context_tokens = 2048
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_five_router_variants_run_through_the_scheduler_and_record_rescue_success_by_stage() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut server, url) = crate::training::start_serve(&dir.path().join("serve.log"), 0, &tiny_policy().display().to_string(), "tiny");
+    let (mut server, url) = crate::training::start_serve(&dir.path().join("serve.log"), 0, tiny_policy(), "tiny");
     let store_url = format!("file://{}", dir.path().join("store").display());
     let store = open_store(&store_url).await.unwrap();
     for variant in ["random", "rule", "llm_4x2", "topk_fixed", "topk_adaptive"] {

@@ -32,7 +32,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --quick) seeds="1"; [[ -n "$tag_given" ]] || tag="transfer-quick"
       quick=(--set algorithm.updates=2 --set tasks.generate.train=12 --set tasks.generate.validation=6
-             --set tasks.generate.test=6 --set calibration.interval=0 --set evaluation.k=2); shift ;;
+             --set tasks.generate.test=6 --set calibration.interval=0 --set calibration.tasks=6 --set evaluation.k=2); shift ;;
     --setting) setting="$(cd "$2" && pwd)"; shift 2 ;;
     --gate) gate=1; shift ;;
     --store) store="$2"; shift 2 ;;

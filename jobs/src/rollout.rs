@@ -158,11 +158,22 @@ async fn episodes(ctx: &RolloutContext<'_>, input: &RolloutInput) -> Result<Work
             (ti, attempt, row, lost_backend)
         })
         .buffer_unordered(input.concurrency)
-        .inspect(|(_, _, row, _)| {
-            tracing::info!(
-                task = %row.task_id, attempt = row.attempt, success = row.success,
-                termination = ?row.termination, turns = row.turns.len(), "episode finished"
-            );
+        .inspect({
+            // progress of the job: episodes done of all, the policy's tokens per second so
+            // far and the time left at that pace
+            let (mut finished, mut tokens) = (0usize, 0u64);
+            move |(_, _, row, _)| {
+                finished += 1;
+                tokens += row.completion_tokens;
+                let secs = started.elapsed().as_secs_f64().max(1e-3);
+                let left = secs / finished as f64 * (total - finished) as f64;
+                tracing::info!(
+                    task = %row.task_id, attempt = row.attempt, success = row.success,
+                    termination = ?row.termination, turns = row.turns.len(),
+                    progress = %format!("{finished}/{total}"), tokens_per_s = format!("{:.1}", tokens as f64 / secs),
+                    left_s = left.round() as u64, "episode finished"
+                );
+            }
         })
         .collect()
         .await;

@@ -48,7 +48,7 @@ pub enum NativeError {
     MissingTensor { path: PathBuf, tensor: String },
     #[error("{path}: tensor `{tensor}` has shape {got:?}, the model expects {expected:?}")]
     Shape { path: PathBuf, tensor: String, expected: Vec<i64>, got: Vec<i64> },
-    #[error("{path}: tensor `{tensor}` uses quantization {kind}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K); re-quantize the model to one of these")]
+    #[error("{path}: tensor `{tensor}` uses quantization {kind}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K); re-quantize the model to one of these")]
     UnsupportedQuant { path: PathBuf, tensor: String, kind: String },
     #[error("{path}: architecture `{arch}` is not supported (llama, qwen2 and qwen3 are)")]
     UnsupportedArchitecture { path: PathBuf, arch: String },
@@ -58,6 +58,8 @@ pub enum NativeError {
     Checkpoint { location: String, detail: String },
     #[error("invalid setting `{field}`: {detail}")]
     Config { field: String, detail: String },
+    #[error("fetching model `{model}`: {detail}")]
+    Fetch { model: String, detail: String },
     #[error("learner input: {0}")]
     Input(String),
     #[error("libtorch: {0}")]

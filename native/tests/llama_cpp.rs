@@ -192,3 +192,67 @@ fn an_exported_gguf_runs_in_llama_cpp_with_the_changed_weights() {
     }
     assert!(sizes[1] * 3 < sizes[0], "Q8_0 export is not a third of F32's size: {sizes:?}");
 }
+
+/// llama.cpp's quantizer writes SmolLM2's weights (requantized from the package's file) as
+/// `ftype`, then dequantizes that file to F32: the two paths, in `dir`.
+const REQUANTIZE: &str = r#"
+import os, sys
+import llama_cpp
+src, dir, ftype = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def quantize(a, b, t):
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype = t
+    p.allow_requantize = True
+    p.nthread = 2
+    if llama_cpp.llama_model_quantize(a.encode(), b.encode(), p) != 0:
+        sys.exit(f"llama_model_quantize {a} -> ftype {t} failed")
+q, f32 = os.path.join(dir, f"ftype{ftype}.gguf"), os.path.join(dir, f"ftype{ftype}-f32.gguf")
+quantize(src, q, ftype)
+quantize(q, f32, 0)  # LLAMA_FTYPE_ALL_F32: llama.cpp's own dequantization of every tensor
+print(q)
+print(f32)
+"#;
+
+/// Q5_0, Q5_1 and Q5_K (the Q5_K_M mix also holds Q6_K and Q8_0 tensors) dequantize as
+/// llama.cpp dequantizes them, tensor by tensor, on real weights: SmolLM2's, quantized by
+/// llama.cpp's quantizer. The reference is llama.cpp's own F32 conversion of each file, an
+/// implementation independent of ours.
+#[test]
+fn q5_tensors_dequantize_as_llama_cpp_does() {
+    use native::model::gguf::{GgmlType, GgufFile};
+    let gguf = smollm2_gguf();
+    let dir = tempfile::tempdir().unwrap();
+    let mut seen = std::collections::BTreeMap::<String, usize>::new();
+    // LLAMA_FTYPE_MOSTLY_Q5_0, _Q5_1, _Q5_K_M
+    for ftype in [8, 9, 17] {
+        let out = Command::new(python())
+            .args(["-c", REQUANTIZE, gguf.to_str().unwrap(), dir.path().to_str().unwrap(), &ftype.to_string()])
+            .output()
+            .expect("the tests' Python (HARNESS_S_PYTHON or python3) runs");
+        assert!(out.status.success(), "llama.cpp's quantizer failed: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let mut paths = text.lines().map(PathBuf::from);
+        let (q, f32) = (paths.next().unwrap(), paths.next().unwrap());
+        let (quantized, reference) = (GgufFile::open(&q).unwrap(), GgufFile::open(&f32).unwrap());
+        for (name, info) in &quantized.tensors {
+            if !matches!(info.kind, GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5K) {
+                continue;
+            }
+            assert_eq!(reference.tensors[name].kind, GgmlType::F32, "{name}");
+            let (shape, ours) = quantized.dequantize(name).unwrap();
+            let (ref_shape, theirs) = reference.dequantize(name).unwrap();
+            assert_eq!(shape, ref_shape, "{name}");
+            let scale = theirs.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = ours.iter().zip(&theirs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            // llama.cpp's C may fuse d·q − m into one rounding: a few ulps of the tensor's scale
+            assert!(worst <= 1e-6 * scale, "{name} ({}): largest difference {worst:e} at scale {scale:e}", info.kind.name());
+            *seen.entry(info.kind.name()).or_default() += 1;
+        }
+        std::fs::remove_file(&q).unwrap();
+        std::fs::remove_file(&f32).unwrap();
+    }
+    eprintln!("tensors compared per type: {seen:?}");
+    for kind in ["Q5_0", "Q5_1", "Q5_K"] {
+        assert!(seen.get(kind).copied().unwrap_or(0) > 0, "no {kind} tensor was compared: {seen:?}");
+    }
+}

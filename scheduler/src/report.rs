@@ -74,6 +74,8 @@ pub fn update_table(s: &Series) -> String {
         MISMATCH_MEAN,
         MISMATCH_MAX,
         TIS_CLIPPED_SHARE,
+        ENTROPY,
+        KL_TO_START,
     ];
     let steps: std::collections::BTreeSet<u32> = cols.iter().flat_map(|c| s.get(c).iter().map(|p| p.0)).collect();
     let mut out = String::from("| update | ");
@@ -197,6 +199,8 @@ pub struct TrajectorySeries {
     /// Calibration (validation) rollouts and successes by checkpoint step and harness: each
     /// harness's validation success with the policy of that step (the pool's gate at step 0).
     pub calibration: BTreeMap<u32, BTreeMap<String, (u64, u64)>>,
+    /// The same rollouts by checkpoint step, task and harness (for the rescue contrast).
+    pub calibration_tasks: BTreeMap<u32, BTreeMap<String, BTreeMap<String, (u64, u64)>>>,
     /// Mean policy (completion) tokens per rollout per update, in hundreds (to share an
     /// axis with the reward).
     pub length_hundreds: Vec<(u32, f64)>,
@@ -213,6 +217,10 @@ impl TrajectorySeries {
         let mut out = TrajectorySeries::default();
         for r in rows.iter().filter(|r| r.kind == RolloutKind::Calibration && r.error_class.is_none()) {
             let e = out.calibration.entry(r.step).or_default().entry(r.harness_id.clone()).or_default();
+            e.0 += 1;
+            e.1 += u64::from(r.success);
+            let e = out.calibration_tasks.entry(r.step).or_default().entry(r.task_id.clone()).or_default();
+            let e = e.entry(r.harness_id.clone()).or_default();
             e.0 += 1;
             e.1 += u64::from(r.success);
         }
@@ -472,6 +480,35 @@ pub fn calibration_harness_table(c: &BTreeMap<u32, BTreeMap<String, (u64, u64)>>
     md
 }
 
+/// The rescue groups the validation rollouts of checkpoint `step` predict: of the
+/// validation tasks H0 failed (no success), how many would get a rescue group with both
+/// outcomes — a group GRPO can learn from (Eq. 6 gives a group of equal rewards no
+/// advantage). The K routed siblings are taken as the K with the highest validation
+/// success at that step (ties by id): the rule router's ranking without the task's own
+/// neighbours. Returns (H0-failed tasks, tasks whose routed siblings' rollouts mix
+/// successes and failures, the siblings).
+pub fn rescue_contrast(t: &TrajectorySeries, step: u32, k: usize) -> Option<(usize, usize, Vec<String>)> {
+    let by_harness = t.calibration.get(&step)?;
+    let mut siblings: Vec<(&String, f64)> =
+        by_harness.iter().filter(|(h, _)| h.as_str() != schemas::H0_ID).map(|(h, (n, ok))| (h, *ok as f64 / (*n).max(1) as f64)).collect();
+    if siblings.is_empty() {
+        return None;
+    }
+    siblings.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(b.0)));
+    let routed: Vec<String> = siblings.iter().take(k.max(1)).map(|(h, _)| (*h).clone()).collect();
+    let (mut failed, mut mixed) = (0, 0);
+    for outcomes in t.calibration_tasks.get(&step)?.values() {
+        let Some((_, h0_ok)) = outcomes.get(schemas::H0_ID) else { continue };
+        if *h0_ok > 0 {
+            continue;
+        }
+        failed += 1;
+        let (n, ok) = routed.iter().filter_map(|h| outcomes.get(h)).fold((0, 0), |(n, ok), (a, b)| (n + a, ok + b));
+        mixed += usize::from(ok > 0 && ok < n);
+    }
+    Some((failed, mixed, routed))
+}
+
 /// Writes `runs/<run>/reports/{report.md, signals.png, validation.png, rescue.png}`;
 /// returns the report's URL.
 pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<String> {
@@ -483,7 +520,7 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     let rows: Vec<schemas::Trajectory> = infra::table::read_committed(store, run_id, &schemas::keys::trajectories_prefix(run_id)).await?;
     let t = TrajectorySeries::of(&rows);
     let harness_lines: Vec<(&str, &[(u32, f64)])> = t.success_by_harness.iter().map(|(h, v)| (h.as_str(), v.as_slice())).collect();
-    let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 8] = [
+    let plots: [(&str, &str, &str, Vec<(&str, &[(u32, f64)])>); 10] = [
         (
             "signals.png",
             "Training signal by update",
@@ -509,6 +546,8 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
             vec![("rescue rate", s.get("rescue_rate")), ("rescue success", s.get("rescue_success"))],
         ),
         ("learner.png", "GRPO update by update", "value", vec![("loss", s.get(LOSS)), ("gradient norm", s.get(GRAD_NORM))]),
+        ("entropy.png", "Policy entropy at its sampled tokens", "nats", vec![("entropy", s.get(ENTROPY))]),
+        ("kl.png", "KL(pi_old || pi_start), k3 estimator (LoRA runs)", "nats", vec![("KL to the start", s.get(KL_TO_START))]),
         (
             "mismatch.png",
             "Training-inference mismatch |log q - log pi_old|",
@@ -526,7 +565,7 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     // The transfer probe runs only in runs with a pool and native weights.
     let probed = !s.get("transfer_logprob").is_empty() || !s.get("h0_protocol_share").is_empty();
     for (file, title, y, series) in &plots {
-        if *file == "transfer.png" && !probed {
+        if (*file == "transfer.png" && !probed) || (*file == "kl.png" && s.get(KL_TO_START).is_empty()) {
             continue;
         }
         let path = dir.path().join(file);
@@ -568,7 +607,11 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
             untrained.join(", ")
         );
     }
-    md.push_str("\n![training signal](signals.png)\n![learner](learner.png)\n![mismatch](mismatch.png)\n\n## H0 validation success by calibration\n\n");
+    let kl = if s.get(KL_TO_START).is_empty() { "" } else { "![KL to the start](kl.png)\n" };
+    let _ = write!(
+        md,
+        "\n![training signal](signals.png)\n![learner](learner.png)\n![entropy](entropy.png)\n{kl}![mismatch](mismatch.png)\n\n## H0 validation success by calibration\n\n"
+    );
     md.push_str(&calibration_table(&s));
     md.push_str("\n![validation](validation.png)\n");
     if probed {
@@ -577,6 +620,15 @@ pub async fn write(store: &dyn ObjectStore, run_id: &str) -> anyhow::Result<Stri
     if !t.calibration.is_empty() {
         md.push_str("\n## Validation success by harness and calibration\n\nEach harness's validation rollouts with the policy of that checkpoint step (step 0: the starting policy, the pool's gate).\n\n");
         md.push_str(&calibration_harness_table(&t.calibration));
+        let k = stored.as_ref().map(|r| r.spec.algorithm.k as usize).unwrap_or(1);
+        if let Some((failed, mixed, routed)) = rescue_contrast(&t, 0, k) {
+            let share = if failed > 0 { format!("{:.0} %", 100.0 * mixed as f64 / failed as f64) } else { "–".into() };
+            let _ = writeln!(
+                md,
+                "\n**Rescue-group contrast at step 0:** {mixed} of the {failed} validation tasks H0 failed ({share}) have both a success and a failure among the K = {k} siblings routed to them ({}; the K best by validation success): the rescue groups GRPO can learn from. The setting is in the method's regime when H0 mostly fails and this share is substantial (at least 30 %).",
+                routed.join(", ")
+            );
+        }
     }
     md.push_str("\n## Rescue by update\n\n![rescue](rescue.png)\n");
     if !t.success_by_harness.is_empty() {
@@ -754,6 +806,45 @@ mod tests {
         let t = stage_table(&Series(m), 6, Some(4));
         assert!(t.contains("| 1 | 1–4 | 0.625 | 0.250 | 0.250 | 0.250 |"), "{t}");
         assert!(t.contains("| 2 | 5–6 | – | – | – | – |"), "{t}");
+    }
+
+    /// Tasks a, b, c: H0 fails a and b, succeeds on c. Siblings by validation success:
+    /// s1 3/3, s2 1/3, s3 0/3; K = 2 routes s1 and s2. On a they mix (s1 ok, s2 not), on b
+    /// both succeed: 1 of 2 H0-failed tasks has contrast. With K = 1 (s1 alone) none has.
+    #[test]
+    fn rescue_contrast_counts_h0_failed_tasks_whose_routed_siblings_mix() {
+        let row = |task: &str, h: &str, success: bool| {
+            let mut v: schemas::Trajectory = serde_json::from_value(serde_json::json!({
+                "trajectory_id": format!("{task}-{h}"), "run_id": "r", "job_id": "j", "step": 0, "kind": "calibration", "split": "validation",
+                "task_id": task, "task_type": "counting", "group_id": "g", "attempt": 0, "harness_id": h, "harness_version": "v",
+                "policy_checkpoint": "c", "seed": 0, "reward": if success { 1.0 } else { 0.0 }, "success": success, "termination": "committed",
+                "error_class": null, "error_message": null, "prompt_tokens": 0, "completion_tokens": 1, "harness_tokens": 0,
+                "model_calls": 1, "env_actions": 1, "started_at_ms": 0, "duration_ms": 0, "policy_ms": 0, "env_ms": 0,
+                "temperature": 1.0, "tool_view": "[]", "turns": []
+            }))
+            .unwrap();
+            v.kind = schemas::RolloutKind::Calibration;
+            v
+        };
+        let rows = [
+            row("a", "h0", false),
+            row("b", "h0", false),
+            row("c", "h0", true),
+            row("a", "s1", true),
+            row("b", "s1", true),
+            row("c", "s1", true),
+            row("a", "s2", false),
+            row("b", "s2", true),
+            row("c", "s2", false),
+            row("a", "s3", false),
+            row("b", "s3", false),
+            row("c", "s3", false),
+        ];
+        let t = TrajectorySeries::of(&rows);
+        assert_eq!(rescue_contrast(&t, 0, 2), Some((2, 1, vec!["s1".to_string(), "s2".to_string()])));
+        assert_eq!(rescue_contrast(&t, 0, 1), Some((2, 0, vec!["s1".to_string()])));
+        assert_eq!(rescue_contrast(&t, 0, 3).map(|c| c.1), Some(2), "s3 fails on b: b mixes too");
+        assert_eq!(rescue_contrast(&t, 5, 2), None);
     }
 
     #[test]

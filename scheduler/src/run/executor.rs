@@ -67,7 +67,7 @@ impl Executor {
         let bar = if self.bars {
             let b = ProgressBar::new(jobs.len() as u64);
             b.set_style(
-                ProgressStyle::with_template("{prefix:>24} [{bar:30}] {pos}/{len} jobs {elapsed_precise}")
+                ProgressStyle::with_template("{prefix:>24} [{bar:30}] {pos}/{len} jobs {elapsed_precise} (about {eta} left)")
                     .expect("valid template")
                     .progress_chars("=> "),
             );
@@ -79,6 +79,7 @@ impl Executor {
         let wanted: BTreeSet<String> = jobs.iter().map(|j| j.job_id.clone()).collect();
         let kinds: BTreeSet<JobKind> = jobs.iter().map(|j| j.kind).collect();
         let mut last_log = Instant::now();
+        let stage_started = Instant::now();
         let mut repairs = 0;
         loop {
             let finished = wanted.iter().filter(|id| done.contains(*id)).count();
@@ -132,7 +133,19 @@ impl Executor {
                 }
             }
             if last_log.elapsed() > Duration::from_secs(15) {
-                tracing::info!(stage = label, finished, total = wanted.len(), "waiting for jobs");
+                // the time left at the pace of the jobs this drive finished (the workers log
+                // each episode with its own progress)
+                let elapsed = stage_started.elapsed().as_secs();
+                let ran = finished.saturating_sub(skipped);
+                let left = (ran > 0).then(|| elapsed * (wanted.len() - finished) as u64 / ran as u64);
+                tracing::info!(
+                    stage = label,
+                    finished,
+                    total = wanted.len(),
+                    elapsed_s = elapsed,
+                    left_s = left.map_or_else(|| "unknown until a job finishes".to_string(), |s| s.to_string()),
+                    "waiting for jobs"
+                );
                 last_log = Instant::now();
             }
             tokio::time::sleep(self.poll).await;

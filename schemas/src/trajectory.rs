@@ -114,6 +114,18 @@ pub enum Role {
     Tool,
 }
 
+impl Role {
+    /// The role's name in chat messages (OpenAI's and chat templates').
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+}
+
 /// Who produced a turn's text. Only `policy` tokens are ever trained on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

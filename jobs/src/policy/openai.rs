@@ -674,7 +674,7 @@ pub fn wire_messages(messages: &[Message], tools: &[ToolSpec], protocol: ToolPro
                         Some(id) => out.push(json!({"role": "tool", "tool_call_id": id, "content": m.content})),
                         None => out.push(json!({"role": "user", "content": m.content})),
                     },
-                    role => out.push(json!({"role": role_name(role), "content": m.content})),
+                    role => out.push(json!({"role": role.as_str(), "content": m.content})),
                 }
             }
         }
@@ -709,15 +709,6 @@ pub fn wire_messages(messages: &[Message], tools: &[ToolSpec], protocol: ToolPro
         }
     }
     out
-}
-
-fn role_name(role: Role) -> &'static str {
-    match role {
-        Role::System => "system",
-        Role::User => "user",
-        Role::Assistant => "assistant",
-        Role::Tool => "tool",
-    }
 }
 
 /// One decoded completion.

@@ -406,42 +406,26 @@ pub fn dequantize(kind: GgmlType, raw: &[u8], n: usize) -> Option<Vec<f32>> {
                 out.extend(b[2..34].iter().map(|&q| (q as i8) as f32 * d));
             }
         }
-        GgmlType::Q4K => {
-            // super-block: f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of
-            // nibbles; 8 sub-blocks of 32 with x = d·sc·q − dmin·m.
-            for b in raw.chunks_exact(144) {
+        GgmlType::Q4K | GgmlType::Q5K => {
+            // super-block: f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, (Q5_K: 32
+            // bytes of high bits,) 128 bytes of nibbles; 8 sub-blocks of 32 with
+            // x = d·sc·q − dmin·m, where Q5_K's q gains 16 from bit 2j (low nibbles of pair j)
+            // or 2j + 1 (high nibbles) of the element's byte of high bits.
+            let (size, nibbles) = if kind == GgmlType::Q4K { (144, 16) } else { (176, 48) };
+            for b in raw.chunks_exact(size) {
                 let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
                 let scales = &b[4..16];
-                let qs = &b[16..144];
+                let qh = (kind == GgmlType::Q5K).then(|| &b[16..48]);
+                let qs = &b[nibbles..nibbles + 128];
+                let high = |l: usize, bit: usize| qh.map_or(0, |h| ((h[l] >> bit) & 1) << 4);
                 for j in 0..4 {
                     let (sc1, m1) = scale_min_k4(2 * j, scales);
                     let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
                     let q = &qs[32 * j..32 * j + 32];
                     let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
                     let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
-                    out.extend(q.iter().map(|v| d1 * (v & 0x0F) as f32 - mm1));
-                    out.extend(q.iter().map(|v| d2 * (v >> 4) as f32 - mm2));
-                }
-            }
-        }
-        GgmlType::Q5K => {
-            // super-block: f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins (as Q4_K),
-            // 32 bytes of high bits, 128 bytes of nibbles; 4 pairs of sub-blocks of 32, pair
-            // j reading bits 2j and 2j + 1 of qh: x = d·sc·(q + 16·h) − dmin·m.
-            for b in raw.chunks_exact(176) {
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let scales = &b[4..16];
-                let qh = &b[16..48];
-                let qs = &b[48..176];
-                for j in 0..4 {
-                    let (sc1, m1) = scale_min_k4(2 * j, scales);
-                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-                    let q = &qs[32 * j..32 * j + 32];
-                    let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
-                    let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
-                    let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
-                    out.extend(q.iter().zip(qh).map(|(v, h)| d1 * ((v & 0x0F) + if h & u1 != 0 { 16 } else { 0 }) as f32 - mm1));
-                    out.extend(q.iter().zip(qh).map(|(v, h)| d2 * ((v >> 4) + if h & u2 != 0 { 16 } else { 0 }) as f32 - mm2));
+                    out.extend(q.iter().enumerate().map(|(l, v)| d1 * ((v & 0x0F) + high(l, 2 * j)) as f32 - mm1));
+                    out.extend(q.iter().enumerate().map(|(l, v)| d2 * ((v >> 4) + high(l, 2 * j + 1)) as f32 - mm2));
                 }
             }
         }

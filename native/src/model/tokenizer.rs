@@ -60,20 +60,11 @@ impl ChatTemplate {
     }
 }
 
-fn role_name(role: Role) -> &'static str {
-    match role {
-        Role::System => "system",
-        Role::User => "user",
-        Role::Assistant => "assistant",
-        Role::Tool => "tool",
-    }
-}
-
 fn chatml_parts(messages: &[Message]) -> Vec<Part> {
     let mut out = vec![];
     let markup = |text: String| Part { text, outside: false };
     for m in messages {
-        let role = role_name(m.role);
+        let role = m.role.as_str();
         if matches!(m.role, Role::User | Role::Tool) {
             out.push(markup(format!("<|im_start|>{role}\n")));
             out.push(Part { text: m.content.clone(), outside: true });
@@ -106,7 +97,7 @@ fn render_jinja(
     let msgs: Vec<std::collections::BTreeMap<&str, String>> = messages
         .iter()
         .enumerate()
-        .map(|(i, m)| [("role", role_name(m.role).to_string()), ("content", text(i))].into_iter().collect())
+        .map(|(i, m)| [("role", m.role.as_str().to_string()), ("content", text(i))].into_iter().collect())
         .collect();
     let ctx = minijinja::context! {
         messages => msgs,

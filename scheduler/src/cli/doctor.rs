@@ -132,16 +132,15 @@ pub async fn run(args: DoctorArgs) -> anyhow::Result<u8> {
             ),
         }
     }
-    let unfetched = args.model.strip_prefix("pypi:").and_then(native::model::catalog::find).filter(|m| m.cached_in(&cache).is_none());
-    match unfetched
-        .map(|m| {
-            Err(native::NativeError::Fetch {
-                model: m.name.into(),
-                detail: format!("not in {}: run `harness-s models fetch {}`", cache.display(), m.name),
-            })
-        })
-        .unwrap_or_else(|| native::model::loader::resolve_model_with(&args.model, Path::new("."), &args.python))
-    {
+    // A catalog model the cache lacks is reported, not fetched.
+    let resolved = match args.model.strip_prefix("pypi:").and_then(native::model::catalog::find) {
+        Some(m) => m.cached_in(&cache).ok_or_else(|| native::NativeError::Fetch {
+            model: m.name.into(),
+            detail: format!("not in {}: run `harness-s models fetch {}`", cache.display(), m.name),
+        }),
+        None => native::model::loader::resolve_model_with(&args.model, Path::new("."), &args.python),
+    };
+    match resolved {
         Ok(path) => match std::fs::metadata(&path) {
             Ok(m) if path.is_dir() || m.len() > 0 => {
                 r.line(Verdict::Ok, "model", format!("{} resolves to {} ({:.0} MB)", args.model, path.display(), m.len() as f64 / 1e6))

@@ -460,11 +460,8 @@ impl<M: CausalLm> Learner<M> {
             parts.push(-(lp.exp() * &lp).sum_dim_intlist([-1i64].as_slice(), false, Kind::Float));
             start += len;
         }
-        if parts.is_empty() {
-            Tensor::zeros([0], (Kind::Float, logits.device()))
-        } else {
-            Tensor::cat(&parts, 0)
-        }
+        // a micro-batch holds at least one completion token (rows without any are left out)
+        Tensor::cat(&parts, 0)
     }
 
     /// log π_start `[N]` of every micro-batch's tokens: the base without its adapter (a LoRA

